@@ -1,0 +1,116 @@
+"""Every error the library raises, under one root.
+
+```
+InboxError
+├── ConfigurationError            a setting or a declaration cannot work
+│   └── PrerequisiteError         the database would break the guarantee (synchronous_commit)
+├── IdentityError                 a message's identity is unusable; never retried
+│   ├── MissingIdentity           no producer or message id on the message
+│   └── InvalidIdentity           a value is too long, empty, not text, ...
+├── PayloadNotHashable            the payload has no canonical form
+├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
+├── SchemaError                   tables missing or older than this version expects
+└── TransientError                the attempt rolled back; the message must be retried later
+    ├── ClaimInProgress           another delivery of the message holds the claim (lock_timeout)
+    ├── TransactionConflict       serialization failure or deadlock, after the in-process retries
+    └── DatabaseUnavailable       the database could not be reached or dropped the connection
+```
+
+Driver errors become these types in exactly one place:
+`inbox_middleware.storage.errors.wrap_database_errors`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClaimInProgress",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "HandlerTransactionError",
+    "IdentityError",
+    "InboxError",
+    "InvalidIdentity",
+    "MissingIdentity",
+    "PayloadNotHashable",
+    "PrerequisiteError",
+    "SchemaError",
+    "TransactionConflict",
+    "TransientError",
+]
+
+
+class InboxError(Exception):
+    """The inbox could not process a message safely."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        consumer: str | None = None,
+        producer: str | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.producer = producer
+        self.message_id = message_id
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(InboxError):
+    """The inbox is configured in a way that cannot work."""
+
+
+class PrerequisiteError(ConfigurationError):
+    """The database is configured in a way that breaks the inbox's guarantee."""
+
+
+class IdentityError(InboxError):
+    """The message's identity cannot be used; retrying will not help."""
+
+    def __init__(self, message: str | None = None, *, field: str | None = None, **kw: str | None):
+        self.field = field
+        super().__init__(message, **kw)
+
+
+class MissingIdentity(IdentityError):
+    """The message carries no producer-assigned identity."""
+
+
+class InvalidIdentity(IdentityError):
+    """A value of the message's identity is malformed."""
+
+
+class PayloadNotHashable(InboxError):
+    """The payload has no canonical form, so duplicates cannot be told from conflicts."""
+
+    def __init__(self, message: str | None = None, *, path: str = "$", **kw: str | None) -> None:
+        self.path = path
+        super().__init__(message, **kw)
+
+
+class HandlerTransactionError(InboxError):
+    """The handler must not commit or roll back the inbox's transaction.
+
+    The inbox commits after the handler returns, so that the claim and the handler's
+    writes land together, and rolls back when it raises. Raise an exception to abort.
+    """
+
+
+class SchemaError(InboxError):
+    """The inbox tables are missing or out of date; run `inbox-middleware migrate`."""
+
+
+class TransientError(InboxError):
+    """The attempt was rolled back; the message stays unacknowledged and is retried later."""
+
+
+class ClaimInProgress(TransientError):
+    """Another delivery of this message holds its claim; retry once it has settled."""
+
+
+class TransactionConflict(TransientError):
+    """The transaction kept failing on serialization conflicts or deadlocks."""
+
+
+class DatabaseUnavailable(TransientError):
+    """The database could not be reached, or the connection broke mid-transaction."""

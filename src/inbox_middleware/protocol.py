@@ -1,0 +1,176 @@
+"""The claim protocol as pure decisions: no SQL, no I/O, no framework.
+
+A delivery is claimed by inserting its key. The primary key serializes concurrent
+claims; nothing here reads before it writes::
+
+    worker A                         worker B (same message)
+    --------                         -----------------------
+    BEGIN                            BEGIN
+    INSERT key  -> row returned
+                                     INSERT key  -> blocks on A's uncommitted row
+    handler writes ...
+    COMMIT                           -> unblocks: conflict, no row returned
+    ack                              SELECT stored hash -> same: duplicate
+                                     COMMIT (nothing written), ack
+
+    had A rolled back instead:       -> unblocks: B's INSERT succeeds, B owns the message
+
+`claim_steps` yields the storage operations to perform and receives their results, so
+the synchronous and asynchronous executors share every decision and differ only in
+whether they ``await``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from .exceptions import TransactionConflict
+from .identity import MessageIdentity, PayloadHash
+
+__all__ = [
+    "Claim",
+    "Decision",
+    "Delivery",
+    "LookUp",
+    "QuarantineRecord",
+    "RecordConflict",
+    "Step",
+    "StoredClaim",
+    "Verdict",
+    "claim_steps",
+    "compare",
+]
+
+# A claimed row can vanish between our conflicting INSERT and the hash lookup only if a
+# purge removed it in that instant; claiming again is then correct, but not forever.
+_MAX_VANISHED = 3
+
+
+class Decision(StrEnum):
+    FIRST = "first"
+    """This attempt owns first processing: run the handler, commit, then ack."""
+    DUPLICATE = "duplicate"
+    """A committed claim with the same payload exists: skip the handler, ack."""
+    CONFLICT = "conflict"
+    """A committed claim with a different payload exists: quarantine, skip, ack."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery of a message to one consumer, as the adapters hand it to the core."""
+
+    consumer: str
+    identity: MessageIdentity
+    payload_hash: PayloadHash
+    handler_version: str = ""
+    source: str = ""
+    """The queue, stream or subject the message came from."""
+    payload: bytes | None = None
+    """The message as received, kept with a quarantined conflict."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    rehash: Callable[[str], str | None] | None = None
+    """Hash this payload under an older scheme, or ``None`` when the scheme is unknown."""
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.identity.key(self.consumer)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredClaim:
+    """What the inbox holds for a key: the committed first processing."""
+
+    payload_sha256: str
+    hash_scheme: str
+    handler_version: str
+    processed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineRecord:
+    """The quarantine row a conflict was recorded in, and how often it was seen."""
+
+    id: int
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    decision: Decision
+    stored: StoredClaim | None = None
+    verified: bool = True
+    """False when the stored hash used a scheme this version cannot recompute."""
+    quarantine: QuarantineRecord | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Insert the key; the result is True when this transaction now owns it."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class LookUp:
+    """Read the committed claim for the key; the result is a `StoredClaim` or None."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class RecordConflict:
+    """Upsert the quarantine row for this identity and conflicting hash."""
+
+    delivery: Delivery
+    stored: StoredClaim
+
+
+Step = Claim | LookUp | RecordConflict
+
+
+def compare(stored: StoredClaim, delivery: Delivery) -> tuple[Decision, bool]:
+    """Same intent and payload is a duplicate; same intent, other payload, a conflict.
+
+    Returns the decision and whether the payload could be compared at all.
+    """
+    ours = delivery.payload_hash
+    if stored.hash_scheme == ours.scheme:
+        theirs: str | None = ours.sha256
+    else:
+        theirs = delivery.rehash(stored.hash_scheme) if delivery.rehash else None
+    if theirs is None:
+        # The claim was hashed by a scheme we cannot reproduce. The identity matches, and
+        # calling it a conflict would quarantine every in-flight redelivery after an
+        # upgrade; treat it as a duplicate and let the caller report it as unverified.
+        return Decision.DUPLICATE, False
+    if theirs == stored.payload_sha256:
+        return Decision.DUPLICATE, True
+    return Decision.CONFLICT, True
+
+
+def claim_steps(delivery: Delivery) -> Generator[Step, Any, Verdict]:
+    """Decide a delivery inside the caller's transaction, one storage step at a time."""
+    for _ in range(_MAX_VANISHED):
+        if (yield Claim(delivery)):
+            return Verdict(Decision.FIRST)
+        # A separate statement, not a CTE: the INSERT waited for a concurrent claim that
+        # committed after our statement's snapshot, which the same statement cannot see.
+        stored: StoredClaim | None = yield LookUp(delivery)
+        if stored is None:
+            continue
+        decision, verified = compare(stored, delivery)
+        record: QuarantineRecord | None = None
+        if decision is Decision.CONFLICT:
+            record = yield RecordConflict(delivery, stored)
+        return Verdict(decision, stored, verified, record)
+    raise TransactionConflict(
+        "the claim kept conflicting with a row that then disappeared",
+        consumer=delivery.consumer,
+        producer=delivery.identity.producer,
+        message_id=delivery.identity.message_id,
+    )

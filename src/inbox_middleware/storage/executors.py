@@ -1,0 +1,328 @@
+"""Run a delivery through the claim protocol in one database transaction.
+
+`Inbox` drives a synchronous `Engine` (psycopg, sqlite3); `AsyncInbox` an `AsyncEngine`
+(asyncpg). Both feed the same `protocol.claim_steps` machine with the same
+`ClaimStatements`, and decide retries with the same `_Attempts`; they differ only in
+whether a call is awaited. One attempt is::
+
+    BEGIN (READ COMMITTED)
+    claim ── FIRST ────────> handler(session) ──> COMMIT ──> return: caller may ack
+          ├─ DUPLICATE ────────────────────────> COMMIT ──> return: caller acks
+          └─ CONFLICT ──> quarantine row ──────> COMMIT ──> return: caller routes, acks
+    any exception ──> ROLLBACK (claim gone with it) ──> retry now (serialization
+                      failure, deadlock) or raise: the message must not be acked
+
+An interruption that is not an `Exception` (a time limit, a task cancellation) can land
+in the middle of a driver call; the connection is then invalidated, never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..exceptions import ConfigurationError, PrerequisiteError
+from ..protocol import Decision, Delivery, Step, Verdict, claim_steps
+from .errors import Failure, classify, transient_error
+from .migrate import check_schema
+from .session import InboxSession
+from .statements import ClaimStatements
+from .tables import InboxSchema
+
+__all__ = ["AsyncInbox", "Inbox", "Outcome"]
+
+R = TypeVar("R")
+logger = logging.getLogger("inbox_middleware")
+
+DEFAULT_LOCK_TIMEOUT = 5.0
+DEFAULT_SERIALIZATION_RETRIES = 3
+_READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[R]):
+    """How a delivery was settled. Only after `process` returns may the caller ack."""
+
+    verdict: Verdict
+    result: R | None = None
+    attempts: int = 1
+
+    @property
+    def decision(self) -> Decision:
+        return self.verdict.decision
+
+
+class _Base:
+    def __init__(
+        self,
+        dialect: str,
+        naming: InboxSchema | None,
+        lock_timeout: float | None,
+        serialization_retries: int,
+    ) -> None:
+        if dialect not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"inbox-middleware supports PostgreSQL and SQLite, not {dialect}"
+            )
+        if lock_timeout is not None and lock_timeout <= 0:
+            raise ConfigurationError("lock_timeout must be positive seconds, or None for no limit")
+        if serialization_retries < 0:
+            raise ConfigurationError("serialization_retries must be zero or more")
+        self.naming = naming or InboxSchema()
+        self.dialect = dialect
+        self.lock_timeout = lock_timeout
+        self.serialization_retries = serialization_retries
+        self.statements = ClaimStatements(self.naming, dialect, lock_timeout)
+        # READ COMMITTED: a claim must see rows committed after its snapshot. Forced on
+        # PostgreSQL whatever the engine's default; SQLite has a single writer anyway.
+        self._connection_options = _READ_COMMITTED if dialect == "postgresql" else {}
+
+    def _check_settings(self, synchronous_commit: str | None) -> None:
+        if synchronous_commit == "off":
+            raise PrerequisiteError(
+                "synchronous_commit is off for this database: a message could be acked and "
+                "its effect then lost in a database crash. Set it to on (or local) for the "
+                "role or database the inbox uses."
+            )
+
+
+class _Attempts:
+    """Counts one delivery's attempts and decides what a failed one leads to."""
+
+    def __init__(self, delivery: Delivery, retries: int) -> None:
+        self.delivery = delivery
+        self.retries = retries
+        self.number = 0
+        self.claimed = False
+
+    def start(self) -> None:
+        self.number += 1
+        self.claimed = False
+
+    def retry_now(self, exc: BaseException) -> bool:
+        """True to run the transaction again at once; else raise the library's error.
+
+        Returns False for an error that is the handler's own, which the caller re-raises.
+        """
+        failure = classify(exc)
+        if failure is Failure.SERIALIZATION and self.number <= self.retries:
+            _log(logging.INFO, "retrying after a serialization failure", self.delivery,
+                 attempt=self.number)
+            return True
+        mapped = transient_error(exc, failure, self.delivery, claimed=self.claimed)
+        if mapped is not None:
+            raise mapped from exc
+        return False
+
+    def steps(self) -> Generator[Step, Any, Verdict]:
+        verdict = yield from claim_steps(self.delivery)
+        self.claimed = True
+        _log_verdict(self.delivery, verdict)
+        return verdict
+
+
+class Inbox(_Base):
+    """The inbox on a synchronous SQLAlchemy `Engine`.
+
+    Parameters:
+      engine: the engine holding your domain tables and the inbox tables.
+      naming: schema and table prefix of the inbox tables.
+      lock_timeout: seconds a claim waits for a concurrent delivery of the same message
+        before giving up with `ClaimInProgress` (the message is retried later). It applies
+        to the whole inbox transaction, so the handler's own lock waits are bounded too.
+        None waits indefinitely.
+      serialization_retries: how often a transaction that failed on a serialization
+        failure or deadlock runs again in-process before the error is raised.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(
+                f"Inbox needs a sqlalchemy Engine, got {type(engine).__name__}"
+            )
+        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
+        self.engine = engine
+        self._sessions = sessionmaker(engine, class_=InboxSession, expire_on_commit=False)
+
+    def check(self) -> None:
+        """Verify the schema version and the database settings the guarantee relies on."""
+        with self.engine.connect() as conn:
+            check_schema(conn, self.naming)
+            self._check_settings(_synchronous_commit(conn))
+
+    def process(self, delivery: Delivery, handler: Callable[[Session], R]) -> Outcome[R]:
+        """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
+        transaction; commit. Raises when the attempt rolled back: do not ack then."""
+        attempts = _Attempts(delivery, self.serialization_retries)
+        while True:
+            attempts.start()
+            session = self._sessions()
+            try:
+                conn = session.connection(execution_options=self._connection_options)
+                verdict = _drive(attempts.steps(), conn, self.statements)
+                result = handler(session) if verdict.decision is Decision.FIRST else None
+                Session.commit(session)
+                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
+                return Outcome(verdict, result, attempts.number)
+            except Exception as exc:
+                _abandon(session, exc, delivery)
+                if not attempts.retry_now(exc):
+                    raise
+            except BaseException as exc:
+                _abandon(session, exc, delivery)
+                raise
+            finally:
+                Session.close(session)
+
+
+class AsyncInbox(_Base):
+    """The inbox on an `AsyncEngine` (asyncpg); parameters as for `Inbox`."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+    ) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigurationError(
+                f"AsyncInbox needs a sqlalchemy AsyncEngine, got {type(engine).__name__}"
+            )
+        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
+        self.engine = engine
+        self._session_options: dict[str, Any] = {
+            "bind": engine,
+            "sync_session_class": InboxSession,
+            "expire_on_commit": False,
+        }
+
+    async def check(self) -> None:
+        async with self.engine.connect() as conn:
+            await conn.run_sync(check_schema, self.naming)
+            self._check_settings(await conn.run_sync(_synchronous_commit))
+
+    async def process(
+        self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]]
+    ) -> Outcome[R]:
+        attempts = _Attempts(delivery, self.serialization_retries)
+        while True:
+            attempts.start()
+            session = AsyncSession(**self._session_options)
+            try:
+                conn = await session.connection(execution_options=self._connection_options)
+                verdict = await _drive_async(attempts.steps(), conn, self.statements)
+                result = await handler(session) if verdict.decision is Decision.FIRST else None
+                await session.run_sync(Session.commit)
+                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
+                return Outcome(verdict, result, attempts.number)
+            except Exception as exc:
+                await _abandon_async(session, exc, delivery)
+                if not attempts.retry_now(exc):
+                    raise
+            except BaseException as exc:
+                await _abandon_async(session, exc, delivery)
+                raise
+            finally:
+                await session.run_sync(Session.close)
+
+
+def _drive(
+    steps: Generator[Step, Any, Verdict], conn: Connection, statements: ClaimStatements
+) -> Verdict:
+    try:
+        step = next(steps)
+        while True:
+            statement, params = statements.statement(step)
+            step = steps.send(statements.result(step, conn.execute(statement, params)))
+    except StopIteration as done:
+        verdict: Verdict = done.value
+        return verdict
+
+
+async def _drive_async(
+    steps: Generator[Step, Any, Verdict], conn: AsyncConnection, statements: ClaimStatements
+) -> Verdict:
+    try:
+        step = next(steps)
+        while True:
+            statement, params = statements.statement(step)
+            result = await conn.execute(statement, params)
+            step = steps.send(statements.result(step, result))
+    except StopIteration as done:
+        verdict: Verdict = done.value
+        return verdict
+
+
+def _abandon(session: Session, exc: BaseException, delivery: Delivery) -> None:
+    """Roll back; invalidate instead when the attempt was interrupted mid-call."""
+    _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+    if not isinstance(exc, Exception):
+        session.invalidate()
+        return
+    try:
+        Session.rollback(session)
+    except Exception:
+        session.invalidate()
+
+
+async def _abandon_async(session: AsyncSession, exc: BaseException, delivery: Delivery) -> None:
+    _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+    if not isinstance(exc, Exception):
+        await session.run_sync(Session.invalidate)
+        return
+    try:
+        await session.run_sync(Session.rollback)
+    except Exception:
+        await session.run_sync(Session.invalidate)
+
+
+def _synchronous_commit(conn: Connection) -> str | None:
+    if conn.dialect.name != "postgresql":
+        return None
+    value: str | None = conn.scalar(text("SHOW synchronous_commit"))
+    return value
+
+
+def _log_verdict(delivery: Delivery, verdict: Verdict) -> None:
+    if verdict.decision is Decision.FIRST:
+        _log(logging.DEBUG, "claimed", delivery, decision=verdict.decision)
+    elif verdict.decision is Decision.DUPLICATE:
+        note = "" if verdict.verified else " (stored hash scheme unknown, payload not compared)"
+        _log(logging.INFO, "duplicate delivery skipped" + note, delivery, decision=verdict.decision)
+    else:
+        _log(logging.WARNING, "identity conflict: same message id, different payload", delivery,
+             decision=verdict.decision)
+
+
+def _log(level: int, event: str, delivery: Delivery, **fields: object) -> None:
+    if not logger.isEnabledFor(level):
+        return
+    extra: dict[str, object] = {
+        "inbox_event": event,
+        "inbox_consumer": delivery.consumer,
+        "inbox_producer": delivery.identity.producer,
+        "inbox_tenant": delivery.identity.tenant,
+        "inbox_message_id": delivery.identity.message_id,
+    }
+    extra |= {f"inbox_{name}": value for name, value in fields.items()}
+    logger.log(
+        level,
+        "%s: consumer=%s producer=%s message_id=%s",
+        event, delivery.consumer, delivery.identity.producer, delivery.identity.message_id,
+        extra=extra,
+    )

@@ -1,0 +1,179 @@
+"""Ordered schema migrations, applied idempotently.
+
+Each dialect has a folder of numbered SQL files (``0001_inbox.sql``, ...). Table names in
+them are placeholders (``${consumer_inbox}``) that become quoted, validated identifiers,
+so a configured schema or prefix never reaches SQL as raw text. Applied versions are
+recorded in ``inbox_schema_version``; on PostgreSQL a transaction-scoped advisory lock
+makes two ``migrate`` runs at once safe (the second waits, then finds nothing to do).
+
+From Alembic, call `migrate` with ``op.get_bind()`` inside a revision's ``upgrade()``: it
+joins Alembic's transaction and records its own versions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from string import Template
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, inspect, select, text
+
+from ..exceptions import ConfigurationError, SchemaError
+from .tables import TABLES, InboxSchema
+
+__all__ = [
+    "LATEST_VERSION",
+    "Migration",
+    "check_schema",
+    "exclude_inbox_tables",
+    "migrate",
+    "migrations",
+    "render_sql",
+    "schema_version",
+]
+
+SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
+_STATEMENT_END = re.compile(r";[ \t]*$", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    template: str
+
+    def statements(self, naming: InboxSchema, dialect: str) -> list[str]:
+        """The migration's SQL for one naming, split into single statements."""
+        sql = Template(self.template).substitute(_placeholders(naming, dialect))
+        chunks = (chunk.strip() for chunk in _STATEMENT_END.split(sql))
+        return [chunk for chunk in chunks if _has_code(chunk)]
+
+
+def _has_code(chunk: str) -> bool:
+    return any(line.strip() and not line.strip().startswith("--") for line in chunk.splitlines())
+
+
+def _placeholders(naming: InboxSchema, dialect: str) -> dict[str, str]:
+    if naming.schema is not None and dialect == "sqlite":
+        raise ConfigurationError("SQLite has no schemas; leave schema unset and use a prefix")
+    names = {table: _qualified(naming, table) for table in TABLES}
+    return {**names, "prefix": naming.prefix}
+
+
+def _qualified(naming: InboxSchema, table: str) -> str:
+    # Identifiers are validated by InboxSchema (letters, digits, underscores), so quoting
+    # them is enough; the quotes also keep PostgreSQL from folding their case.
+    name = f'"{naming.name(table)}"'
+    return f'"{naming.schema}".{name}' if naming.schema else name
+
+
+def migrations(dialect: str) -> list[Migration]:
+    """The shipped migrations for a dialect, in order."""
+    if dialect not in SUPPORTED_DIALECTS:
+        raise ConfigurationError(
+            f"inbox-middleware supports {' and '.join(SUPPORTED_DIALECTS)}, not {dialect}"
+        )
+    folder = resources.files(__package__).joinpath("migrations", dialect)
+    found = []
+    for entry in folder.iterdir():
+        if match := _FILE.fullmatch(entry.name):
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda migration: migration.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise SchemaError(f"migration files for {dialect} are not numbered 1..n")
+    return found
+
+
+LATEST_VERSION = len(migrations("postgresql"))
+
+
+def migrate(bind: Engine | Connection, naming: InboxSchema | None = None) -> list[Migration]:
+    """Apply the migrations not yet applied; return them. Safe to run again, or at once."""
+    naming = naming or InboxSchema()
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return _migrate(conn, naming)
+    if bind.in_transaction():
+        return _migrate(bind, naming)
+    with bind.begin():
+        return _migrate(bind, naming)
+
+
+def _migrate(conn: Connection, naming: InboxSchema) -> list[Migration]:
+    dialect = conn.dialect.name
+    pending = migrations(dialect)
+    if dialect == "postgresql":
+        lock = f"inbox-middleware:{naming.schema or ''}:{naming.prefix}"
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"), {"lock": lock})
+        if naming.schema:
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{naming.schema}"')
+    names = _placeholders(naming, dialect)
+    conn.exec_driver_sql(
+        f"CREATE TABLE IF NOT EXISTS {names['inbox_schema_version']} ("
+        " version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamp with time zone NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+    )
+    version_table = naming.tables.version
+    applied = set(conn.scalars(select(version_table.c.version)))
+    done = []
+    for migration in pending:
+        if migration.version in applied:
+            continue
+        for statement in migration.statements(naming, dialect):
+            conn.exec_driver_sql(statement)
+        conn.execute(
+            version_table.insert().values(
+                version=migration.version, name=migration.name, applied_at=func.now()
+            )
+        )
+        done.append(migration)
+    return done
+
+
+def schema_version(conn: Connection, naming: InboxSchema | None = None) -> int | None:
+    """The highest applied migration, or None when the inbox tables were never created."""
+    naming = naming or InboxSchema()
+    table = naming.tables.version
+    if not inspect(conn).has_table(table.name, schema=naming.schema):
+        return None
+    version: int | None = conn.scalar(select(func.max(table.c.version)))
+    return version
+
+
+def check_schema(conn: Connection, naming: InboxSchema | None = None) -> None:
+    """Raise `SchemaError` unless the inbox tables are at the version this code needs."""
+    naming = naming or InboxSchema()
+    version = schema_version(conn, naming)
+    where = _qualified(naming, "consumer_inbox")
+    if version is None:
+        raise SchemaError(
+            f"the inbox tables ({where}) do not exist; run `inbox-middleware migrate`"
+        )
+    if version < LATEST_VERSION:
+        raise SchemaError(
+            f"the inbox schema is at version {version}, this code needs {LATEST_VERSION}; "
+            "run `inbox-middleware migrate`"
+        )
+
+
+def exclude_inbox_tables(
+    naming: InboxSchema | None = None,
+) -> Callable[[Any, str | None, str, bool, Any], bool]:
+    """An Alembic ``include_object`` hook that keeps autogenerate away from our tables."""
+    naming = naming or InboxSchema()
+    ours = {naming.name(table) for table in TABLES}
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, _: Any) -> bool:
+        return not (type_ == "table" and name in ours)
+
+    return include_object
+
+
+def render_sql(dialect: str, naming: InboxSchema | None = None) -> list[str]:
+    """Every migration's statements for one dialect, for review or a hand-run upgrade."""
+    naming = naming or InboxSchema()
+    return [s for migration in migrations(dialect) for s in migration.statements(naming, dialect)]

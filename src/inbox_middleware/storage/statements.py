@@ -1,0 +1,140 @@
+"""The SQL of the claim protocol: one statement per protocol step, built once.
+
+Each method turns a `protocol` step into a statement and its parameters, and turns the
+result back into what the protocol expects, so the two executors share every query.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    CursorResult,
+    DateTime,
+    Executable,
+    Text,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    select,
+    true,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ..protocol import Claim, Delivery, LookUp, QuarantineRecord, RecordConflict, Step, StoredClaim
+from .tables import InboxSchema
+
+__all__ = ["ClaimStatements"]
+
+_TIMESTAMP = DateTime(timezone=True)
+
+
+class ClaimStatements:
+    """Statements for one naming and dialect; ``lock_timeout`` in seconds or None."""
+
+    def __init__(self, naming: InboxSchema, dialect: str, lock_timeout: float | None) -> None:
+        tables = naming.tables
+        inbox, quarantine = tables.inbox, tables.quarantine
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        key = [inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id]
+        self._key_names = [column.name for column in key]
+
+        columns = [*key, inbox.c.payload_sha256, inbox.c.hash_scheme, inbox.c.handler_version]
+        values: list[Any] = [bindparam(column.name, type_=Text) for column in columns]
+        columns += [inbox.c.produced_at, inbox.c.received_at]
+        values += [
+            cast(bindparam("produced_at", type_=_TIMESTAMP), _TIMESTAMP),
+            cast(bindparam("received_at", type_=_TIMESTAMP), _TIMESTAMP),
+        ]
+        rows = select(*values)
+        self._lock_timeout: str | None = None
+        if dialect == "postgresql" and lock_timeout is not None:
+            # Set lock_timeout for this transaction inside the claim statement itself: the
+            # sub-select runs before the INSERT waits on a conflicting uncommitted row, so
+            # the wait is bounded without a separate SET round trip per message.
+            setting = select(
+                func.set_config("lock_timeout", bindparam("lock_timeout", type_=Text), true())
+            ).subquery("inbox_settings")
+            rows = rows.select_from(setting)
+            self._lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
+        self.claim: Executable = (
+            insert(inbox)
+            .from_select([column.name for column in columns], rows)
+            .on_conflict_do_nothing()
+            .returning(literal_column("1"))
+        )
+
+        self.look_up: Executable = select(
+            inbox.c.payload_sha256,
+            inbox.c.hash_scheme,
+            inbox.c.handler_version,
+            inbox.c.processed_at,
+        ).where(*(column == bindparam(column.name) for column in key))
+
+        record = insert(quarantine).values(
+            consumer_name=bindparam("consumer_name"),
+            producer_name=bindparam("producer_name"),
+            tenant=bindparam("tenant"),
+            message_id=bindparam("message_id"),
+            stored_sha256=bindparam("stored_sha256"),
+            conflicting_sha256=bindparam("payload_sha256"),
+            hash_scheme=bindparam("hash_scheme"),
+            source=bindparam("source"),
+            payload=bindparam("payload"),
+            headers=bindparam("headers", type_=quarantine.c.headers.type),
+            reason_code="identity_conflict",
+            attempts=1,
+            handler_version=bindparam("handler_version"),
+            first_seen_at=func.now(),
+            last_seen_at=func.now(),
+            decision="pending",
+        )
+        self.record_conflict: Executable = record.on_conflict_do_update(
+            index_elements=[*self._key_names, "conflicting_sha256"],
+            set_={
+                "attempts": quarantine.c.attempts + 1,
+                "last_seen_at": func.now(),
+                "headers": record.excluded.headers,
+            },
+        ).returning(quarantine.c.id, quarantine.c.attempts)
+
+    def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
+        delivery = step.delivery
+        if isinstance(step, Claim):
+            params = self._key(delivery) | {
+                "payload_sha256": delivery.payload_hash.sha256,
+                "hash_scheme": delivery.payload_hash.scheme,
+                "handler_version": delivery.handler_version,
+                "produced_at": delivery.identity.produced_at,
+                "received_at": delivery.received_at,
+            }
+            if self._lock_timeout is not None:
+                params["lock_timeout"] = self._lock_timeout
+            return self.claim, params
+        if isinstance(step, LookUp):
+            return self.look_up, self._key(delivery)
+        return self.record_conflict, self._key(delivery) | {
+            "stored_sha256": step.stored.payload_sha256,
+            "payload_sha256": delivery.payload_hash.sha256,
+            "hash_scheme": delivery.payload_hash.scheme,
+            "source": delivery.source,
+            "payload": delivery.payload,
+            "headers": dict(delivery.headers),
+            "handler_version": delivery.handler_version,
+        }
+
+    @staticmethod
+    def result(step: Step, result: CursorResult[Any]) -> object:
+        first = result.first()
+        row: tuple[Any, ...] | None = None if first is None else tuple(first)
+        if isinstance(step, Claim):
+            return row is not None
+        if isinstance(step, LookUp):
+            return None if row is None else StoredClaim(*row)
+        assert isinstance(step, RecordConflict)
+        assert row is not None
+        return QuarantineRecord(*row)
+
+    def _key(self, delivery: Delivery) -> dict[str, Any]:
+        return dict(zip(self._key_names, delivery.key, strict=True))

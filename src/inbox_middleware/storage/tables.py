@@ -1,0 +1,139 @@
+"""Table names and SQLAlchemy table definitions.
+
+The migration files are the schema's source of truth; these definitions describe the
+same tables for building statements, and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from ..exceptions import ConfigurationError
+
+__all__ = ["TABLES", "InboxSchema", "InboxTables"]
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently
+
+TABLES = (
+    "consumer_inbox",
+    "inbox_quarantine",
+    "inbox_schema_version",
+)
+"""Every table the library owns, without prefix."""
+
+_JSON = JSON().with_variant(JSONB(), "postgresql")
+_TIMESTAMP = DateTime(timezone=True)
+
+
+@dataclass(frozen=True, slots=True)
+class InboxSchema:
+    """Where the inbox tables live: an optional database schema and a table-name prefix.
+
+    Both are validated as plain SQL identifiers (letters, digits, underscores) and are
+    always quoted when they reach SQL, so configuration can never inject a statement.
+    """
+
+    schema: str | None = None
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.schema is not None:
+            _check_identifier(self.schema, "schema")
+        if self.prefix:
+            longest = self.prefix + max(TABLES, key=len)
+            _check_identifier(longest, "prefix", shown=self.prefix)
+
+    def name(self, table: str) -> str:
+        """The unqualified name of one of `TABLES`."""
+        return self.prefix + table
+
+    @property
+    def tables(self) -> InboxTables:
+        return _tables(self)
+
+
+def _check_identifier(value: str, what: str, *, shown: str | None = None) -> None:
+    shown = value if shown is None else shown
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise ConfigurationError(
+            f"{what} {shown!r} is not a plain identifier (letters, digits and underscores, "
+            "not starting with a digit)"
+        )
+    if len(value) > _MAX_IDENTIFIER:
+        raise ConfigurationError(
+            f"{what} {shown!r} makes the name {value!r} longer than {_MAX_IDENTIFIER} characters"
+        )
+
+
+@cache
+def _tables(naming: InboxSchema) -> InboxTables:
+    return InboxTables(naming)
+
+
+class InboxTables:
+    """The library's tables for one `InboxSchema`."""
+
+    def __init__(self, naming: InboxSchema) -> None:
+        self.metadata = MetaData(schema=naming.schema)
+        name = naming.name
+        self.inbox = Table(
+            name("consumer_inbox"),
+            self.metadata,
+            Column("consumer_name", Text, primary_key=True),
+            Column("producer_name", Text, primary_key=True),
+            Column("tenant", Text, primary_key=True),
+            Column("message_id", Text, primary_key=True),
+            Column("payload_sha256", Text, nullable=False),
+            Column("hash_scheme", Text, nullable=False),
+            Column("handler_version", Text, nullable=False),
+            Column("produced_at", _TIMESTAMP),
+            Column("received_at", _TIMESTAMP, nullable=False),
+            Column("processed_at", _TIMESTAMP, nullable=False),
+        )
+        self.quarantine = Table(
+            name("inbox_quarantine"),
+            self.metadata,
+            Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+            Column("consumer_name", Text, nullable=False),
+            Column("producer_name", Text, nullable=False),
+            Column("tenant", Text, nullable=False),
+            Column("message_id", Text, nullable=False),
+            Column("stored_sha256", Text, nullable=False),
+            Column("conflicting_sha256", Text, nullable=False),
+            Column("hash_scheme", Text, nullable=False),
+            Column("source", Text, nullable=False),
+            Column("payload", LargeBinary),
+            Column("headers", _JSON, nullable=False),
+            Column("reason_code", Text, nullable=False),
+            Column("attempts", Integer, nullable=False),
+            Column("first_seen_at", _TIMESTAMP, nullable=False),
+            Column("last_seen_at", _TIMESTAMP, nullable=False),
+            Column("handler_version", Text, nullable=False),
+            Column("decision", Text, nullable=False),
+            Column("decided_by", Text),
+            Column("decided_at", _TIMESTAMP),
+            Column("decision_note", Text),
+        )
+        self.version = Table(
+            name("inbox_schema_version"),
+            self.metadata,
+            Column("version", Integer, primary_key=True),
+            Column("name", Text, nullable=False),
+            Column("applied_at", _TIMESTAMP, nullable=False),
+        )
