@@ -129,29 +129,42 @@ class MessageIdentity:
         message_id: object,
         tenant: object = None,
         produced_at: object = None,
-        source: str = "message",
+        names: Mapping[str, str] | None = None,
     ) -> MessageIdentity:
         """Validate raw values taken from a message.
 
         Raises `MissingIdentity` when the producer or message id is absent (``None``),
-        `InvalidIdentity` when a value is present but unusable. ``source`` names where
-        the values came from (an option or header prefix) for the error text.
+        `InvalidIdentity` when a value is present but unusable. ``names`` maps the fields
+        (``producer``, ``message_id``, ``tenant``, ``produced_at``) to what the message
+        calls them (an option or header name), so errors name what the sender must fix.
         """
+        names = names or {}
+
+        def name(field: str) -> str:
+            return names.get(field, field)
+
         missing = [
-            name for name, value in (("producer", producer), ("message_id", message_id))
+            name(field)
+            for field, value in (("producer", producer), ("message_id", message_id))
             if value is None
         ]
         if missing:
-            raise MissingIdentity(f"{source} has no {' or '.join(missing)}", field=missing[0])
+            raise MissingIdentity(
+                f"the message has no {' and no '.join(missing)}", field=missing[0]
+            )
         return cls(
-            producer=validate_name(producer, "producer", max_length=MAX_NAME_LENGTH),
-            message_id=validate_name(message_id, "message_id", max_length=MAX_MESSAGE_ID_LENGTH),
+            producer=validate_name(producer, name("producer"), max_length=MAX_NAME_LENGTH),
+            message_id=validate_name(
+                message_id, name("message_id"), max_length=MAX_MESSAGE_ID_LENGTH
+            ),
             tenant=(
                 ""
                 if tenant is None
-                else validate_name(tenant, "tenant", max_length=MAX_NAME_LENGTH, allow_empty=True)
+                else validate_name(
+                    tenant, name("tenant"), max_length=MAX_NAME_LENGTH, allow_empty=True
+                )
             ),
-            produced_at=parse_timestamp(produced_at, "produced_at"),
+            produced_at=parse_timestamp(produced_at, name("produced_at")),
         )
 
     def key(self, consumer: str) -> tuple[str, str, str, str]:

@@ -71,7 +71,7 @@ class Delivery:
     """The queue, stream or subject the message came from."""
     payload: bytes | None = None
     """The message as received, kept with a quarantined conflict."""
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, Any] = field(default_factory=dict)
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     rehash: Callable[[str], str | None] | None = None
     """Hash this payload under an older scheme, or ``None`` when the scheme is unknown."""

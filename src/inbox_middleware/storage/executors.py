@@ -187,6 +187,24 @@ class Inbox(_Base):
             finally:
                 Session.close(session)
 
+    def transaction(self, handler: Callable[[Session], R]) -> R:
+        """Run ``handler`` in a transaction of the same kind, without any claim.
+
+        For work the inbox does not protect (an actor called directly, a message the
+        missing-identity policy lets through): the same session rules, no deduplication.
+        """
+        session = self._sessions()
+        try:
+            session.connection(execution_options=self._connection_options)
+            result = handler(session)
+            Session.commit(session)
+            return result
+        except BaseException as exc:
+            _abandon(session, exc, None)
+            raise
+        finally:
+            Session.close(session)
+
 
 class AsyncInbox(_Base):
     """The inbox on an `AsyncEngine` (asyncpg); parameters as for `Inbox`."""
@@ -240,6 +258,20 @@ class AsyncInbox(_Base):
             finally:
                 await session.run_sync(Session.close)
 
+    async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
+        """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""
+        session = AsyncSession(**self._session_options)
+        try:
+            await session.connection(execution_options=self._connection_options)
+            result = await handler(session)
+            await session.run_sync(Session.commit)
+            return result
+        except BaseException as exc:
+            await _abandon_async(session, exc, None)
+            raise
+        finally:
+            await session.run_sync(Session.close)
+
 
 def _drive(
     steps: Generator[Step, Any, Verdict], conn: Connection, statements: ClaimStatements
@@ -268,9 +300,10 @@ async def _drive_async(
         return verdict
 
 
-def _abandon(session: Session, exc: BaseException, delivery: Delivery) -> None:
+def _abandon(session: Session, exc: BaseException, delivery: Delivery | None) -> None:
     """Roll back; invalidate instead when the attempt was interrupted mid-call."""
-    _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+    if delivery is not None:
+        _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
     if not isinstance(exc, Exception):
         session.invalidate()
         return
@@ -280,8 +313,11 @@ def _abandon(session: Session, exc: BaseException, delivery: Delivery) -> None:
         session.invalidate()
 
 
-async def _abandon_async(session: AsyncSession, exc: BaseException, delivery: Delivery) -> None:
-    _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+async def _abandon_async(
+    session: AsyncSession, exc: BaseException, delivery: Delivery | None
+) -> None:
+    if delivery is not None:
+        _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
     if not isinstance(exc, Exception):
         await session.run_sync(Session.invalidate)
         return

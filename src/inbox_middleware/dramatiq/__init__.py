@@ -1,0 +1,36 @@
+"""Dramatiq integration: `InboxMiddleware`, `current_session` and `identity`.
+
+```python
+broker.add_middleware(InboxMiddleware(engine))
+
+@dramatiq.actor(inbox_consumer="billing", inbox_handler_version="3")
+def add_credit(account_id: int, delta: int) -> None:
+    current_session().execute(...)
+
+add_credit.send_with_options(args=(7, 10), **identity(producer="orders", message_id="o-42"))
+```
+"""
+
+from .._optional import require
+
+require("dramatiq", "dramatiq")
+
+from .middleware import (  # noqa: E402
+    InboxMiddleware,
+    MissingIdentityPolicy,
+    current_async_session,
+    current_session,
+    identity,
+)
+from .payload import CanonicalForm  # noqa: E402
+from .routing import QuarantinePublisher  # noqa: E402
+
+__all__ = [
+    "CanonicalForm",
+    "InboxMiddleware",
+    "MissingIdentityPolicy",
+    "QuarantinePublisher",
+    "current_async_session",
+    "current_session",
+    "identity",
+]

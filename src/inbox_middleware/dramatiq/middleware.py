@@ -1,0 +1,519 @@
+"""The Dramatiq middleware: claim, body and commit inside the actor call.
+
+The middleware wraps the function of every actor declared with ``inbox_consumer``. The
+worker acknowledges a message only after the actor call returns, so the order is fixed::
+
+    worker thread                    PostgreSQL                 broker
+    -------------                    ----------                 ------
+    before_process_message:
+      read identity, hash args
+    actor call:
+      BEGIN; INSERT claim ───────────> row (first) or conflict
+      actor body (current_session)
+      COMMIT ────────────────────────> durable
+    return ─────────────────────────────────────────────────────> ack
+    (a crash before this line leaves the message unacked: redelivered, then a duplicate)
+
+A failed commit is an actor failure, which Dramatiq's Retries middleware retries. A
+duplicate or a conflict ends the call with `SkipMessage`, so no result, callback or
+pipeline step runs twice; a message without a usable identity is failed, which sends it
+to the dead-letter queue.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import dramatiq
+from dramatiq import Broker
+from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.broker import MessageProxy
+from dramatiq.common import q_name
+from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from ..exceptions import (
+    ClaimInProgress,
+    ConfigurationError,
+    IdentityError,
+    InboxError,
+    MissingIdentity,
+    PayloadNotHashable,
+)
+from ..identity import MAX_NAME_LENGTH, MessageIdentity, validate_name
+from ..protocol import Decision, Delivery
+from ..storage import AsyncInbox, Inbox, InboxSchema, Outcome
+from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from .payload import (
+    BROKER_ID_PRODUCER,
+    OPTION_MESSAGE_ID,
+    OPTION_PRODUCED_AT,
+    OPTION_PRODUCER,
+    OPTION_TENANT,
+    ActorPayload,
+    CanonicalForm,
+    identity_options,
+)
+from .routing import QuarantinePublisher, publisher_for
+
+__all__ = [
+    "ActorConfigurationError",
+    "InboxMiddleware",
+    "MissingIdentityPolicy",
+    "current_async_session",
+    "current_session",
+    "identity",
+]
+
+logger = logging.getLogger("inbox_middleware.dramatiq")
+
+MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
+"""What to do with a message that carries no identity.
+
+``reject`` (default): fail it to the dead-letter queue with an error log line.
+``process``: run the actor without deduplication, with a warning per message.
+``broker_id``: deduplicate on Dramatiq's own message id. That id is generated per
+``send``, so it catches redeliveries and retries but not a producer sending twice.
+"""
+
+_session: ContextVar[Session | AsyncSession | None] = ContextVar(
+    "inbox_middleware_session", default=None
+)
+
+
+def current_session() -> Session:
+    """The session of the running inbox actor's transaction (sync actors).
+
+    Everything executed through it commits together with the message's claim.
+    """
+    session = _session.get()
+    if isinstance(session, Session):
+        return session
+    if isinstance(session, AsyncSession):
+        raise InboxError("this actor is async; use current_async_session()")
+    raise InboxError("current_session() works only inside an actor declared with inbox_consumer")
+
+
+def current_async_session() -> AsyncSession:
+    """The `AsyncSession` of the running inbox actor's transaction (``async def`` actors)."""
+    session = _session.get()
+    if isinstance(session, AsyncSession):
+        return session
+    if isinstance(session, Session):
+        raise InboxError("this actor is not async; use current_session()")
+    raise InboxError(
+        "current_async_session() works only inside an actor declared with inbox_consumer"
+    )
+
+
+def identity(
+    *,
+    producer: str,
+    message_id: str,
+    tenant: str | None = None,
+    produced_at: datetime | str | None = None,
+) -> dict[str, str]:
+    """Message options carrying a producer intent id; validated here, at the producer.
+
+    >>> add_credit.send_with_options(args=(7, 10), **identity(producer="orders", message_id="o-42"))
+    """
+    parsed = MessageIdentity.parse(
+        producer=producer, message_id=message_id, tenant=tenant, produced_at=produced_at
+    )
+    options = {OPTION_PRODUCER: parsed.producer, OPTION_MESSAGE_ID: parsed.message_id}
+    if parsed.tenant:
+        options[OPTION_TENANT] = parsed.tenant
+    if parsed.produced_at is not None:
+        options[OPTION_PRODUCED_AT] = parsed.produced_at.isoformat()
+    return options
+
+
+class ActorConfigurationError(ConfigurationError, MiddlewareError):
+    """An inbox actor is declared in a way that cannot work.
+
+    A `MiddlewareError`, because Dramatiq logs and swallows any other exception raised
+    while an actor is declared, which would leave the actor running unprotected.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A message prepared by before_process_message for the actor call that follows."""
+
+    message: MessageProxy
+    delivery: Delivery | None  # None: the missing-identity policy lets it run unprotected
+    error: Exception | None = None  # preparing failed unexpectedly: the call must fail
+
+
+class InboxMiddleware(dramatiq.Middleware):
+    """Deduplicates every actor declared with ``inbox_consumer`` in its own transaction.
+
+    Parameters:
+      engine: a sqlalchemy `Engine` for sync actors, or an `AsyncEngine` for async ones.
+      async_engine: the `AsyncEngine`, when sync and async actors share the broker.
+      naming: schema and table prefix of the inbox tables.
+      lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
+        retried later (and the bound on any lock wait inside the transaction).
+      serialization_retries: in-process reruns after a serialization failure or deadlock.
+      missing_identity: see `MissingIdentityPolicy`.
+      quarantine_queue: the queue conflicting messages go to; ``{queue}`` is the actor's.
+      quarantine_publisher: how to publish there; chosen from the broker by default.
+      in_progress_delay: milliseconds before retrying a message whose claim is held by
+        another delivery; None uses the actor's retry backoff.
+      canonical_form: a default `CanonicalForm` for hashing payloads.
+      check_database: verify the schema and database settings when a worker boots.
+
+    Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
+    ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form`` and
+    ``inbox_quarantine_queue``, overriding the middleware's settings per actor.
+    """
+
+    def __init__(
+        self,
+        engine: Engine | AsyncEngine | None = None,
+        *,
+        async_engine: AsyncEngine | None = None,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        missing_identity: MissingIdentityPolicy = "reject",
+        quarantine_queue: str = "{queue}.quarantine",
+        quarantine_publisher: QuarantinePublisher | None = None,
+        in_progress_delay: int | None = None,
+        canonical_form: CanonicalForm | None = None,
+        check_database: bool = True,
+    ) -> None:
+        if isinstance(engine, AsyncEngine):
+            if async_engine is not None:
+                raise ConfigurationError("pass the AsyncEngine once")
+            engine, async_engine = None, engine
+        settings: dict[str, Any] = {
+            "naming": naming,
+            "lock_timeout": lock_timeout,
+            "serialization_retries": serialization_retries,
+        }
+        self.inbox = Inbox(engine, **settings) if engine is not None else None
+        self.async_inbox = AsyncInbox(async_engine, **settings) if async_engine else None
+        if self.inbox is None and self.async_inbox is None:
+            raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
+        self.missing_identity = _check_policy(missing_identity)
+        self.quarantine_queue = quarantine_queue
+        self.quarantine_publisher = quarantine_publisher
+        self.in_progress_delay = in_progress_delay
+        self.canonical_form = canonical_form
+        self.check_database = check_database
+        self._actors: dict[str, _InboxActor] = {}
+        self._consumers: dict[str, str] = {}
+        self._pending = threading.local()
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {
+            "inbox_consumer",
+            "inbox_handler_version",
+            "inbox_missing_identity",
+            "inbox_canonical_form",
+            "inbox_quarantine_queue",
+        }
+
+    # -- declaration ----------------------------------------------------------------------
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        # Wrapped before the declaration completes: an error raised here reaches the code
+        # declaring the actor instead of being logged and skipped by the broker.
+        if actor.options.get("inbox_consumer") is None or actor.actor_name in self._actors:
+            return
+        try:
+            self._declare(broker, actor)
+        except ConfigurationError as exc:
+            raise ActorConfigurationError(str(exc)) from None
+
+    def after_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        # Reached directly (not through the broker's error-swallowing signal) when the
+        # middleware is added to a broker whose actors are already declared.
+        self.before_declare_actor(broker, actor)
+
+    def _declare(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        consumer = _option_name(actor, "inbox_consumer")
+        if (owner := self._consumers.get(consumer)) not in (None, actor.actor_name):
+            raise ConfigurationError(
+                f"actors {owner!r} and {actor.actor_name!r} both declare inbox_consumer="
+                f"{consumer!r}; each handler needs its own consumer name"
+            )
+        if not any(isinstance(m, Retries) for m in broker.middleware):
+            raise ConfigurationError(
+                "InboxMiddleware needs Dramatiq's Retries middleware: without it a rolled-back "
+                "attempt is acknowledged and its message lost"
+            )
+        if self.quarantine_publisher is None:
+            self.quarantine_publisher = publisher_for(broker)
+        self._actors[actor.actor_name] = _InboxActor(self, actor, consumer)
+        self._consumers[consumer] = actor.actor_name
+
+    # -- processing ---------------------------------------------------------------------
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._pending.value = None
+        bound = self._actors.get(message.actor_name)
+        if bound is None:
+            return
+        try:
+            self._pending.value = _Pending(message, bound.delivery(message))
+        except MissingIdentity as exc:
+            if bound.missing_identity == "process":
+                logger.warning(
+                    "processing message %s for %s WITHOUT deduplication: %s "
+                    "(missing_identity='process')",
+                    message.message_id, bound.consumer, exc,
+                )
+                self._pending.value = _Pending(message, None)
+                return
+            self._reject(
+                message, bound, exc,
+                hint="; send it with **identity(producer=..., message_id=...)",
+            )
+        except (IdentityError, PayloadNotHashable) as exc:
+            self._reject(message, bound, exc)
+        except Exception as exc:
+            # The broker would log and swallow this and call the actor anyway; hand it to
+            # the actor call instead, which raises it, so the message is retried.
+            self._pending.value = _Pending(message, None, exc)
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self._pending.value = None
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._pending.value = None
+
+    def take_pending(self, actor_name: str) -> _Pending | None:
+        """The message prepared for this thread's actor call; each is taken once, so an
+        actor called directly from inside another actor's body is not mistaken for it."""
+        pending: _Pending | None = getattr(self._pending, "value", None)
+        if pending is None or pending.message.actor_name != actor_name:
+            return None
+        self._pending.value = None
+        return pending
+
+    def _reject(
+        self, message: MessageProxy, bound: _InboxActor, exc: InboxError, hint: str = ""
+    ) -> None:
+        logger.error(
+            "rejecting message %s for consumer %s to the dead-letter queue: %s%s",
+            message.message_id, bound.consumer, exc, hint,
+            extra={"inbox_event": "rejected", "inbox_consumer": bound.consumer,
+                   "inbox_reason": type(exc).__name__},
+        )
+        message.fail()
+        raise SkipMessage(str(exc))
+
+    # -- worker boot ----------------------------------------------------------------------
+
+    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if self.check_database and self.inbox is not None and self._actors:
+            self.inbox.check()
+            _check_pool(self.inbox.engine, worker.worker_threads)
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if self.check_database and self.async_inbox is not None and self._actors:
+            loop_thread = get_event_loop_thread()
+            if loop_thread is not None:
+                loop_thread.run_coroutine(self.async_inbox.check())
+            _check_pool(self.async_inbox.engine.sync_engine, worker.worker_threads)
+
+
+class _InboxActor:
+    """One inbox actor: its settings, payload binding and the wrapped function."""
+
+    def __init__(
+        self, middleware: InboxMiddleware, actor: dramatiq.Actor[Any, Any], consumer: str
+    ) -> None:
+        options = actor.options
+        self.middleware = middleware
+        self.actor = actor
+        self.consumer = consumer
+        self.handler_version = str(options.get("inbox_handler_version", ""))
+        self.missing_identity = _check_policy(
+            options.get("inbox_missing_identity", middleware.missing_identity)
+        )
+        self.quarantine_queue = str(
+            options.get("inbox_quarantine_queue", middleware.quarantine_queue)
+        ).format(queue=q_name(actor.queue_name))
+        original = actor.fn
+        self.target: Callable[..., Any] = getattr(original, "__wrapped__", original)
+        self.payload = ActorPayload(
+            actor.actor_name,
+            self.target,
+            options.get("inbox_canonical_form", middleware.canonical_form),
+        )
+        if inspect.iscoroutinefunction(self.target):
+            if middleware.async_inbox is None:
+                raise ConfigurationError(
+                    f"actor {actor.actor_name!r} is async: give InboxMiddleware an AsyncEngine"
+                )
+            call = self.call_async
+        else:
+            if middleware.inbox is None:
+                raise ConfigurationError(
+                    f"actor {actor.actor_name!r} is not async: give InboxMiddleware an Engine"
+                )
+            call = self.call
+
+        @functools.wraps(self.target)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return call(*args, **kwargs)
+
+        actor.fn = wrapper
+
+    def delivery(self, message: MessageProxy) -> Delivery:
+        try:
+            ident = identity_options(message.options)
+        except MissingIdentity:
+            if self.missing_identity != "broker_id":
+                raise
+            ident = MessageIdentity(BROKER_ID_PRODUCER, message.message_id)
+        return self.payload.delivery(
+            message, ident, consumer=self.consumer, handler_version=self.handler_version
+        )
+
+    # -- sync actors ----------------------------------------------------------------------
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        inbox = self.middleware.inbox
+        assert inbox is not None
+        pending = self.middleware.take_pending(self.actor.actor_name)
+        if pending is not None and pending.error is not None:
+            raise pending.error
+        if pending is None or pending.delivery is None:
+            if _session.get() is not None:  # called from another inbox actor: join it
+                return self.target(*args, **kwargs)
+            return inbox.transaction(lambda session: self._body(session, args, kwargs))
+        try:
+            outcome = inbox.process(
+                pending.delivery, lambda session: self._body(session, args, kwargs)
+            )
+        except ClaimInProgress as exc:
+            raise dramatiq.Retry(str(exc), delay=self.middleware.in_progress_delay) from exc
+        return self._settle(pending, outcome)
+
+    def _body(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        token = _session.set(session)
+        try:
+            return self.target(*args, **kwargs)
+        finally:
+            _session.reset(token)
+
+    # -- async actors ---------------------------------------------------------------------
+
+    def call_async(self, *args: Any, **kwargs: Any) -> Any:
+        pending = self.middleware.take_pending(self.actor.actor_name)
+        if pending is not None and pending.error is not None:
+            raise pending.error
+        joined = _session.get() is not None
+        loop_thread = get_event_loop_thread()
+        if loop_thread is None:
+            raise ConfigurationError(
+                f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
+            )
+        try:
+            outcome = loop_thread.run_coroutine(self._run_async(pending, joined, args, kwargs))
+        except ClaimInProgress as exc:
+            raise dramatiq.Retry(str(exc), delay=self.middleware.in_progress_delay) from exc
+        if pending is None or pending.delivery is None:
+            return outcome
+        # Settled here, on the worker thread, so publishing never blocks the event loop.
+        return self._settle(pending, outcome)
+
+    async def _run_async(
+        self, pending: _Pending | None, joined: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        inbox = self.middleware.async_inbox
+        assert inbox is not None
+
+        async def body(session: AsyncSession) -> Any:
+            token = _session.set(session)
+            try:
+                return await self.target(*args, **kwargs)
+            finally:
+                _session.reset(token)
+
+        if pending is None or pending.delivery is None:
+            if joined:
+                return await self.target(*args, **kwargs)
+            return await inbox.transaction(body)
+        return await inbox.process(pending.delivery, body)
+
+    # -- outcome --------------------------------------------------------------------------
+
+    def _settle(self, pending: _Pending, outcome: Outcome[Any]) -> Any:
+        if outcome.decision is Decision.FIRST:
+            return outcome.result
+        if outcome.decision is Decision.CONFLICT:
+            self._quarantine(pending.message, outcome)
+            raise SkipMessage(
+                f"identity conflict for {self.consumer}: quarantined to {self.quarantine_queue}"
+            )
+        raise SkipMessage(f"duplicate delivery for {self.consumer}: already processed")
+
+    def _quarantine(self, message: MessageProxy, outcome: Outcome[Any]) -> None:
+        verdict = outcome.verdict
+        assert verdict.stored is not None
+        assert verdict.quarantine is not None
+        conflict = {
+            "reason": "identity_conflict",
+            "consumer": self.consumer,
+            "quarantine_id": verdict.quarantine.id,
+            "attempts": verdict.quarantine.attempts,
+            "stored_sha256": verdict.stored.payload_sha256,
+            "conflicting_sha256": self.payload.hash(self.payload.arguments(message)).sha256,
+            "source_queue": q_name(message.queue_name),
+        }
+        copy = message.copy(queue_name=self.quarantine_queue, options={"inbox_conflict": conflict})
+        publisher = self.middleware.quarantine_publisher
+        assert publisher is not None
+        # The quarantine row is already committed; if this publish fails the actor fails,
+        # the message is retried, and the retry records the conflict again (attempts + 1).
+        publisher.publish(copy, self.quarantine_queue)
+
+
+def _option_name(actor: dramatiq.Actor[Any, Any], option: str) -> str:
+    try:
+        return validate_name(actor.options[option], option, max_length=MAX_NAME_LENGTH)
+    except IdentityError as exc:
+        raise ConfigurationError(f"actor {actor.actor_name!r}: {exc}") from None
+
+
+def _check_policy(value: object) -> MissingIdentityPolicy:
+    if value not in ("reject", "process", "broker_id"):
+        raise ConfigurationError(
+            f"missing_identity must be 'reject', 'process' or 'broker_id', not {value!r}"
+        )
+    return value
+
+
+def _check_pool(engine: Engine, threads: int) -> None:
+    pool = engine.pool
+    size = getattr(pool, "size", None)
+    overflow = getattr(pool, "_max_overflow", 0)
+    if callable(size) and overflow >= 0 and size() + overflow < threads:
+        logger.warning(
+            "the connection pool holds at most %d connections for %d worker threads: threads "
+            "will wait for connections; set pool_size (plus max_overflow) to at least %d",
+            size() + overflow, threads, threads,
+        )
