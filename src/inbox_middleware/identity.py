@@ -76,8 +76,8 @@ def validate_name(value: object, field: str, *, max_length: int, allow_empty: bo
         )
     if match := _FORBIDDEN.search(value):
         raise InvalidIdentity(
-            f"{field} contains the control character U+{ord(match.group()):04X} "
-            f"at position {match.start()}",
+            f"{field} contains U+{ord(match.group()):04X} at position {match.start()}; "
+            "control characters and lone surrogates are not allowed",
             field=field,
         )
     if value.strip() != value:

@@ -111,13 +111,9 @@ def _migrate(conn: Connection, naming: InboxSchema) -> list[Migration]:
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"), {"lock": lock})
         if naming.schema:
             conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{naming.schema}"')
-    names = _placeholders(naming, dialect)
-    conn.exec_driver_sql(
-        f"CREATE TABLE IF NOT EXISTS {names['inbox_schema_version']} ("
-        " version integer PRIMARY KEY, name text NOT NULL,"
-        " applied_at timestamp with time zone NOT NULL DEFAULT CURRENT_TIMESTAMP)"
-    )
+    _placeholders(naming, dialect)  # refuses a schema on SQLite before anything is created
     version_table = naming.tables.version
+    version_table.create(conn, checkfirst=True)
     applied = set(conn.scalars(select(version_table.c.version)))
     done = []
     for migration in pending:
@@ -140,7 +136,7 @@ def schema_version(conn: Connection, naming: InboxSchema | None = None) -> int |
     table = naming.tables.version
     if not inspect(conn).has_table(table.name, schema=naming.schema):
         return None
-    version: int | None = conn.scalar(select(func.max(table.c.version)))
+    version: int = conn.scalar(select(func.coalesce(func.max(table.c.version), 0))) or 0
     return version
 
 

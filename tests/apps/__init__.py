@@ -1,0 +1,1 @@
+"""Applications the tests run: the domain they change and Dramatiq apps."""

@@ -1,0 +1,100 @@
+"""The account-credit service as a Dramatiq app, for tests that run real worker processes.
+
+Started with the ``dramatiq`` command line, configured by environment variables:
+
+INBOX_TEST_DATABASE_URL   SQLAlchemy URL of the run's database (psycopg)
+INBOX_TEST_BROKER         "redis" or "rabbitmq";  INBOX_TEST_BROKER_URL its URL
+INBOX_TEST_NAMESPACE      Redis key namespace (one per test)
+INBOX_TEST_QUEUE          the actors' queue (one per test)
+INBOX_TEST_PAUSE_AT       a named point where the first message to reach it stops and
+                          waits to be killed: before_claim, in_body or after_commit
+INBOX_TEST_MARKERS        folder where "<point>.paused" is written on reaching it
+INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <id>"
+INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
+INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware import CurrentMessage, Middleware
+from sqlalchemy import create_engine
+
+from inbox_middleware.dramatiq import InboxMiddleware, current_session
+
+from .domain import apply_credit
+
+ENV = os.environ
+QUEUE = ENV.get("INBOX_TEST_QUEUE", "accounts")
+PAUSE_AT = ENV.get("INBOX_TEST_PAUSE_AT", "")
+MARKERS = ENV.get("INBOX_TEST_MARKERS", "")
+SLEEP = float(ENV.get("INBOX_TEST_SLEEP", "0"))
+
+
+def pause_point(name: str, message_id: str) -> None:
+    """Stop here, once across all processes, until the test kills this process."""
+    if PAUSE_AT != name:
+        return
+    try:
+        fd = os.open(os.path.join(MARKERS, f"{name}.paused"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, f"{os.getpid()} {message_id}\n".encode())
+    os.close(fd)
+    while True:
+        time.sleep(60)
+
+
+class CrashPoints(Middleware):
+    """Named points around the inbox's transaction, and an arrival log."""
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        if path := ENV.get("INBOX_TEST_ARRIVALS"):
+            with open(path, "a") as log:
+                log.write(f"{time.time()} {os.getpid()} {message.message_id}\n")
+        pause_point("before_claim", message.message_id)
+
+    def after_process_message(self, broker: Any, message: Any, *, result=None, exception=None):
+        # Runs after the actor call returned (the commit is done) and before the ack.
+        if exception is None:
+            pause_point("after_commit", message.message_id)
+
+
+def _broker() -> dramatiq.Broker:
+    url = ENV["INBOX_TEST_BROKER_URL"]
+    if ENV.get("INBOX_TEST_BROKER") == "rabbitmq":
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        return RabbitmqBroker(url=url, confirm_delivery=True)
+    from dramatiq.brokers.redis import RedisBroker
+
+    # A dead worker's messages come back once its heartbeat is 1 s old; maintenance runs
+    # on every command so that happens promptly.
+    return RedisBroker(
+        url=url,
+        namespace=ENV["INBOX_TEST_NAMESPACE"],
+        heartbeat_timeout=1000,
+        maintenance_chance=1_000_000,
+    )
+
+
+broker = _broker()
+broker.add_middleware(CrashPoints())
+broker.add_middleware(CurrentMessage())
+engine = create_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
+broker.add_middleware(
+    InboxMiddleware(engine, lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")))
+)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(queue_name=QUEUE, inbox_consumer="billing", min_backoff=100, max_backoff=1000)
+def add_credit(account_id: int, delta: int) -> None:
+    apply_credit(current_session(), "billing", account_id, delta)
+    message = CurrentMessage.get_current_message()
+    pause_point("in_body", message.message_id if message else "?")
+    time.sleep(SLEEP)

@@ -1,0 +1,149 @@
+"""Fixtures over the real services: a PostgreSQL database per run, Redis and RabbitMQ
+brokers with per-test queues, and SQLite for the embedded variant."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.middleware import AsyncIO, Retries
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from inbox_middleware.storage import migrate
+
+from .apps import domain
+from .support import database, services
+
+
+@pytest.fixture(scope="session")
+def database_name() -> Iterator[str]:
+    services.require(services.POSTGRES, "PostgreSQL")
+    name = database.create_run_database()
+    yield name
+    database.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def pg_url(database_name: str) -> str:
+    return services.with_database(services.POSTGRES, database_name)
+
+
+@pytest.fixture(scope="session")
+def pg_async_url(database_name: str) -> str:
+    return services.with_database(services.POSTGRES, database_name, driver="asyncpg")
+
+
+@pytest.fixture(scope="session")
+def pg_engine_session(pg_url: str) -> Iterator[Engine]:
+    engine = create_engine(pg_url, pool_size=20, max_overflow=10)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_engine(pg_engine_session: Engine, pg_url: str) -> Engine:
+    """The run's PostgreSQL database, emptied before the test."""
+    database.truncate(pg_url)
+    return pg_engine_session
+
+
+@pytest.fixture
+async def pg_async_engine(pg_engine: Engine, pg_async_url: str) -> Any:
+    engine = create_async_engine(pg_async_url, pool_size=20)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = create_engine(f"sqlite:///{tmp_path / 'inbox.db'}")
+
+    @event.listens_for(engine, "connect")
+    def _busy_timeout(dbapi_connection: Any, _: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout = 5000")
+
+    migrate(engine)
+    with engine.begin() as conn:
+        domain.create(conn)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """Each sequential protocol case runs on both supported databases."""
+    fixture = "pg_engine" if request.param == "postgresql" else "sqlite_engine"
+    return request.getfixturevalue(fixture)
+
+
+# -- brokers ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def _fast_retries(broker: dramatiq.Broker) -> None:
+    for middleware in broker.middleware:
+        if isinstance(middleware, Retries):
+            middleware.min_backoff, middleware.max_backoff = 50, 500
+
+
+@pytest.fixture
+def redis_broker(queue: str) -> Iterator[dramatiq.Broker]:
+    from dramatiq.brokers.redis import RedisBroker
+
+    services.require(services.REDIS, "Redis")
+    broker = RedisBroker(
+        url=services.REDIS, namespace=f"inbox-test-{queue}", heartbeat_timeout=1000,
+        maintenance_chance=1_000_000,
+    )
+    broker.add_middleware(AsyncIO())
+    _fast_retries(broker)
+    dramatiq.set_broker(broker)
+    yield broker
+    for key in broker.client.scan_iter(f"inbox-test-{queue}*"):
+        broker.client.delete(key)
+    broker.close()
+
+
+@pytest.fixture
+def rabbitmq_broker(queue: str) -> Iterator[dramatiq.Broker]:
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    services.require(services.RABBITMQ, "RabbitMQ")
+    broker = RabbitmqBroker(url=services.RABBITMQ, confirm_delivery=True)
+    broker.add_middleware(AsyncIO())
+    _fast_retries(broker)
+    dramatiq.set_broker(broker)
+    yield broker
+    with contextlib.suppress(Exception):
+        channel = broker.channel
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ", f"{queue}.quarantine"):
+            channel.queue_delete(name)
+    broker.close()
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker(request: pytest.FixtureRequest) -> dramatiq.Broker:
+    """Each Dramatiq case runs on both real brokers."""
+    return request.getfixturevalue(f"{request.param}_broker")
+
+
+@pytest.fixture
+def stub_broker() -> Iterator[dramatiq.Broker]:
+    from dramatiq.brokers.stub import StubBroker
+
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+    _fast_retries(broker)
+    dramatiq.set_broker(broker)
+    yield broker
+    broker.close()

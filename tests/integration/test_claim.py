@@ -1,0 +1,440 @@
+"""The claim protocol on the real databases, through the executors adapters use."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.orm import Session
+
+from inbox_middleware.exceptions import (
+    ClaimInProgress,
+    DatabaseUnavailable,
+    HandlerTransactionError,
+    PrerequisiteError,
+)
+from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware.protocol import Decision, Delivery
+from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
+
+from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support.proxy import Proxy
+
+
+def delivery(message_id="m-1", payload=None, consumer="billing", scheme="json.v1"):
+    payload = {"account": 1, "delta": 10} if payload is None else payload
+    return Delivery(
+        consumer,
+        MessageIdentity("orders", message_id),
+        hash_json(payload, scheme),
+        handler_version="1",
+        source="accounts",
+        payload=repr(payload).encode(),
+        headers={"x-trace": "t-1"},
+    )
+
+
+def credit(account=1, delta=10):
+    def handler(session: Session) -> str:
+        apply_credit(session, "billing", account, delta)
+        return "applied"
+
+    return handler
+
+
+def inbox_rows(engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(text("SELECT count(*) FROM consumer_inbox")))
+
+
+# -- sequential cases: PostgreSQL and SQLite ----------------------------------------------
+
+
+def test_claim__sequential_duplicate_has_one_effect(engine):
+    inbox = Inbox(engine)
+
+    first = inbox.process(delivery(), credit())
+    second = inbox.process(delivery(), credit())
+
+    assert (first.decision, first.result) == (Decision.FIRST, "applied")
+    assert (second.decision, second.result) == (Decision.DUPLICATE, None)
+    with engine.connect() as conn:
+        assert (effects(conn), balance(conn, 1)) == (1, 10)
+    assert inbox_rows(engine) == 1
+
+
+def test_claim__same_id_other_payload_is_quarantined_and_not_run(engine):
+    inbox = Inbox(engine)
+    inbox.process(delivery(), credit())
+
+    conflict = inbox.process(delivery(payload={"account": 1, "delta": 99}), credit(delta=99))
+    again = inbox.process(delivery(payload={"account": 1, "delta": 99}), credit(delta=99))
+
+    assert conflict.decision is Decision.CONFLICT
+    assert conflict.verdict.quarantine.attempts == 1
+    assert again.verdict.quarantine.attempts == 2
+    assert again.verdict.quarantine.id == conflict.verdict.quarantine.id
+    with engine.connect() as conn:
+        assert (effects(conn), balance(conn, 1)) == (1, 10)
+        row = conn.execute(select(InboxSchema().tables.quarantine)).mappings().one()
+    assert row["stored_sha256"] == hash_json({"account": 1, "delta": 10}, "json.v1").sha256
+    assert row["conflicting_sha256"] == hash_json({"account": 1, "delta": 99}, "json.v1").sha256
+    assert bytes(row["payload"]) == repr({"account": 1, "delta": 99}).encode()
+    assert (row["decision"], row["attempts"], row["source"]) == ("pending", 2, "accounts")
+    assert row["headers"] == {"x-trace": "t-1"}
+
+
+def test_claim__exception_after_claim_rolls_the_claim_back(engine):
+    # Given a handler that fails after its first write
+    inbox = Inbox(engine)
+
+    def fail_after_write(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        raise RuntimeError("downstream validation failed")
+
+    # When it raises, then nothing it did and no claim survive
+    with pytest.raises(RuntimeError, match="downstream"):
+        inbox.process(delivery(), fail_after_write)
+    assert inbox_rows(engine) == 0
+    # and the retry owns the message and applies it once
+    assert inbox.process(delivery(), credit()).decision is Decision.FIRST
+    with engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+def test_claim__handler_commit_is_refused_and_nothing_is_half_applied(engine):
+    inbox = Inbox(engine)
+
+    def commits(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        session.commit()
+
+    with pytest.raises(HandlerTransactionError, match="inbox commits when the handler returns"):
+        inbox.process(delivery(), commits)
+    for refused in ("rollback", "close"):
+        with pytest.raises(HandlerTransactionError):
+            inbox.process(delivery(), lambda session, r=refused: getattr(session, r)())
+    assert inbox_rows(engine) == 0
+    with engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+def test_claim__savepoints_inside_the_handler_are_allowed(engine):
+    inbox = Inbox(engine)
+
+    def partial(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        try:
+            with session.begin_nested():
+                apply_credit(session, "billing", 2, 5)
+                raise ValueError("undo only this block")
+        except ValueError:
+            pass
+
+    inbox.process(delivery(), partial)
+    with engine.connect() as conn:
+        assert (balance(conn, 1), balance(conn, 2)) == (10, 0)
+
+
+def test_claim__users_own_session_bound_to_the_connection_joins_the_transaction(engine):
+    # The documented pattern: a repository with its own Session, bound to the claim's
+    # connection; its commit() releases a savepoint, never the inbox's transaction.
+    inbox = Inbox(engine)
+
+    def with_repository(session: Session) -> None:
+        repository = Session(bind=session.connection(), join_transaction_mode="create_savepoint")
+        apply_credit(repository, "billing", 1, 10)
+        repository.commit()
+        raise RuntimeError("fails after the repository committed")
+
+    with pytest.raises(RuntimeError):
+        inbox.process(delivery(), with_repository)
+    with engine.connect() as conn:
+        assert effects(conn) == 0
+    assert inbox_rows(engine) == 0
+
+
+def test_claim__older_hash_scheme_is_recognised_on_redelivery(engine):
+    # Given a claim hashed by scheme v1, when the library now hashes with v2 but can
+    # recompute v1, the redelivery is a verified duplicate, not a conflict.
+    inbox = Inbox(engine)
+    inbox.process(delivery(scheme="v1"), credit())
+    upgraded = replace(
+        delivery(scheme="v2"),
+        rehash=lambda scheme: hash_json({"account": 1, "delta": 10}, scheme).sha256,
+    )
+
+    outcome = inbox.process(upgraded, credit())
+
+    assert (outcome.decision, outcome.verdict.verified) == (Decision.DUPLICATE, True)
+
+
+# -- PostgreSQL: concurrency, isolation, failures -----------------------------------------
+
+
+def _blocked_on_lock(engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query LIKE '%consumer_inbox%' AND datname = current_database()"
+                )
+            )
+        )
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_claim__concurrent_duplicate_waits_for_first_transaction(pg_engine, first_outcome):
+    # Given delivery A holding an uncommitted claim
+    inbox = Inbox(pg_engine, lock_timeout=30)
+    holding, release = threading.Event(), threading.Event()
+
+    def held(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        holding.set()
+        release.wait(30)
+        if first_outcome == "rollback":
+            raise RuntimeError("A fails")
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(inbox.process, delivery(), held)
+        assert holding.wait(10)
+        # When delivery B of the same message arrives, its INSERT blocks on A's row
+        b = pool.submit(inbox.process, delivery(), credit())
+        deadline = time.monotonic() + 10
+        while not _blocked_on_lock(pg_engine) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _blocked_on_lock(pg_engine), "B should be waiting on A's claim"
+        assert not b.done()
+        release.set()
+        # Then B sees A's outcome: a duplicate after a commit, the claim after a rollback
+        if first_outcome == "commit":
+            assert a.result().decision is Decision.FIRST
+            assert b.result().decision is Decision.DUPLICATE
+        else:
+            with pytest.raises(RuntimeError, match="A fails"):
+                a.result()
+            assert b.result().decision is Decision.FIRST
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+def test_claim__sixteen_concurrent_deliveries_have_one_effect(pg_engine):
+    inbox = Inbox(pg_engine, lock_timeout=30)
+    start = threading.Barrier(16)
+
+    def deliver(_: int) -> Decision:
+        start.wait()
+        return inbox.process(delivery(), credit()).decision
+
+    with ThreadPoolExecutor(16) as pool:
+        decisions = list(pool.map(deliver, range(16)))
+
+    assert sorted(decisions).count(Decision.FIRST) == 1
+    assert decisions.count(Decision.DUPLICATE) == 15
+    with pg_engine.connect() as conn:
+        assert (effects(conn), balance(conn, 1)) == (1, 10)
+
+
+def test_claim__lock_timeout_hands_the_message_back_then_it_is_a_duplicate(pg_engine):
+    # Given a long handler holding the claim for 2 s
+    inbox = Inbox(pg_engine, lock_timeout=0.3)
+    holding = threading.Event()
+
+    def long_handler(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        holding.set()
+        time.sleep(2)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(inbox.process, delivery(), long_handler)
+        assert holding.wait(10)
+        # When its duplicate arrives, it waits at most lock_timeout, then gives up
+        started = time.monotonic()
+        with pytest.raises(ClaimInProgress) as info:
+            inbox.process(delivery(), credit())
+        waited = time.monotonic() - started
+        assert 0.25 <= waited < 1.5
+        assert (info.value.consumer, info.value.message_id) == ("billing", "m-1")
+        first.result()
+    # And retried later, it is skipped
+    assert inbox.process(delivery(), credit()).decision is Decision.DUPLICATE
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+def test_claim__deadlock_between_handlers_is_retried_in_process(pg_engine):
+    # Two messages update accounts 1 and 2 in opposite orders; PostgreSQL aborts one
+    # with a deadlock (40P01) and the executor reruns that transaction.
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (1, 0), (2, 0)"))
+    inbox = Inbox(pg_engine, lock_timeout=None)
+    both_hold_one = threading.Barrier(2, timeout=10)
+    attempts = {"m-a": 0, "m-b": 0}
+
+    def opposite(first: int, second: int, message: str):
+        def handler(session: Session) -> None:
+            attempts[message] += 1
+            apply_credit(session, "billing", first, 1)
+            if attempts[message] == 1:
+                both_hold_one.wait()
+            apply_credit(session, "billing", second, 1)
+
+        return handler
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(inbox.process, delivery("m-a"), opposite(1, 2, "m-a"))
+        b = pool.submit(inbox.process, delivery("m-b"), opposite(2, 1, "m-b"))
+        outcomes = [a.result(), b.result()]
+
+    assert sorted(o.attempts for o in outcomes) == [1, 2]
+    with pg_engine.connect() as conn:
+        assert (balance(conn, 1), balance(conn, 2), effects(conn)) == (2, 2, 4)
+
+
+def test_claim__runs_at_read_committed_even_on_a_repeatable_read_engine(pg_url):
+    engine = create_engine(pg_url, isolation_level="REPEATABLE READ")
+    try:
+        inbox = Inbox(engine)
+        levels = []
+        inbox.process(
+            delivery(),
+            lambda s: levels.append(s.execute(text("SHOW transaction_isolation")).scalar()),
+        )
+        assert levels == ["read committed"]
+    finally:
+        engine.dispose()
+
+
+def test_check__refuses_synchronous_commit_off(pg_url, pg_engine):
+    engine = create_engine(pg_url, connect_args={"options": "-c synchronous_commit=off"})
+    try:
+        with pytest.raises(PrerequisiteError, match="synchronous_commit is off"):
+            Inbox(engine).check()
+    finally:
+        engine.dispose()
+
+
+def test_claim__database_down_at_claim_time_is_transient_and_loses_nothing(pg_engine, pg_url):
+    # Given an engine that reaches PostgreSQL through a proxy we can break
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_engine(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
+    )
+    inbox = Inbox(engine)
+    try:
+        inbox.process(delivery("warm-up"), credit(account=9))
+        # When the database becomes unreachable
+        proxy.down()
+        with pytest.raises(DatabaseUnavailable) as info:
+            inbox.process(delivery(), credit())
+        assert info.value.message_id == "m-1"
+        # Then nothing was recorded, and once it is back the message is processed once
+        proxy.up()
+        assert inbox.process(delivery(), credit()).decision is Decision.FIRST
+        assert inbox.process(delivery(), credit()).decision is Decision.DUPLICATE
+    finally:
+        engine.dispose()
+        proxy.close()
+    with pg_engine.connect() as conn:
+        assert effects(conn, 1) == 1
+
+
+def test_claim__connection_cut_mid_transaction_commits_nothing(pg_engine, pg_url):
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_engine(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    inbox = Inbox(engine)
+
+    def cut_after_writes(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        proxy.cut()
+        session.execute(text("SELECT 1"))
+
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            inbox.process(delivery(), cut_after_writes)
+        assert inbox.process(delivery(), credit()).decision is Decision.FIRST
+    finally:
+        engine.dispose()
+        proxy.close()
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+# -- the async executor (asyncpg) ---------------------------------------------------------
+
+
+async def test_async_claim__first_duplicate_conflict(pg_async_engine, pg_engine):
+    inbox = AsyncInbox(pg_async_engine)
+    await inbox.check()
+
+    async def handler(session) -> str:
+        await apply_credit_async(session, "billing", 1, 10)
+        return "applied"
+
+    first = await inbox.process(delivery(), handler)
+    duplicate = await inbox.process(delivery(), handler)
+    conflict = await inbox.process(delivery(payload={"other": True}), handler)
+
+    assert [first.decision, duplicate.decision, conflict.decision] == [
+        Decision.FIRST, Decision.DUPLICATE, Decision.CONFLICT,
+    ]
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+async def test_async_claim__commit_refused_and_rolled_back(pg_async_engine, pg_engine):
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def commits(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        await session.commit()
+
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process(delivery(), commits)
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    assert inbox_rows(pg_engine) == 0
+
+
+async def test_async_claim__cancellation_mid_transaction_invalidates_connection(
+    pg_async_engine, pg_engine
+):
+    # Given a handler cancelled while a statement runs on the server
+    inbox = AsyncInbox(pg_async_engine)
+    started = asyncio.Event()
+
+    async def slow(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        started.set()
+        await session.execute(text("SELECT pg_sleep(30)"))
+
+    task = asyncio.create_task(inbox.process(delivery(), slow))
+    await started.wait()
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Then the server statement is cancelled, not left holding the claim's row lock
+    def sleeping() -> int:
+        with pg_engine.connect() as conn:
+            return int(conn.scalar(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
+                "AND state = 'active'"
+            )))
+
+    deadline = time.monotonic() + 5
+    while sleeping() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert sleeping() == 0
+    # and nothing was kept: the next delivery owns the message, on a working connection
+    outcome = await inbox.process(delivery(), lambda session: asyncio.sleep(0))
+    assert outcome.decision is Decision.FIRST
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0

@@ -1,0 +1,180 @@
+"""Migrations: idempotent, safe from two processes at once, equal to the table
+definitions the code builds statements from, usable from Alembic and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, inspect, text
+
+from inbox_middleware.exceptions import SchemaError
+from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware.protocol import Decision, Delivery
+from inbox_middleware.storage import LATEST_VERSION, Inbox, InboxSchema, check_schema, migrate
+from inbox_middleware.storage.tables import TABLES
+
+from ..apps.domain import apply_credit
+
+
+@pytest.fixture
+def fresh_schema(pg_engine):
+    name = f"s_{uuid.uuid4().hex[:10]}"
+    yield InboxSchema(schema=name, prefix="svc_")
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from inbox_middleware.cli import run; run()", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_migrate__twice_applies_once(pg_engine, fresh_schema):
+    assert [m.version for m in migrate(pg_engine, fresh_schema)] == list(
+        range(1, LATEST_VERSION + 1)
+    )
+    assert migrate(pg_engine, fresh_schema) == []
+    with pg_engine.connect() as conn:
+        check_schema(conn, fresh_schema)
+
+
+def test_migrate__two_processes_at_once_are_safe(pg_url, pg_engine, fresh_schema):
+    args = ["migrate", "--database-url", pg_url, "--schema", fresh_schema.schema,
+            "--prefix", fresh_schema.prefix]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "from inbox_middleware.cli import run; run()", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [proc.communicate(timeout=60) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], results
+    outputs = sorted(out for out, _ in results)
+    assert "up to date" in outputs[1] and "applied 0001_inbox" in outputs[0]
+    with pg_engine.connect() as conn:
+        versions = conn.execute(
+            text(f'SELECT version FROM "{fresh_schema.schema}".svc_inbox_schema_version')
+        ).scalars().all()
+    assert versions == list(range(1, LATEST_VERSION + 1))
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_migrations__produce_the_tables_the_code_describes(request, dialect):
+    # The migration files are the schema; the SQLAlchemy tables build the statements.
+    # Reflect what the migrations made and compare it with the definitions.
+    engine = request.getfixturevalue("pg_engine" if dialect == "postgresql" else "sqlite_engine")
+    tables = InboxSchema().tables
+    inspector = inspect(engine)
+    for table in (tables.inbox, tables.quarantine, tables.version):
+        reflected = {column["name"]: column for column in inspector.get_columns(table.name)}
+        assert set(reflected) == {column.name for column in table.columns}, table.name
+        for column in table.columns:
+            if not column.primary_key:  # SQLite reflects INTEGER PRIMARY KEY as nullable
+                assert reflected[column.name]["nullable"] == column.nullable, column.name
+            assert (
+                reflected[column.name]["type"]._type_affinity
+                is column.type.dialect_impl(engine.dialect)._type_affinity
+                or column.name in ("headers", "id")  # JSON/JSONB and identity columns
+            ), (table.name, column.name)
+        primary_key = inspector.get_pk_constraint(table.name)["constrained_columns"]
+        assert primary_key == [column.name for column in table.primary_key.columns], table.name
+    assert {name for name in TABLES} <= set(inspector.get_table_names())
+
+
+def test_configured_schema_and_prefix__whole_protocol_runs_there(pg_engine, fresh_schema):
+    migrate(pg_engine, fresh_schema)
+    inbox = Inbox(pg_engine, naming=fresh_schema)
+    inbox.check()
+    delivery = Delivery("billing", MessageIdentity("orders", "m-1"), hash_json({}, "json.v1"))
+
+    first = inbox.process(delivery, lambda s: apply_credit(s, "billing", 1, 10))
+    again = inbox.process(delivery, lambda s: apply_credit(s, "billing", 1, 10))
+
+    assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    with pg_engine.connect() as conn:
+        rows = conn.execute(
+            text(f'SELECT message_id FROM "{fresh_schema.schema}".svc_consumer_inbox')
+        ).scalars().all()
+        default_rows = conn.scalar(text("SELECT count(*) FROM public.consumer_inbox"))
+    assert (rows, default_rows) == (["m-1"], 0)
+
+
+def test_check_schema__missing_and_outdated_tables_say_to_migrate(pg_engine, fresh_schema):
+    with pg_engine.connect() as conn, pytest.raises(SchemaError, match="do not exist.*migrate"):
+        check_schema(conn, fresh_schema)
+    migrate(pg_engine, fresh_schema)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f'DELETE FROM "{fresh_schema.schema}".svc_inbox_schema_version'))
+    with pytest.raises(SchemaError, match=f"at version 0, this code needs {LATEST_VERSION}"):
+        Inbox(pg_engine, naming=fresh_schema).check()
+
+
+def test_cli_check__reports_the_version_and_fails_on_a_missing_schema(pg_url, fresh_schema):
+    missing = cli("check", "--database-url", pg_url, "--schema", fresh_schema.schema)
+    assert missing.returncode == 1
+    assert "do not exist; run `inbox-middleware migrate`" in missing.stderr
+    ok = cli("check", "--database-url", pg_url)
+    assert ok.returncode == 0, ok.stderr
+    assert f"version {LATEST_VERSION}" in ok.stdout
+
+
+def test_cli__bad_identifier_and_unreachable_database_are_one_clear_line(pg_url):
+    bad = cli("migrate", "--database-url", pg_url, "--schema", 'x"; DROP TABLE accounts; --')
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("error: schema") and "Traceback" not in bad.stderr
+    down = cli("check", "--database-url", "postgresql://postgres@127.0.0.1:1/none")
+    assert down.returncode == 1
+    assert "could not be reached" in down.stderr and "Traceback" not in down.stderr
+
+
+def test_alembic__a_revision_can_run_the_inbox_migrations(pg_url, pg_engine, tmp_path: Path):
+    # An Alembic project applies the inbox tables from one of its own revisions.
+    from alembic import command
+    from alembic.config import Config
+
+    schema = f"s_{uuid.uuid4().hex[:10]}"
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "env.py").write_text(
+        "from alembic import context\n"
+        "from sqlalchemy import create_engine\n"
+        "engine = create_engine(context.config.get_main_option('sqlalchemy.url'))\n"
+        "with engine.connect() as connection:\n"
+        "    context.configure(connection=connection, target_metadata=None)\n"
+        "    with context.begin_transaction():\n"
+        "        context.run_migrations()\n"
+        "engine.dispose()\n"
+    )
+    (tmp_path / "script.py.mako").write_text("")
+    (tmp_path / "versions" / "0001_inbox.py").write_text(
+        "from alembic import op\n"
+        "from inbox_middleware.storage import InboxSchema, migrate\n"
+        "revision = '0001'\n"
+        "down_revision = None\n"
+        "def upgrade():\n"
+        f"    migrate(op.get_bind(), InboxSchema(schema={schema!r}))\n"
+    )
+    config = Config()
+    config.set_main_option("script_location", str(tmp_path))
+    config.set_main_option("sqlalchemy.url", pg_url)
+    try:
+        command.upgrade(config, "head")
+        with pg_engine.connect() as conn:
+            check_schema(conn, InboxSchema(schema=schema))
+    finally:
+        with pg_engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
+
+
+def test_sqlite__refuses_a_schema_with_a_clear_message(tmp_path):
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with pytest.raises(Exception, match="SQLite has no schemas"):
+        migrate(engine, InboxSchema(schema="billing"))
+    engine.dispose()

@@ -1,0 +1,1 @@
+"""Test support: real services, per-run databases, fault injection, worker processes."""

@@ -1,0 +1,84 @@
+"""One database per test run, cloned from a template (PostgreSQL's CREATE ... TEMPLATE).
+
+The template holds the migrated inbox schema and the test domain; its name carries a
+digest of both, so a changed migration builds a fresh template and an unchanged one is
+reused across runs. Each run's database is dropped when the run ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from importlib import resources
+
+import psycopg
+from sqlalchemy import create_engine, text
+
+from inbox_middleware.storage import migrate
+
+from ..apps import domain
+from .services import POSTGRES, with_database
+
+
+def _digest() -> str:
+    hasher = hashlib.sha256()
+    folder = resources.files("inbox_middleware.storage").joinpath("migrations", "postgresql")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        hasher.update(entry.name.encode() + entry.read_bytes())
+    hasher.update(repr(domain.POSTGRES_DDL).encode())
+    return hasher.hexdigest()[:12]
+
+
+def _admin() -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(POSTGRES.replace("postgresql+psycopg", "postgresql"), autocommit=True)
+
+
+def create_run_database() -> str:
+    """Create this run's database; return its name."""
+    template = f"inbox_tpl_{_digest()}"
+    name = f"inbox_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with _admin() as admin:
+        # Two runs at once must not both build the template.
+        admin.execute("SELECT pg_advisory_lock(hashtext('inbox-middleware-test-template'))")
+        try:
+            if not admin.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (template,)
+            ).fetchone():
+                _build_template(admin, template)
+        finally:
+            admin.execute("SELECT pg_advisory_unlock(hashtext('inbox-middleware-test-template'))")
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return name
+
+
+def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str) -> None:
+    building = f"{template}_building"
+    admin.execute(f'DROP DATABASE IF EXISTS "{building}"')
+    admin.execute(f'CREATE DATABASE "{building}"')
+    engine = create_engine(with_database(POSTGRES, building), poolclass=None)
+    try:
+        migrate(engine)
+        with engine.begin() as conn:
+            domain.create(conn)
+    finally:
+        engine.dispose()
+    admin.execute(f'ALTER DATABASE "{building}" RENAME TO "{template}"')
+    for stale in admin.execute(
+        "SELECT datname FROM pg_database WHERE datname LIKE 'inbox\\_tpl\\_%%' AND datname <> %s",
+        (template,),
+    ).fetchall():
+        admin.execute(f'DROP DATABASE IF EXISTS "{stale[0]}"')
+
+
+def drop_database(name: str) -> None:
+    with _admin() as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def truncate(engine_url: str) -> None:
+    engine = create_engine(engine_url)
+    with engine.begin() as conn:
+        tables = ", ".join(["consumer_inbox", "inbox_quarantine", *domain.TABLES])
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    engine.dispose()

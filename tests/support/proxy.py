@@ -1,0 +1,90 @@
+"""A TCP proxy on 127.0.0.1 that a test can break: refuse new connections, cut live ones.
+
+Pointing an engine at the proxy turns "the database is down" and "the connection dropped
+mid-transaction" into real network failures, without stopping the shared server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+
+class Proxy:
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._links: list[socket.socket] = []
+        self._accepting = True
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def refuse(self) -> None:
+        """New connections are reset at once; live ones keep working."""
+        self._accepting = False
+
+    def cut(self) -> None:
+        """Reset every live connection (both directions)."""
+        with self._lock:
+            links, self._links = self._links, []
+        for sock in links:
+            _reset(sock)
+
+    def down(self) -> None:
+        self.refuse()
+        self.cut()
+
+    def up(self) -> None:
+        self._accepting = True
+
+    def close(self) -> None:
+        self._closed = True
+        self.down()
+        self._listener.close()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._accepting:
+                _reset(client)
+                continue
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                _reset(client)
+                continue
+            with self._lock:
+                self._links += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    _reset(sink)
+    _reset(source)
+
+
+def _reset(sock: socket.socket) -> None:
+    # shutdown() first: close() alone does not release a socket that a pump thread is
+    # blocked reading, so the peer would never learn the connection is gone.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()

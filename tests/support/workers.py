@@ -1,0 +1,62 @@
+"""Real Dramatiq worker processes, started with the ``dramatiq`` command and killed with
+SIGKILL (the whole process group: the command forks its worker processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerProcess:
+    def __init__(
+        self, app: str, env: dict[str, str], log: Path, *, processes: int = 1, threads: int = 4
+    ) -> None:
+        self.log = log
+        command = [
+            sys.executable, "-m", "dramatiq", app,
+            "--processes", str(processes), "--threads", str(threads),
+        ]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the command and every worker process it forked."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Stop gracefully (SIGTERM), falling back to SIGKILL."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
