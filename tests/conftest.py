@@ -90,10 +90,15 @@ def queue() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-def _fast_retries(broker: dramatiq.Broker) -> None:
+def _ready(broker: dramatiq.Broker) -> None:
+    """As the dramatiq command prepares a broker: AsyncIO, the process_boot signal (which
+    starts the TimeLimit monitor), and retries fast enough for tests."""
+    broker.add_middleware(AsyncIO())
     for middleware in broker.middleware:
         if isinstance(middleware, Retries):
             middleware.min_backoff, middleware.max_backoff = 50, 500
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
 
 
 @pytest.fixture
@@ -105,9 +110,7 @@ def redis_broker(queue: str) -> Iterator[dramatiq.Broker]:
         url=services.REDIS, namespace=f"inbox-test-{queue}", heartbeat_timeout=1000,
         maintenance_chance=1_000_000,
     )
-    broker.add_middleware(AsyncIO())
-    _fast_retries(broker)
-    dramatiq.set_broker(broker)
+    _ready(broker)
     yield broker
     for key in broker.client.scan_iter(f"inbox-test-{queue}*"):
         broker.client.delete(key)
@@ -120,9 +123,7 @@ def rabbitmq_broker(queue: str) -> Iterator[dramatiq.Broker]:
 
     services.require(services.RABBITMQ, "RabbitMQ")
     broker = RabbitmqBroker(url=services.RABBITMQ, confirm_delivery=True)
-    broker.add_middleware(AsyncIO())
-    _fast_retries(broker)
-    dramatiq.set_broker(broker)
+    _ready(broker)
     yield broker
     with contextlib.suppress(Exception):
         channel = broker.channel
@@ -142,8 +143,6 @@ def stub_broker() -> Iterator[dramatiq.Broker]:
     from dramatiq.brokers.stub import StubBroker
 
     broker = StubBroker()
-    broker.emit_after("process_boot")
-    _fast_retries(broker)
-    dramatiq.set_broker(broker)
+    _ready(broker)
     yield broker
     broker.close()

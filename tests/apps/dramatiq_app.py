@@ -37,7 +37,7 @@ SLEEP = float(ENV.get("INBOX_TEST_SLEEP", "0"))
 
 def pause_point(name: str, message_id: str) -> None:
     """Stop here, once across all processes, until the test kills this process."""
-    if PAUSE_AT != name:
+    if name != PAUSE_AT:
         return
     try:
         fd = os.open(os.path.join(MARKERS, f"{name}.paused"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)

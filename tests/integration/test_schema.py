@@ -85,7 +85,7 @@ def test_migrations__produce_the_tables_the_code_describes(request, dialect):
             ), (table.name, column.name)
         primary_key = inspector.get_pk_constraint(table.name)["constrained_columns"]
         assert primary_key == [column.name for column in table.primary_key.columns], table.name
-    assert {name for name in TABLES} <= set(inspector.get_table_names())
+    assert set(TABLES) <= set(inspector.get_table_names())
 
 
 def test_configured_schema_and_prefix__whole_protocol_runs_there(pg_engine, fresh_schema):

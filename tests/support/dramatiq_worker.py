@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import dramatiq
@@ -19,7 +20,28 @@ def running_worker(broker: dramatiq.Broker, threads: int = 4) -> Iterator[dramat
 
 
 def drain(broker: dramatiq.Broker, queue: str, worker: dramatiq.Worker, timeout: int = 30) -> None:
-    """Wait until the queue (and its delay queue) is empty and the worker idle."""
-    broker.join(queue, timeout=timeout * 1000)
-    worker.join()
+    """Wait until nothing is queued, delayed, unacked or in progress, twice in a row.
 
+    A failed attempt's retry goes through the delay queue after the attempt finished,
+    so one join is not enough; settle only when a whole round finds nothing to do.
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"queue {queue} did not drain in {timeout}s")
+        broker.join(queue, timeout=timeout * 1000)
+        worker.join()
+        time.sleep(0.1)
+        quiet = quiet + 1 if _pending(broker, queue, worker) == 0 else 0
+
+
+def _pending(broker: dramatiq.Broker, queue: str, worker: dramatiq.Worker) -> int:
+    in_worker = worker.work_queue.unfinished_tasks + sum(
+        consumer.delay_queue.unfinished_tasks for consumer in worker.consumers.values()
+    )
+    if hasattr(broker, "do_qsize"):  # Redis: queued, delayed and unacked messages
+        return in_worker + int(broker.do_qsize(queue))
+    if hasattr(broker, "get_queue_message_counts"):  # RabbitMQ: queued and delayed
+        return in_worker + sum(broker.get_queue_message_counts(queue)[:-1])
+    return in_worker + broker.queues[queue].qsize() + broker.queues[f"{queue}.DQ"].qsize()

@@ -3,6 +3,7 @@ SIGKILL (the whole process group: the command forks its worker processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,10 +35,8 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """SIGKILL the command and every worker process it forked."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:

@@ -78,6 +78,10 @@ def test_claim__row_purged_between_insert_and_lookup_is_claimed_again():
 def test_claim__gives_up_when_the_row_keeps_vanishing():
     steps = claim_steps(delivery())
     next(steps)
-    with pytest.raises(TransactionConflict):
+
+    def answer_forever() -> None:
         for answer in [False, None] * 10:
             steps.send(answer)
+
+    with pytest.raises(TransactionConflict):
+        answer_forever()

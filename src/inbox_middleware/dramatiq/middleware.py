@@ -22,6 +22,7 @@ to the dead-letter queue.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -70,6 +71,7 @@ __all__ = [
     "ActorConfigurationError",
     "InboxMiddleware",
     "MissingIdentityPolicy",
+    "WorkerBootError",
     "current_async_session",
     "current_session",
     "identity",
@@ -144,6 +146,10 @@ class ActorConfigurationError(ConfigurationError, MiddlewareError):
     A `MiddlewareError`, because Dramatiq logs and swallows any other exception raised
     while an actor is declared, which would leave the actor running unprotected.
     """
+
+
+class WorkerBootError(ConfigurationError, MiddlewareError):
+    """The worker must not start: the inbox's schema or database settings are wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,16 +332,37 @@ class InboxMiddleware(dramatiq.Middleware):
     # -- worker boot ----------------------------------------------------------------------
 
     def before_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if self.check_database and self.inbox is not None and self._actors:
-            self.inbox.check()
-            _check_pool(self.inbox.engine, worker.worker_threads)
+        """Refuse to start a worker whose database would break the guarantee."""
+        if not (self.check_database and self._actors):
+            return
+        try:
+            if self.inbox is not None:
+                self.inbox.check()
+                _check_pool(self.inbox.engine, worker.worker_threads)
+            if self.async_inbox is not None:
+                asyncio.run(_check_async(self.async_inbox))
+                _check_pool(self.async_inbox.engine.sync_engine, worker.worker_threads)
+        except InboxError as exc:
+            # A MiddlewareError, or Dramatiq would log this and start the worker anyway.
+            raise WorkerBootError(str(exc)) from exc
 
-    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if self.check_database and self.async_inbox is not None and self._actors:
-            loop_thread = get_event_loop_thread()
-            if loop_thread is not None:
-                loop_thread.run_coroutine(self.async_inbox.check())
-            _check_pool(self.async_inbox.engine.sync_engine, worker.worker_threads)
+
+    def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        # asyncpg connections belong to Dramatiq's event loop; close them on it while it
+        # still runs (AsyncIO stops it in its own after_worker_shutdown, which runs after
+        # this one when AsyncIO was added first, as usual).
+        loop_thread = get_event_loop_thread()
+        if self.async_inbox is not None and loop_thread and loop_thread.loop.is_running():
+            loop_thread.run_coroutine(self.async_inbox.engine.dispose())
+
+
+async def _check_async(inbox: AsyncInbox) -> None:
+    # Runs on a private event loop before Dramatiq's starts: its connections must not
+    # outlive this loop, so the pool is emptied before returning.
+    try:
+        await inbox.check()
+    finally:
+        await inbox.engine.dispose()
 
 
 class _InboxActor:

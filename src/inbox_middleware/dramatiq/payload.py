@@ -75,8 +75,9 @@ class ActorPayload:
         try:
             bound = self.signature.bind(*message.args, **message.kwargs)
         except TypeError as exc:
+            parameters = ", ".join(self.signature.parameters)
             raise PayloadNotHashable(
-                f"the arguments do not match {self.actor_name}{self.signature}: {exc}"
+                f"the arguments do not match {self.actor_name}({parameters}): {exc}"
             ) from None
         return dict(bound.arguments)
 
