@@ -107,7 +107,9 @@ def redis_broker(queue: str) -> Iterator[dramatiq.Broker]:
 
     services.require(services.REDIS, "Redis")
     broker = RedisBroker(
-        url=services.REDIS, namespace=f"inbox-test-{queue}", heartbeat_timeout=1000,
+        url=services.REDIS,
+        namespace=f"inbox-test-{queue}",
+        heartbeat_timeout=1000,
         maintenance_chance=1_000_000,
     )
     _ready(broker)

@@ -12,6 +12,7 @@ INBOX_TEST_MARKERS        folder where "<point>.paused" is written on reaching i
 INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <id>"
 INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
 INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
+INBOX_TEST_SCHEMA         the schema of the inbox tables (default: public)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dramatiq.middleware import CurrentMessage, Middleware
 from sqlalchemy import create_engine
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
+from inbox_middleware.storage import InboxSchema
 
 from .domain import apply_credit
 
@@ -87,7 +89,11 @@ broker.add_middleware(CrashPoints())
 broker.add_middleware(CurrentMessage())
 engine = create_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 broker.add_middleware(
-    InboxMiddleware(engine, lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")))
+    InboxMiddleware(
+        engine,
+        naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
+        lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
+    )
 )
 dramatiq.set_broker(broker)
 

@@ -383,7 +383,9 @@ async def test_async_claim__first_duplicate_conflict(pg_async_engine, pg_engine)
     conflict = await inbox.process(delivery(payload={"other": True}), handler)
 
     assert [first.decision, duplicate.decision, conflict.decision] == [
-        Decision.FIRST, Decision.DUPLICATE, Decision.CONFLICT,
+        Decision.FIRST,
+        Decision.DUPLICATE,
+        Decision.CONFLICT,
     ]
     with pg_engine.connect() as conn:
         assert effects(conn) == 1
@@ -421,13 +423,18 @@ async def test_async_claim__cancellation_mid_transaction_invalidates_connection(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
     # Then the server statement is cancelled, not left holding the claim's row lock
     def sleeping() -> int:
         with pg_engine.connect() as conn:
-            return int(conn.scalar(text(
-                "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
-                "AND state = 'active'"
-            )))
+            return int(
+                conn.scalar(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
+                        "AND state = 'active'"
+                    )
+                )
+            )
 
     deadline = time.monotonic() + 5
     while sleeping() and time.monotonic() < deadline:

@@ -108,7 +108,9 @@ def test_dramatiq__sequential_duplicate_has_one_effect(broker, queue, pg_engine,
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
         row = conn.execute(text("SELECT * FROM consumer_inbox")).mappings().one()
     assert (row["consumer_name"], row["producer_name"], row["message_id"]) == (
-        "billing", "orders", "ord-1",
+        "billing",
+        "orders",
+        "ord-1",
     )
     assert (row["handler_version"], row["hash_scheme"]) == ("3", "dramatiq.v1")
     assert dead_letters(broker, queue) == 0
@@ -252,7 +254,8 @@ def test_dramatiq__duplicate_of_a_long_handler_waits_lock_timeout_then_is_skippe
         duplicate = send(slow, 7, 10)
         in_progress = wait_for(
             lambda: [f for f in recorder.failures if isinstance(f.__cause__, ClaimInProgress)],
-            timeout=5, what="the duplicate to give up",
+            timeout=5,
+            what="the duplicate to give up",
         )
         waited = time.monotonic() - recorder.started[duplicate.message_id]
         drain(broker, queue, worker)
@@ -330,10 +333,12 @@ def test_dramatiq__time_limit_mid_transaction_invalidates_the_connection(
     assert len(attempts) == 2
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
-        idle = conn.scalar(text(
-            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
-            "AND datname = current_database()"
-        ))
+        idle = conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                "AND datname = current_database()"
+            )
+        )
     assert idle == 0
 
 
@@ -358,7 +363,8 @@ def test_dramatiq__database_down_at_claim_time_retries_and_loses_nothing(
             # When the claim cannot reach the database, the attempt fails as transient
             wait_for(
                 lambda: any(isinstance(f, DatabaseUnavailable) for f in recorder.failures),
-                timeout=10, what="a failed claim",
+                timeout=10,
+                what="a failed claim",
             )
             with pg_engine.connect() as conn:
                 assert effects(conn) == 0

@@ -31,7 +31,9 @@ def fresh_schema(pg_engine):
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", "from inbox_middleware.cli import run; run()", *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -45,12 +47,21 @@ def test_migrate__twice_applies_once(pg_engine, fresh_schema):
 
 
 def test_migrate__two_processes_at_once_are_safe(pg_url, pg_engine, fresh_schema):
-    args = ["migrate", "--database-url", pg_url, "--schema", fresh_schema.schema,
-            "--prefix", fresh_schema.prefix]
+    args = [
+        "migrate",
+        "--database-url",
+        pg_url,
+        "--schema",
+        fresh_schema.schema,
+        "--prefix",
+        fresh_schema.prefix,
+    ]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", "from inbox_middleware.cli import run; run()", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(2)
     ]
@@ -59,9 +70,13 @@ def test_migrate__two_processes_at_once_are_safe(pg_url, pg_engine, fresh_schema
     outputs = sorted(out for out, _ in results)
     assert "up to date" in outputs[1] and "applied 0001_inbox" in outputs[0]
     with pg_engine.connect() as conn:
-        versions = conn.execute(
-            text(f'SELECT version FROM "{fresh_schema.schema}".svc_inbox_schema_version')
-        ).scalars().all()
+        versions = (
+            conn.execute(
+                text(f'SELECT version FROM "{fresh_schema.schema}".svc_inbox_schema_version')
+            )
+            .scalars()
+            .all()
+        )
     assert versions == list(range(1, LATEST_VERSION + 1))
 
 
@@ -99,9 +114,11 @@ def test_configured_schema_and_prefix__whole_protocol_runs_there(pg_engine, fres
 
     assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
     with pg_engine.connect() as conn:
-        rows = conn.execute(
-            text(f'SELECT message_id FROM "{fresh_schema.schema}".svc_consumer_inbox')
-        ).scalars().all()
+        rows = (
+            conn.execute(text(f'SELECT message_id FROM "{fresh_schema.schema}".svc_consumer_inbox'))
+            .scalars()
+            .all()
+        )
         default_rows = conn.scalar(text("SELECT count(*) FROM public.consumer_inbox"))
     assert (rows, default_rows) == (["m-1"], 0)
 

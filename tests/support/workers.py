@@ -20,8 +20,14 @@ class WorkerProcess:
     ) -> None:
         self.log = log
         command = [
-            sys.executable, "-m", "dramatiq", app,
-            "--processes", str(processes), "--threads", str(threads),
+            sys.executable,
+            "-m",
+            "dramatiq",
+            app,
+            "--processes",
+            str(processes),
+            "--threads",
+            str(threads),
         ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(

@@ -280,12 +280,16 @@ class InboxMiddleware(dramatiq.Middleware):
                 logger.warning(
                     "processing message %s for %s WITHOUT deduplication: %s "
                     "(missing_identity='process')",
-                    message.message_id, bound.consumer, exc,
+                    message.message_id,
+                    bound.consumer,
+                    exc,
                 )
                 self._pending.value = _Pending(message, None)
                 return
             self._reject(
-                message, bound, exc,
+                message,
+                bound,
+                exc,
                 hint="; send it with **identity(producer=..., message_id=...)",
             )
         except (IdentityError, PayloadNotHashable) as exc:
@@ -322,9 +326,15 @@ class InboxMiddleware(dramatiq.Middleware):
     ) -> None:
         logger.error(
             "rejecting message %s for consumer %s to the dead-letter queue: %s%s",
-            message.message_id, bound.consumer, exc, hint,
-            extra={"inbox_event": "rejected", "inbox_consumer": bound.consumer,
-                   "inbox_reason": type(exc).__name__},
+            message.message_id,
+            bound.consumer,
+            exc,
+            hint,
+            extra={
+                "inbox_event": "rejected",
+                "inbox_consumer": bound.consumer,
+                "inbox_reason": type(exc).__name__,
+            },
         )
         message.fail()
         raise SkipMessage(str(exc))
@@ -345,7 +355,6 @@ class InboxMiddleware(dramatiq.Middleware):
         except InboxError as exc:
             # A MiddlewareError, or Dramatiq would log this and start the worker anyway.
             raise WorkerBootError(str(exc)) from exc
-
 
     def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         # asyncpg connections belong to Dramatiq's event loop; close them on it while it
@@ -542,5 +551,7 @@ def _check_pool(engine: Engine, threads: int) -> None:
         logger.warning(
             "the connection pool holds at most %d connections for %d worker threads: threads "
             "will wait for connections; set pool_size (plus max_overflow) to at least %d",
-            size() + overflow, threads, threads,
+            size() + overflow,
+            threads,
+            threads,
         )

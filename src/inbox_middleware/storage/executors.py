@@ -112,8 +112,12 @@ class _Attempts:
         """
         failure = classify(exc)
         if failure is Failure.SERIALIZATION and self.number <= self.retries:
-            _log(logging.INFO, "retrying after a serialization failure", self.delivery,
-                 attempt=self.number)
+            _log(
+                logging.INFO,
+                "retrying after a serialization failure",
+                self.delivery,
+                attempt=self.number,
+            )
             return True
         mapped = transient_error(exc, failure, self.delivery, claimed=self.claimed)
         if mapped is not None:
@@ -341,8 +345,12 @@ def _log_verdict(delivery: Delivery, verdict: Verdict) -> None:
         note = "" if verdict.verified else " (stored hash scheme unknown, payload not compared)"
         _log(logging.INFO, "duplicate delivery skipped" + note, delivery, decision=verdict.decision)
     else:
-        _log(logging.WARNING, "identity conflict: same message id, different payload", delivery,
-             decision=verdict.decision)
+        _log(
+            logging.WARNING,
+            "identity conflict: same message id, different payload",
+            delivery,
+            decision=verdict.decision,
+        )
 
 
 def _log(level: int, event: str, delivery: Delivery, **fields: object) -> None:
@@ -359,6 +367,9 @@ def _log(level: int, event: str, delivery: Delivery, **fields: object) -> None:
     logger.log(
         level,
         "%s: consumer=%s producer=%s message_id=%s",
-        event, delivery.consumer, delivery.identity.producer, delivery.identity.message_id,
+        event,
+        delivery.consumer,
+        delivery.identity.producer,
+        delivery.identity.message_id,
         extra=extra,
     )

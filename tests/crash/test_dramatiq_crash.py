@@ -1,0 +1,185 @@
+"""Real `dramatiq` worker processes, killed with SIGKILL at named points.
+
+Each test starts workers with the command line on `tests.apps.dramatiq_app`, lets the
+first message reach a point where that process stops (it writes ``<point>.paused`` and
+waits), kills the whole process group, starts fresh workers and checks that the message
+was redelivered and applied exactly once.
+
+    before_claim   before the inbox INSERT          nothing was written
+    in_body        after the claim and the writes,  the server rolls the transaction back
+                   before the commit
+    after_commit   after the commit, before the ack the redelivery must be a duplicate
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import dramatiq
+import pytest
+from sqlalchemy import text
+
+from inbox_middleware.dramatiq import identity
+
+from ..apps.domain import balance, effects
+from ..support import services
+from ..support.workers import WorkerProcess, wait_for
+
+APP = "tests.apps.dramatiq_app"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["rabbitmq", "redis"])
+def broker_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def setup(broker_kind, queue, pg_url, pg_engine, tmp_path: Path):
+    """Environment for worker processes, and a producer-side broker."""
+    services.require(
+        services.RABBITMQ if broker_kind == "rabbitmq" else services.REDIS, broker_kind
+    )
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {
+        "INBOX_TEST_DATABASE_URL": pg_url,
+        "INBOX_TEST_BROKER": broker_kind,
+        "INBOX_TEST_BROKER_URL": services.RABBITMQ if broker_kind == "rabbitmq" else services.REDIS,
+        "INBOX_TEST_NAMESPACE": f"inbox-test-{queue}",
+        "INBOX_TEST_QUEUE": queue,
+        "INBOX_TEST_MARKERS": str(markers),
+        "INBOX_TEST_ARRIVALS": str(tmp_path / "arrivals.log"),
+    }
+    producer = _producer(broker_kind, queue)
+    started: list[WorkerProcess] = []
+
+    def start(count: int = 1, threads: int = 4, **extra: str) -> WorkerProcess:
+        worker = WorkerProcess(
+            APP,
+            env | extra,
+            tmp_path / f"worker-{len(started)}.log",
+            processes=count,
+            threads=threads,
+        )
+        started.append(worker)
+        return worker
+
+    yield start, producer, markers, tmp_path
+    for worker in started:
+        worker.kill()
+    _cleanup(producer, broker_kind, queue)
+
+
+def _producer(kind: str, queue: str):
+    if kind == "rabbitmq":
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        broker = RabbitmqBroker(url=services.RABBITMQ, confirm_delivery=True)
+    else:
+        from dramatiq.brokers.redis import RedisBroker
+
+        broker = RedisBroker(url=services.REDIS, namespace=f"inbox-test-{queue}")
+    # The producer only needs the actor's name and queue, not its code or the inbox.
+    actor = dramatiq.actor(
+        lambda account_id, delta: None, actor_name="add_credit", queue_name=queue, broker=broker
+    )
+    return actor
+
+
+def _cleanup(actor, kind: str, queue: str) -> None:
+    broker = actor.broker
+    if kind == "rabbitmq":
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+            broker.channel.queue_delete(name)
+    else:
+        for key in broker.client.scan_iter(f"inbox-test-{queue}*"):
+            broker.client.delete(key)
+    broker.close()
+
+
+def send(actor, account_id: int, delta: int, message_id: str) -> None:
+    actor.send_with_options(
+        args=(account_id, delta), **identity(producer="orders", message_id=message_id)
+    )
+
+
+def inbox_rows(pg_engine) -> int:
+    with pg_engine.connect() as conn:
+        return int(conn.scalar(text("SELECT count(*) FROM consumer_inbox")))
+
+
+def applied(pg_engine, account_id: int) -> int:
+    with pg_engine.connect() as conn:
+        return effects(conn, account_id)
+
+
+@pytest.mark.parametrize("point", ["before_claim", "in_body", "after_commit"])
+def test_crash__killed_worker_message_is_redelivered_and_applied_once(setup, pg_engine, point):
+    start, producer, markers, _ = setup
+    # Given a worker that will stop at `point` on its first message
+    first = start(INBOX_TEST_PAUSE_AT=point)
+    send(producer, 7, 10, "ord-1")
+    wait_for((markers / f"{point}.paused").exists, timeout=30, what=point)
+    committed = inbox_rows(pg_engine)
+    # When it is killed there (after_commit: the commit is durable, the ack never sent)
+    first.kill()
+    assert committed == (1 if point == "after_commit" else 0)
+    # Then a fresh worker gets the message again and the effect exists exactly once
+    second = start()
+    wait_for(lambda: applied(pg_engine, 7) == 1, timeout=30, what="the effect")
+    time.sleep(2)  # a redelivery processed twice would show up here
+    second.stop()
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
+    assert inbox_rows(pg_engine) == 1
+    if point == "after_commit":
+        assert "duplicate delivery for billing" in second.output() or (
+            "was skipped" in second.output()
+        )
+
+
+def test_crash__sixteen_concurrent_deliveries_across_four_processes(setup, pg_engine):
+    start, producer, _, tmp_path = setup
+    # Given four worker processes with four threads each (each taking at most four
+    # messages at a time), and a handler that holds its claim for two seconds
+    workers = start(count=4, threads=4, INBOX_TEST_SLEEP="2", dramatiq_queue_prefetch="4")
+    time.sleep(3)  # let every process connect before the burst
+    message_id = f"ord-{uuid.uuid4().hex[:6]}"
+    # When the same intent is delivered sixteen times at once
+    for _ in range(16):
+        send(producer, 7, 10, message_id)
+    wait_for(lambda: applied(pg_engine, 7) == 1, timeout=30, what="the effect")
+    arrivals = wait_for(
+        lambda: _arrivals(tmp_path / "arrivals.log", 16), timeout=30, what="16 arrivals"
+    )
+    time.sleep(3)
+    workers.stop()
+    # Then they were spread over several processes, all arrived while the first
+    # transaction was still open, and the effect was applied once
+    with pg_engine.connect() as conn:
+        applied_at = conn.scalar(text("SELECT extract(epoch FROM applied_at) FROM ledger"))
+    assert len({pid for _, pid in arrivals}) >= 2
+    assert max(t for t, _ in arrivals) < float(applied_at) + 2
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
+
+
+def _arrivals(path: Path, count: int) -> list[tuple[float, int]] | None:
+    if not path.exists():
+        return None
+    lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    return [(float(t), int(pid)) for t, pid, _ in lines] if len(lines) >= count else None
+
+
+def test_crash__worker_refuses_to_boot_on_a_missing_schema(setup):
+    start, _, _, _ = setup
+    worker = start(INBOX_TEST_SCHEMA="never_migrated")
+    wait_for(
+        lambda: "WorkerBootError" in worker.output() or worker.proc.poll() is not None,
+        timeout=30,
+        what="the boot failure",
+    )
+    assert "do not exist; run `inbox-middleware migrate`" in worker.output()
