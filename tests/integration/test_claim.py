@@ -298,7 +298,7 @@ def test_claim__deadlock_between_handlers_is_retried_in_process(pg_engine):
         assert (balance(conn, 1), balance(conn, 2), effects(conn)) == (2, 2, 4)
 
 
-def test_claim__runs_at_read_committed_even_on_a_repeatable_read_engine(pg_url):
+def test_claim__runs_at_read_committed_even_on_a_repeatable_read_engine(pg_url, pg_engine):
     engine = create_engine(pg_url, isolation_level="REPEATABLE READ")
     try:
         inbox = Inbox(engine)

@@ -19,11 +19,11 @@ in the middle of a driver call; the connection is then invalidated, never reused
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Dialect, Engine, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -80,8 +80,21 @@ class _Base:
         self.serialization_retries = serialization_retries
         self.statements = ClaimStatements(self.naming, dialect, lock_timeout)
         # READ COMMITTED: a claim must see rows committed after its snapshot. Forced on
-        # PostgreSQL whatever the engine's default; SQLite has a single writer anyway.
+        # PostgreSQL until the engine is known to default to it (forcing it costs a
+        # set-and-reset of the connection on every checkout); SQLite has one writer.
         self._connection_options = _READ_COMMITTED if dialect == "postgresql" else {}
+        self._isolation_known = dialect != "postgresql"
+
+    def _learn_isolation(self, dialect: Dialect, engine_options: Mapping[str, Any]) -> None:
+        """After the first connection: stop forcing READ COMMITTED if it is the default."""
+        self._isolation_known = True
+        levels = {
+            engine_options.get("isolation_level"),
+            getattr(dialect, "isolation_level", None),
+            dialect.default_isolation_level,
+        }
+        if levels <= {None, "READ COMMITTED"} and dialect.default_isolation_level:
+            self._connection_options = {}
 
     def _check_settings(self, synchronous_commit: str | None) -> None:
         if synchronous_commit == "off":
@@ -176,6 +189,8 @@ class Inbox(_Base):
             session = self._sessions()
             try:
                 conn = session.connection(execution_options=self._connection_options)
+                if not self._isolation_known:
+                    self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = _drive(attempts.steps(), conn, self.statements)
                 result = handler(session) if verdict.decision is Decision.FIRST else None
                 Session.commit(session)
@@ -247,6 +262,8 @@ class AsyncInbox(_Base):
             session = AsyncSession(**self._session_options)
             try:
                 conn = await session.connection(execution_options=self._connection_options)
+                if not self._isolation_known:
+                    self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = await _drive_async(attempts.steps(), conn, self.statements)
                 result = await handler(session) if verdict.decision is Decision.FIRST else None
                 await session.run_sync(Session.commit)
