@@ -42,9 +42,9 @@ def main() -> None:
     }
     results: dict[str, list[float]] = {"unprotected": [], "service": []}
     for rep in range(args.reps):
-        for module in results:
+        for module, rates in results.items():
             rate = run_once(module, args.messages, env)
-            results[module].append(rate)
+            rates.append(rate)
             print(f"rep {rep + 1} {module:12s} {rate:8.0f} msg/s", flush=True)
     bare = statistics.median(results["unprotected"])
     inbox = statistics.median(results["service"])
