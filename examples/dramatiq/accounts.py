@@ -16,6 +16,7 @@ BROKER_URL = os.environ.get("BROKER_URL", "redis://127.0.0.1:6379/0")
 QUEUE = os.environ.get("ACCOUNTS_QUEUE", "accounts")
 
 
+# --8<-- [start:credit]
 def credit(session: Session, account_id: int, amount: int, order_id: str) -> None:
     """Credit an account for an order and journal it. Not idempotent on its own."""
     session.execute(
@@ -26,6 +27,9 @@ def credit(session: Session, account_id: int, amount: int, order_id: str) -> Non
         text("INSERT INTO credits (account_id, amount, order_id) VALUES (:id, :amount, :order)"),
         {"id": account_id, "amount": amount, "order": order_id},
     )
+
+
+# --8<-- [end:credit]
 
 
 def engine_from_env() -> Engine:

@@ -31,6 +31,7 @@ def _orders(count: int, accounts: int, seed: int) -> list[tuple[int, int, str]]:
     return [(rng.randint(1, accounts), rng.randint(1, 100), f"order-{n}") for n in range(count)]
 
 
+# --8<-- [start:send]
 def send_orders(actor, *, orders: int, accounts: int, seed: int = 7) -> Sent:
     """Every order once, every third one twice (a retry right after the first send)."""
     sent = Sent()
@@ -43,6 +44,9 @@ def send_orders(actor, *, orders: int, accounts: int, seed: int = 7) -> Sent:
             actor.send_with_options(args=(account, amount, order_id), **options)
             sent.duplicates += 1
     return sent
+
+
+# --8<-- [end:send]
 
 
 def send_conflicts(actor, sent: Sent, *, orders: int, accounts: int, seed: int = 7) -> None:

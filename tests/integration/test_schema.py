@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect, text
@@ -149,45 +148,6 @@ def test_cli__bad_identifier_and_unreachable_database_are_one_clear_line(pg_url)
     down = cli("check", "--database-url", "postgresql://postgres@127.0.0.1:1/none")
     assert down.returncode == 1
     assert "could not be reached" in down.stderr and "Traceback" not in down.stderr
-
-
-def test_alembic__a_revision_can_run_the_inbox_migrations(pg_url, pg_engine, tmp_path: Path):
-    # An Alembic project applies the inbox tables from one of its own revisions.
-    from alembic import command
-    from alembic.config import Config
-
-    schema = f"s_{uuid.uuid4().hex[:10]}"
-    (tmp_path / "versions").mkdir()
-    (tmp_path / "env.py").write_text(
-        "from alembic import context\n"
-        "from sqlalchemy import create_engine\n"
-        "engine = create_engine(context.config.get_main_option('sqlalchemy.url'))\n"
-        "with engine.connect() as connection:\n"
-        "    context.configure(connection=connection, target_metadata=None)\n"
-        "    with context.begin_transaction():\n"
-        "        context.run_migrations()\n"
-        "engine.dispose()\n"
-    )
-    (tmp_path / "script.py.mako").write_text("")
-    (tmp_path / "versions" / "0001_inbox.py").write_text(
-        "from alembic import op\n"
-        "from inbox_middleware.storage import InboxSchema, migrate\n"
-        "revision = '0001'\n"
-        "down_revision = None\n"
-        "def upgrade():\n"
-        f"    migrate(op.get_bind(), InboxSchema(schema={schema!r}))\n"
-    )
-    config = Config()
-    config.set_main_option("script_location", str(tmp_path))
-    config.set_main_option("sqlalchemy.url", pg_url)
-    try:
-        command.upgrade(config, "head")
-        with pg_engine.connect() as conn:
-            check_schema(conn, InboxSchema(schema=schema))
-    finally:
-        with pg_engine.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
 
 
 def test_sqlite__refuses_a_schema_with_a_clear_message(tmp_path):
