@@ -31,7 +31,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import dramatiq
 from dramatiq import Broker
@@ -40,7 +40,6 @@ from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ..exceptions import (
@@ -53,7 +52,7 @@ from ..exceptions import (
 )
 from ..identity import MAX_NAME_LENGTH, MessageIdentity, validate_name
 from ..protocol import Decision, Delivery
-from ..storage import AsyncInbox, Inbox, InboxSchema, Outcome
+from ..storage import Inbox, InboxSchema, Outcome
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .payload import (
     BROKER_ID_PRODUCER,
@@ -66,6 +65,11 @@ from .payload import (
     identity_options,
 )
 from .routing import QuarantinePublisher, publisher_for
+
+if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+    from ..storage.aio import AsyncInbox
 
 __all__ = [
     "ActorConfigurationError",
@@ -88,7 +92,7 @@ MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
 ``send``, so it catches redeliveries and retries but not a producer sending twice.
 """
 
-_session: ContextVar[Session | AsyncSession | None] = ContextVar(
+_session: ContextVar[Session | AsyncSession | None] = ContextVar(  # AsyncSession: async actors
     "inbox_middleware_session", default=None
 )
 
@@ -101,7 +105,7 @@ def current_session() -> Session:
     session = _session.get()
     if isinstance(session, Session):
         return session
-    if isinstance(session, AsyncSession):
+    if session is not None:
         raise InboxError("this actor is async; use current_async_session()")
     raise InboxError("current_session() works only inside an actor declared with inbox_consumer")
 
@@ -109,10 +113,10 @@ def current_session() -> Session:
 def current_async_session() -> AsyncSession:
     """The `AsyncSession` of the running inbox actor's transaction (``async def`` actors)."""
     session = _session.get()
-    if isinstance(session, AsyncSession):
-        return session
     if isinstance(session, Session):
         raise InboxError("this actor is not async; use current_session()")
+    if session is not None:
+        return session
     raise InboxError(
         "current_async_session() works only inside an actor declared with inbox_consumer"
     )
@@ -199,7 +203,7 @@ class InboxMiddleware(dramatiq.Middleware):
         canonical_form: CanonicalForm | None = None,
         check_database: bool = True,
     ) -> None:
-        if isinstance(engine, AsyncEngine):
+        if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
             if async_engine is not None:
                 raise ConfigurationError("pass the AsyncEngine once")
             engine, async_engine = None, engine
@@ -209,7 +213,11 @@ class InboxMiddleware(dramatiq.Middleware):
             "serialization_retries": serialization_retries,
         }
         self.inbox = Inbox(engine, **settings) if engine is not None else None
-        self.async_inbox = AsyncInbox(async_engine, **settings) if async_engine else None
+        self.async_inbox: AsyncInbox | None = None
+        if async_engine is not None:
+            from ..storage.aio import AsyncInbox
+
+            self.async_inbox = AsyncInbox(async_engine, **settings)
         if self.inbox is None and self.async_inbox is None:
             raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
         self.missing_identity = _check_policy(missing_identity)

@@ -1,7 +1,9 @@
 """Storage: the inbox tables, their SQL and migrations, and the executors that run the
 claim protocol inside the caller's transaction."""
 
-from .executors import AsyncInbox, Inbox, Outcome
+from typing import TYPE_CHECKING, Any
+
+from .executors import Inbox, Outcome
 from .migrate import LATEST_VERSION, check_schema, exclude_inbox_tables, migrate, render_sql
 from .session import InboxSession
 from .tables import InboxSchema
@@ -18,3 +20,15 @@ __all__ = [
     "migrate",
     "render_sql",
 ]
+
+if TYPE_CHECKING:
+    from .aio import AsyncInbox
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncInbox needs SQLAlchemy's asyncio extra (greenlet): import it only when asked.
+    if name == "AsyncInbox":
+        from .aio import AsyncInbox
+
+        return AsyncInbox
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

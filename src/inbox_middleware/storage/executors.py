@@ -1,9 +1,9 @@
 """Run a delivery through the claim protocol in one database transaction.
 
-`Inbox` drives a synchronous `Engine` (psycopg, sqlite3); `AsyncInbox` an `AsyncEngine`
-(asyncpg). Both feed the same `protocol.claim_steps` machine with the same
-`ClaimStatements`, and decide retries with the same `_Attempts`; they differ only in
-whether a call is awaited. One attempt is::
+`Inbox` drives a synchronous `Engine` (psycopg, sqlite3); `AsyncInbox` (in `.aio`, which
+needs SQLAlchemy's asyncio extra) an `AsyncEngine` (asyncpg). Both feed the same
+`protocol.claim_steps` machine with the same `ClaimStatements`, and decide retries with
+the same `_Attempts`; they differ only in whether a call is awaited. One attempt is::
 
     BEGIN (READ COMMITTED)
     claim ── FIRST ────────> handler(session) ──> COMMIT ──> return: caller may ack
@@ -19,12 +19,11 @@ in the middle of a driver call; the connection is then invalidated, never reused
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Dialect, Engine, text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..exceptions import ConfigurationError, PrerequisiteError
@@ -35,7 +34,7 @@ from .session import InboxSession
 from .statements import ClaimStatements
 from .tables import InboxSchema
 
-__all__ = ["AsyncInbox", "Inbox", "Outcome"]
+__all__ = ["Inbox", "Outcome"]
 
 R = TypeVar("R")
 logger = logging.getLogger("inbox_middleware")
@@ -225,75 +224,6 @@ class Inbox(_Base):
             Session.close(session)
 
 
-class AsyncInbox(_Base):
-    """The inbox on an `AsyncEngine` (asyncpg); parameters as for `Inbox`."""
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        *,
-        naming: InboxSchema | None = None,
-        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
-        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
-    ) -> None:
-        if not isinstance(engine, AsyncEngine):
-            raise ConfigurationError(
-                f"AsyncInbox needs a sqlalchemy AsyncEngine, got {type(engine).__name__}"
-            )
-        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
-        self.engine = engine
-        self._session_options: dict[str, Any] = {
-            "bind": engine,
-            "sync_session_class": InboxSession,
-            "expire_on_commit": False,
-        }
-
-    async def check(self) -> None:
-        async with self.engine.connect() as conn:
-            await conn.run_sync(check_schema, self.naming)
-            self._check_settings(await conn.run_sync(_synchronous_commit))
-
-    async def process(
-        self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]]
-    ) -> Outcome[R]:
-        attempts = _Attempts(delivery, self.serialization_retries)
-        while True:
-            attempts.start()
-            session = AsyncSession(**self._session_options)
-            try:
-                conn = await session.connection(execution_options=self._connection_options)
-                if not self._isolation_known:
-                    self._learn_isolation(conn.dialect, self.engine.get_execution_options())
-                verdict = await _drive_async(attempts.steps(), conn, self.statements)
-                result = await handler(session) if verdict.decision is Decision.FIRST else None
-                await session.run_sync(Session.commit)
-                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
-                return Outcome(verdict, result, attempts.number)
-            except Exception as exc:
-                await _abandon_async(session, exc, delivery)
-                if not attempts.retry_now(exc):
-                    raise
-            except BaseException as exc:
-                await _abandon_async(session, exc, delivery)
-                raise
-            finally:
-                await session.run_sync(Session.close)
-
-    async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
-        """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""
-        session = AsyncSession(**self._session_options)
-        try:
-            await session.connection(execution_options=self._connection_options)
-            result = await handler(session)
-            await session.run_sync(Session.commit)
-            return result
-        except BaseException as exc:
-            await _abandon_async(session, exc, None)
-            raise
-        finally:
-            await session.run_sync(Session.close)
-
-
 def _drive(
     steps: Generator[Step, Any, Verdict], conn: Connection, statements: ClaimStatements
 ) -> Verdict:
@@ -302,20 +232,6 @@ def _drive(
         while True:
             statement, params = statements.statement(step)
             step = steps.send(statements.result(step, conn.execute(statement, params)))
-    except StopIteration as done:
-        verdict: Verdict = done.value
-        return verdict
-
-
-async def _drive_async(
-    steps: Generator[Step, Any, Verdict], conn: AsyncConnection, statements: ClaimStatements
-) -> Verdict:
-    try:
-        step = next(steps)
-        while True:
-            statement, params = statements.statement(step)
-            result = await conn.execute(statement, params)
-            step = steps.send(statements.result(step, result))
     except StopIteration as done:
         verdict: Verdict = done.value
         return verdict
@@ -332,20 +248,6 @@ def _abandon(session: Session, exc: BaseException, delivery: Delivery | None) ->
         Session.rollback(session)
     except Exception:
         session.invalidate()
-
-
-async def _abandon_async(
-    session: AsyncSession, exc: BaseException, delivery: Delivery | None
-) -> None:
-    if delivery is not None:
-        _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
-    if not isinstance(exc, Exception):
-        await session.run_sync(Session.invalidate)
-        return
-    try:
-        await session.run_sync(Session.rollback)
-    except Exception:
-        await session.run_sync(Session.invalidate)
 
 
 def _synchronous_commit(conn: Connection) -> str | None:

@@ -1,0 +1,131 @@
+"""`AsyncInbox`: the claim protocol on an `AsyncEngine` (asyncpg).
+
+Imported on demand, because SQLAlchemy's asyncio support needs ``greenlet``, which a
+synchronous-only installation does not have. See `executors` for the protocol's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from ..exceptions import ConfigurationError
+from ..protocol import Decision, Delivery, Step, Verdict
+from .executors import (
+    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_SERIALIZATION_RETRIES,
+    Outcome,
+    _Attempts,
+    _Base,
+    _log,
+    _synchronous_commit,
+)
+from .migrate import check_schema
+from .session import InboxSession
+from .statements import ClaimStatements
+from .tables import InboxSchema
+
+__all__ = ["AsyncInbox"]
+
+R = TypeVar("R")
+
+
+class AsyncInbox(_Base):
+    """The inbox on an `AsyncEngine` (asyncpg); parameters as for `Inbox`."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+    ) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigurationError(
+                f"AsyncInbox needs a sqlalchemy AsyncEngine, got {type(engine).__name__}"
+            )
+        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
+        self.engine = engine
+        self._session_options: dict[str, Any] = {
+            "bind": engine,
+            "sync_session_class": InboxSession,
+            "expire_on_commit": False,
+        }
+
+    async def check(self) -> None:
+        async with self.engine.connect() as conn:
+            await conn.run_sync(check_schema, self.naming)
+            self._check_settings(await conn.run_sync(_synchronous_commit))
+
+    async def process(
+        self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]]
+    ) -> Outcome[R]:
+        attempts = _Attempts(delivery, self.serialization_retries)
+        while True:
+            attempts.start()
+            session = AsyncSession(**self._session_options)
+            try:
+                conn = await session.connection(execution_options=self._connection_options)
+                if not self._isolation_known:
+                    self._learn_isolation(conn.dialect, self.engine.get_execution_options())
+                verdict = await _drive_async(attempts.steps(), conn, self.statements)
+                result = await handler(session) if verdict.decision is Decision.FIRST else None
+                await session.run_sync(Session.commit)
+                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
+                return Outcome(verdict, result, attempts.number)
+            except Exception as exc:
+                await _abandon_async(session, exc, delivery)
+                if not attempts.retry_now(exc):
+                    raise
+            except BaseException as exc:
+                await _abandon_async(session, exc, delivery)
+                raise
+            finally:
+                await session.run_sync(Session.close)
+
+    async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
+        """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""
+        session = AsyncSession(**self._session_options)
+        try:
+            await session.connection(execution_options=self._connection_options)
+            result = await handler(session)
+            await session.run_sync(Session.commit)
+            return result
+        except BaseException as exc:
+            await _abandon_async(session, exc, None)
+            raise
+        finally:
+            await session.run_sync(Session.close)
+
+
+async def _drive_async(
+    steps: Generator[Step, Any, Verdict], conn: AsyncConnection, statements: ClaimStatements
+) -> Verdict:
+    try:
+        step = next(steps)
+        while True:
+            statement, params = statements.statement(step)
+            result = await conn.execute(statement, params)
+            step = steps.send(statements.result(step, result))
+    except StopIteration as done:
+        verdict: Verdict = done.value
+        return verdict
+
+
+async def _abandon_async(
+    session: AsyncSession, exc: BaseException, delivery: Delivery | None
+) -> None:
+    if delivery is not None:
+        _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+    if not isinstance(exc, Exception):
+        await session.run_sync(Session.invalidate)
+        return
+    try:
+        await session.run_sync(Session.rollback)
+    except Exception:
+        await session.run_sync(Session.invalidate)
