@@ -1,0 +1,69 @@
+"""inbox-middleware: exactly-once effects for at-least-once delivery.
+
+The message's identity is claimed in the same database transaction as the business
+change, so a redelivered message cannot repeat its effect and an uncommitted attempt
+stays retryable. Framework adapters live in `inbox_middleware.dramatiq` and
+`inbox_middleware.faststream`; this package holds the framework-free core.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import (
+    ClaimInProgress,
+    ConfigurationError,
+    DatabaseUnavailable,
+    HandlerTransactionError,
+    IdentityError,
+    InboxError,
+    InvalidIdentity,
+    MissingIdentity,
+    PayloadNotHashable,
+    PrerequisiteError,
+    SchemaError,
+    TransactionConflict,
+    TransientError,
+)
+from .identity import MessageIdentity, PayloadHash, canonical_json
+from .protocol import Decision, Delivery
+from .storage import Inbox, InboxSchema, Outcome, current_delivery, migrate
+
+if TYPE_CHECKING:
+    from .storage.aio import AsyncInbox
+
+__all__ = [
+    "AsyncInbox",
+    "ClaimInProgress",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "Decision",
+    "Delivery",
+    "HandlerTransactionError",
+    "IdentityError",
+    "Inbox",
+    "InboxError",
+    "InboxSchema",
+    "InvalidIdentity",
+    "MessageIdentity",
+    "MissingIdentity",
+    "Outcome",
+    "PayloadHash",
+    "PayloadNotHashable",
+    "PrerequisiteError",
+    "SchemaError",
+    "TransactionConflict",
+    "TransientError",
+    "canonical_json",
+    "current_delivery",
+    "migrate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncInbox needs SQLAlchemy's asyncio extra (greenlet): import it only when asked.
+    if name == "AsyncInbox":
+        from .storage.aio import AsyncInbox
+
+        return AsyncInbox
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

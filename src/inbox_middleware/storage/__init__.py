@@ -3,7 +3,7 @@ claim protocol inside the caller's transaction."""
 
 from typing import TYPE_CHECKING, Any
 
-from .executors import Inbox, Outcome
+from .executors import Inbox, Outcome, current_delivery
 from .migrate import LATEST_VERSION, check_schema, exclude_inbox_tables, migrate, render_sql
 from .session import InboxSession
 from .tables import InboxSchema
@@ -16,6 +16,7 @@ __all__ = [
     "InboxSession",
     "Outcome",
     "check_schema",
+    "current_delivery",
     "exclude_inbox_tables",
     "migrate",
     "render_sql",

@@ -18,6 +18,7 @@ from ..protocol import Decision, Delivery, Step, Verdict
 from .executors import (
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
+    DELIVERY_KEY,
     Outcome,
     _Attempts,
     _Base,
@@ -74,6 +75,7 @@ class AsyncInbox(_Base):
                 if not self._isolation_known:
                     self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = await _drive_async(attempts.steps(), conn, self.statements)
+                session.sync_session.info[DELIVERY_KEY] = delivery
                 result = await handler(session) if verdict.decision is Decision.FIRST else None
                 await session.run_sync(Session.commit)
                 _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)

@@ -34,7 +34,7 @@ from .session import InboxSession
 from .statements import ClaimStatements
 from .tables import InboxSchema
 
-__all__ = ["Inbox", "Outcome"]
+__all__ = ["Inbox", "Outcome", "current_delivery"]
 
 R = TypeVar("R")
 logger = logging.getLogger("inbox_middleware")
@@ -42,6 +42,16 @@ logger = logging.getLogger("inbox_middleware")
 DEFAULT_LOCK_TIMEOUT = 5.0
 DEFAULT_SERIALIZATION_RETRIES = 3
 _READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
+DELIVERY_KEY = "inbox_middleware.delivery"
+
+
+def current_delivery(session: Session) -> Delivery | None:
+    """The delivery whose claim ``session``'s transaction holds, or None outside the inbox.
+
+    For an `AsyncSession`, pass its ``sync_session``.
+    """
+    delivery = session.info.get(DELIVERY_KEY)
+    return delivery if isinstance(delivery, Delivery) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +201,7 @@ class Inbox(_Base):
                 if not self._isolation_known:
                     self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = _drive(attempts.steps(), conn, self.statements)
+                session.info[DELIVERY_KEY] = delivery
                 result = handler(session) if verdict.decision is Decision.FIRST else None
                 Session.commit(session)
                 _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)

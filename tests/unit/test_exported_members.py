@@ -1,0 +1,35 @@
+"""The public surface is what __all__ says, and nothing leaks by accident."""
+
+import importlib
+
+import pytest
+
+import inbox_middleware
+
+PUBLIC = {
+    "inbox_middleware": set(inbox_middleware.__all__),
+    "inbox_middleware.dramatiq": {
+        "CanonicalForm",
+        "InboxMiddleware",
+        "MissingIdentityPolicy",
+        "QuarantinePublisher",
+        "current_async_session",
+        "current_session",
+        "identity",
+    },
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC))
+def test_exported_members(module_name):
+    module = importlib.import_module(module_name)
+    assert set(module.__all__) == PUBLIC[module_name]
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+
+
+def test_top_level_names():
+    assert {"Inbox", "AsyncInbox", "InboxSchema", "MessageIdentity", "InboxError"} <= set(
+        inbox_middleware.__all__
+    )
+    assert inbox_middleware.AsyncInbox.__name__ == "AsyncInbox"
