@@ -9,6 +9,7 @@ InboxError
 │   └── InvalidIdentity           a value is too long, empty, not text, ...
 ├── PayloadNotHashable            the payload has no canonical form
 ├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
+├── PermanentError                raised by a handler: retrying cannot help (poison message)
 ├── SchemaError                   tables missing or older than this version expects
 └── TransientError                the attempt rolled back; the message must be retried later
     ├── ClaimInProgress           another delivery of the message holds the claim (lock_timeout)
@@ -22,6 +23,8 @@ Driver errors become these types in exactly one place:
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ClaimInProgress",
     "ConfigurationError",
@@ -32,11 +35,15 @@ __all__ = [
     "InvalidIdentity",
     "MissingIdentity",
     "PayloadNotHashable",
+    "PermanentError",
     "PrerequisiteError",
     "SchemaError",
     "TransactionConflict",
     "TransientError",
 ]
+
+
+_REASON_CODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class InboxError(Exception):
@@ -94,6 +101,24 @@ class HandlerTransactionError(InboxError):
     The inbox commits after the handler returns, so that the claim and the handler's
     writes land together, and rolls back when it raises. Raise an exception to abort.
     """
+
+
+class PermanentError(InboxError):
+    """The message can never be processed as it is; retrying will not help.
+
+    Raise it from a handler with a stable ``reason_code`` (``"unknown_account"``, not a
+    formatted message): the attempt rolls back, the message is recorded in the poison
+    table with its payload and moved to the repair destination instead of being retried.
+    """
+
+    def __init__(self, reason_code: str, message: str | None = None, **kw: str | None) -> None:
+        if not _REASON_CODE.fullmatch(reason_code):
+            raise ValueError(
+                f"reason_code must be a short identifier (letters, digits, '_', '-', '.'), "
+                f"got {reason_code!r}"
+            )
+        self.reason_code = reason_code
+        super().__init__(message or reason_code, **kw)
 
 
 class SchemaError(InboxError):

@@ -509,13 +509,15 @@ class _InboxActor:
         if outcome.decision is Decision.FIRST:
             return outcome.result
         if outcome.decision is Decision.CONFLICT:
-            self._quarantine(pending.message, outcome)
+            self._quarantine(pending, outcome)
             raise SkipMessage(
                 f"identity conflict for {self.consumer}: quarantined to {self.quarantine_queue}"
             )
         raise SkipMessage(f"duplicate delivery for {self.consumer}: already processed")
 
-    def _quarantine(self, message: MessageProxy, outcome: Outcome[Any]) -> None:
+    def _quarantine(self, pending: _Pending, outcome: Outcome[Any]) -> None:
+        message, delivery = pending.message, pending.delivery
+        assert delivery is not None
         verdict = outcome.verdict
         assert verdict.stored is not None
         assert verdict.quarantine is not None
@@ -525,7 +527,7 @@ class _InboxActor:
             "quarantine_id": verdict.quarantine.id,
             "attempts": verdict.quarantine.attempts,
             "stored_sha256": verdict.stored.payload_sha256,
-            "conflicting_sha256": self.payload.hash(self.payload.arguments(message)).sha256,
+            "conflicting_sha256": delivery.payload_hash.sha256,
             "source_queue": q_name(message.queue_name),
         }
         copy = message.copy(queue_name=self.quarantine_queue, options={"inbox_conflict": conflict})

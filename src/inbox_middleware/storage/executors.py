@@ -99,7 +99,8 @@ class _Base:
         self._isolation_known = True
         levels = {
             engine_options.get("isolation_level"),
-            getattr(dialect, "isolation_level", None),
+            getattr(dialect, "isolation_level", None),  # create_engine(isolation_level=...)
+            getattr(dialect, "_on_connect_isolation_level", None),  # the same, SQLAlchemy 2.1
             dialect.default_isolation_level,
         }
         if levels <= {None, "READ COMMITTED"} and dialect.default_isolation_level:
