@@ -46,9 +46,13 @@ class WorkerProcess:
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        """Stop gracefully (SIGTERM), falling back to SIGKILL."""
+        """Stop gracefully, falling back to SIGKILL.
+
+        SIGTERM goes to the main process only: it forwards one to each worker process, and
+        a worker that receives a second one exits at once, skipping its shutdown.
+        """
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
