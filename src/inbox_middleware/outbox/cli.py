@@ -1,0 +1,251 @@
+"""``inbox-middleware outbox``: run the dispatcher, list, show and retry effects."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import signal
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from ..cli import connect, database_options
+from ..exceptions import ConfigurationError
+from ..storage.migrate import check_schema
+from ..storage.tables import InboxSchema
+from .destination import Destination
+from .dispatcher import Backoff, Dispatcher, require_postgresql
+from .errors import EffectNotFound
+from .statements import STATUSES, OutboxStatements, statements_for
+
+__all__ = ["outbox"]
+
+
+outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the transactional outbox.")
+
+
+@outbox.command("run")
+@database_options
+@click.option(
+    "--destinations",
+    "target",
+    envvar="INBOX_OUTBOX_DESTINATIONS",
+    required=True,
+    help="MODULE:ATTRIBUTE of a mapping of destination names to destinations "
+    "(outbox.Destinations), or of a function returning one.",
+)
+@click.option("--path", default=".", show_default=True, help="Prepended to the import path.")
+@click.option("--batch-size", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--lease", type=float, default=60.0, show_default=True, help="Seconds.")
+@click.option(
+    "--delivery-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds one delivery may take; at most 80% of the lease.",
+)
+@click.option("--max-attempts", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--backoff-base", type=float, default=1.0, show_default=True, help="Seconds.")
+@click.option("--backoff-cap", type=float, default=300.0, show_default=True, help="Seconds.")
+@click.option("--poll-interval", type=float, default=1.0, show_default=True, help="Seconds.")
+@click.option(
+    "--listen/--no-listen",
+    default=False,
+    show_default=True,
+    help="Also wake on NOTIFY (needs a session-level connection, not a transaction pooler).",
+)
+@click.option(
+    "--shutdown-grace",
+    type=float,
+    default=None,
+    help="Seconds in-flight deliveries may take after SIGTERM [default: the delivery timeout].",
+)
+@click.option("--burst", is_flag=True, help="Exit once no effect is due.")
+def run_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    target: str,
+    path: str,
+    batch_size: int,
+    lease: float,
+    delivery_timeout: float,
+    max_attempts: int,
+    backoff_base: float,
+    backoff_cap: float,
+    poll_interval: float,
+    listen: bool,
+    shutdown_grace: float | None,
+    burst: bool,
+) -> None:
+    """Deliver due effects until SIGTERM or SIGINT.
+
+    The first signal lets in-flight deliveries finish (for the shutdown grace), then
+    releases what is left; a second one releases at once.
+    """
+    naming = _naming(schema, prefix)
+    engine = connect(database_url)
+    try:
+        require_postgresql(engine)
+        with engine.connect() as conn:
+            check_schema(conn, naming)
+        destinations = load_destinations(target, path)
+        dispatcher = Dispatcher(
+            engine,
+            destinations,
+            naming=naming,
+            batch_size=batch_size,
+            lease=lease,
+            delivery_timeout=delivery_timeout,
+            max_attempts=max_attempts,
+            backoff=Backoff(base=backoff_base, cap=backoff_cap),
+            poll_interval=poll_interval,
+            listen=listen,
+            shutdown_grace=shutdown_grace,
+        )
+        asyncio.run(_serve(dispatcher, burst))
+    finally:
+        engine.dispose()
+    stats = dispatcher.stats
+    click.echo(
+        f"dispatched {stats.dispatched}, retried {stats.retried}, failed {stats.failed}, "
+        f"released {stats.released}, leases lost {stats.leases_lost}"
+    )
+
+
+async def _serve(dispatcher: Dispatcher, burst: bool) -> None:
+    loop = asyncio.get_running_loop()
+    received = 0
+
+    def on_signal() -> None:
+        nonlocal received
+        received += 1
+        dispatcher.stop(now=received > 1)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal)
+    await dispatcher.run(burst=burst)
+
+
+def load_destinations(target: str, path: str = ".") -> Mapping[str, Destination]:
+    """Import ``module:attribute``; call it if it is a function."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise click.BadParameter(f"{target!r} is not MODULE:ATTRIBUTE", param_hint="--destinations")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    value: Any = getattr(importlib.import_module(module_name), attribute, None)
+    if value is None:
+        raise click.BadParameter(f"{module_name} has no {attribute!r}", param_hint="--destinations")
+    if callable(value) and not isinstance(value, Mapping):
+        value = value()
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"{target} is a {type(value).__name__}, not a mapping of names to destinations"
+        )
+    return value
+
+
+@outbox.command("list")
+@database_options
+@click.option("--status", type=click.Choice(STATUSES), default=None)
+@click.option("--destination", default=None)
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+def list_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    status: str | None,
+    destination: str | None,
+    limit: int,
+) -> None:
+    """Effects, newest first, after a count per status."""
+    with _database(database_url, schema, prefix) as (conn, statements):
+        counts = dict(conn.execute(statements.counts).all())
+        click.echo(", ".join(f"{name} {counts.get(name, 0)}" for name in STATUSES))
+        for row in conn.execute(statements.listing(status, destination, limit)).mappings():
+            error = (row["last_error"] or "").splitlines()[0][:60] if row["last_error"] else ""
+            click.echo(
+                f"{row['effect_id']}  {row['destination']}  {row['status']}  "
+                f"attempts={row['attempts']}  next={row['next_attempt_at']:%Y-%m-%d %H:%M:%S}"
+                + (f"  {error}" if error else "")
+            )
+
+
+@outbox.command("show")
+@database_options
+@click.argument("effect_id")
+def show_command(database_url: str, schema: str | None, prefix: str, effect_id: str) -> None:
+    """One effect, every column, as JSON."""
+    with _database(database_url, schema, prefix) as (conn, statements):
+        row = conn.execute(statements.show, {"effect_id": effect_id}).mappings().first()
+    if row is None:
+        raise EffectNotFound(f"no effect {effect_id!r}")
+    click.echo(json.dumps(dict(row), indent=2, default=str, ensure_ascii=False))
+
+
+@outbox.command("retry")
+@database_options
+@click.argument("effect_ids", nargs=-1)
+@click.option("--all-failed", is_flag=True, help="Every failed effect (of --destination).")
+@click.option("--destination", default=None, help="With --all-failed: only this destination.")
+def retry_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    effect_ids: tuple[str, ...],
+    all_failed: bool,
+    destination: str | None,
+) -> None:
+    """Make failed effects pending again, with a fresh attempt budget."""
+    if bool(effect_ids) == all_failed:
+        raise click.UsageError("give effect ids or --all-failed (not both)")
+    with _database(database_url, schema, prefix, write=True) as (conn, statements):
+        if all_failed:
+            retried = list(conn.scalars(statements.retry_all, {"only_destination": destination}))
+        else:
+            retried = list(conn.scalars(statements.retry_ids, {"effect_ids": list(effect_ids)}))
+            refused = [
+                (effect_id, conn.execute(statements.show, {"effect_id": effect_id}).first())
+                for effect_id in effect_ids
+                if effect_id not in retried
+            ]
+    for effect_id in retried:
+        click.echo(f"pending again: {effect_id}")
+    if not all_failed and refused:
+        for effect_id, row in refused:
+            reason = "no such effect" if row is None else f"it is {row.status}, not failed"
+            click.echo(f"not retried: {effect_id}: {reason}", err=True)
+        sys.exit(1)
+    if all_failed:
+        click.echo(f"{len(retried)} failed effects are pending again")
+
+
+class _database:
+    """A connection (in a transaction when writing) and the outbox's statements."""
+
+    def __init__(self, url: str, schema: str | None, prefix: str, *, write: bool = False) -> None:
+        self.engine: Engine = connect(url)
+        self.naming = _naming(schema, prefix)
+        self.write = write
+
+    def __enter__(self) -> tuple[Any, OutboxStatements]:
+        self._conn = self.engine.connect()
+        check_schema(self._conn, self.naming)
+        return self._conn, statements_for(self.naming, self.engine.dialect.name)
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            if self.write and exc_type is None:
+                self._conn.commit()
+            self._conn.close()
+        finally:
+            self.engine.dispose()
+
+
+def _naming(schema: str | None, prefix: str) -> InboxSchema:
+    return InboxSchema(schema=schema or None, prefix=prefix)

@@ -1,0 +1,500 @@
+"""The dispatcher: leases due effects, delivers them outside any transaction, records
+the outcome while its lease holds.
+
+One batch::
+
+    dispatcher                       PostgreSQL                     remote
+    ----------                       ----------                     ------
+    BEGIN
+    lease: UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)
+           token T, leased_until = now() + lease, attempts + 1
+    COMMIT ─────────────────────────> leased (other dispatchers skip these rows)
+    deliver each, timeout < lease  ──────────────────────────────> POST, Idempotency-Key
+                                                                   (applied once per key)
+    BEGIN
+    settle: UPDATE ... WHERE lease_token = T
+    COMMIT ─────────────────────────> dispatched / pending again / failed
+
+A dispatcher that dies holds its leases until ``leased_until``; the lease also moved
+``next_attempt_at`` there, so the effects are due again then and another dispatcher takes
+them over. Deliveries end (or are cancelled) before the lease does, so two dispatchers
+never deliver one effect at the same time. If a result comes back after the lease was
+taken over anyway (a stalled process, a paused VM), the token no longer matches: the
+outcome is not recorded, the loss is logged and counted in `DispatcherStats`, and the
+new holder delivers the effect again with the same idempotency key, which the remote
+answers without applying it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+
+from ..exceptions import ConfigurationError
+from ..storage.tables import InboxSchema
+from .destination import Destination, Destinations, Effect
+from .errors import PermanentDeliveryError, database_error
+from .statements import DISPATCHED, FAILED, PENDING, OutboxStatements, statements_for
+
+__all__ = ["Backoff", "Dispatcher", "DispatcherStats"]
+
+logger = logging.getLogger("inbox_middleware.outbox")
+T = TypeVar("T")
+
+_LEASE_SPARE = 0.2  # the share of the lease no delivery may use: cancellation, clock drift
+_MIN_SHARE = 0.1  # a delivery with less than this share of delivery_timeout left is not started
+_MAX_ERROR = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Delay before a retry: exponential, capped, partly random.
+
+    Retry ``n`` (after the ``n``-th failed attempt) waits ``min(cap, base * factor**(n-1))``
+    seconds, of which the share ``jitter`` is drawn at random, so effects that failed
+    together (the remote was down) do not all come back at the same instant.
+    """
+
+    base: float = 1.0
+    factor: float = 2.0
+    cap: float = 300.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (self.base > 0 and self.factor >= 1 and self.cap >= self.base):
+            raise ConfigurationError("backoff needs base > 0, factor >= 1 and cap >= base")
+        if not 0 <= self.jitter <= 1:
+            raise ConfigurationError("backoff jitter is a share between 0 and 1")
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        exponent = min(max(attempt - 1, 0), 64)  # beyond this the cap applies anyway
+        ceiling = min(self.cap, self.base * self.factor**exponent)
+        spread = ceiling * self.jitter
+        return ceiling - spread + (rng or random).uniform(0, spread)
+
+
+@dataclass(slots=True)
+class DispatcherStats:
+    """Counters since the dispatcher started."""
+
+    batches: int = 0
+    leased: int = 0
+    dispatched: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    leases_lost: int = 0
+    """Outcomes not recorded because another dispatcher had taken the lease over."""
+
+
+class Dispatcher:
+    """Delivers recorded effects through their destinations (PostgreSQL only).
+
+    Run it with ``await dispatcher.run()`` in an event loop, with `start` in a thread of
+    its own, or as ``inbox-middleware outbox run``. `stop` ends it gracefully.
+
+    Parameters:
+      engine: a synchronous PostgreSQL `Engine` (psycopg); its statements run in threads.
+      destinations: the destinations by name; only their effects are leased.
+      naming: schema and table prefix of the outbox table.
+      batch_size: the most effects leased at once.
+      lease: seconds a lease lasts; a dead dispatcher's effects are taken over after it.
+      delivery_timeout: seconds one delivery may take; at most 80% of ``lease``.
+      max_attempts: attempts before an effect is ``failed``.
+      backoff: the delay between attempts.
+      poll_interval: seconds between looks for due effects while idle.
+      listen: also wake up on ``NOTIFY`` from ``outbox.add(..., notify=True)``. It needs
+        a session-level connection: not through a transaction pooler.
+      shutdown_grace: seconds in-flight deliveries may still take after `stop`; then
+        they are cancelled and their leases released. Default: ``delivery_timeout``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        destinations: Mapping[str, Destination],
+        *,
+        naming: InboxSchema | None = None,
+        batch_size: int = 100,
+        lease: float = 60.0,
+        delivery_timeout: float = 10.0,
+        max_attempts: int = 10,
+        backoff: Backoff | None = None,
+        poll_interval: float = 1.0,
+        listen: bool = False,
+        shutdown_grace: float | None = None,
+    ) -> None:
+        require_postgresql(engine)
+        if listen and engine.dialect.driver != "psycopg":
+            raise ConfigurationError("listen=True needs the psycopg driver")
+        self.destinations = (
+            destinations if isinstance(destinations, Destinations) else Destinations(destinations)
+        )
+        if not self.destinations:
+            raise ConfigurationError("the dispatcher has no destinations")
+        if batch_size < 1 or max_attempts < 1:
+            raise ConfigurationError("batch_size and max_attempts must be at least 1")
+        if not 0 < delivery_timeout <= lease * (1 - _LEASE_SPARE):
+            raise ConfigurationError(
+                f"delivery_timeout ({delivery_timeout}s) must be positive and at most "
+                f"{1 - _LEASE_SPARE:.0%} of the lease ({lease}s), so that a delivery ends "
+                "before another dispatcher may take the effect over"
+            )
+        if poll_interval <= 0:
+            raise ConfigurationError("poll_interval must be positive")
+        self.engine = engine
+        self.naming = naming or InboxSchema()
+        self.batch_size = batch_size
+        self.lease = lease
+        self.delivery_timeout = delivery_timeout
+        self.max_attempts = max_attempts
+        self.backoff = backoff or Backoff()
+        self.poll_interval = poll_interval
+        self.listen = listen
+        self.shutdown_grace = delivery_timeout if shutdown_grace is None else shutdown_grace
+        self.stats = DispatcherStats()
+        self._statements: OutboxStatements = statements_for(self.naming, "postgresql")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._aborting: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop_requested = False
+        self._abort_requested = False
+        self.on_leased: Callable[[list[Effect]], None] | None = None
+        """Called with each leased batch before delivery (for tests and metrics)."""
+
+    # -- running --------------------------------------------------------------------------
+
+    async def run(self, *, burst: bool = False) -> None:
+        """Dispatch until `stop` is called (``burst``: until nothing is due)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping, self._aborting, self._wake = (asyncio.Event() for _ in range(3))
+        if self._stop_requested:
+            self._stopping.set()
+        if self._abort_requested:
+            self._aborting.set()
+        listener = asyncio.create_task(self._listen()) if self.listen else None
+        logger.info(
+            "outbox dispatcher started: destinations %s, batch %d, lease %ss",
+            ", ".join(self.destinations),
+            self.batch_size,
+            self.lease,
+        )
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                try:
+                    count = await self.dispatch_once()
+                except Exception as exc:
+                    mapped = database_error(exc)
+                    if mapped is None:
+                        raise
+                    logger.warning("outbox dispatcher: %s; retrying", mapped)
+                    count = 0
+                if burst and count == 0:
+                    break
+                if count < self.batch_size and not burst:
+                    await self._idle()
+        finally:
+            if listener is not None:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+            await self.destinations.aclose()
+            logger.info("outbox dispatcher stopped: %s", self.stats)
+
+    def stop(self, *, now: bool = False) -> None:
+        """Stop after the in-flight deliveries (``now``: cancel and release them at once).
+
+        Safe to call from any thread and from a signal handler.
+        """
+        self._stop_requested = True
+        self._abort_requested = self._abort_requested or now
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def request() -> None:
+            assert self._stopping is not None
+            assert self._aborting is not None
+            self._stopping.set()
+            if self._abort_requested:
+                self._aborting.set()
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            request()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(request)
+
+    def start(self) -> threading.Thread:
+        """Run in a daemon thread with its own event loop; `stop` it, then ``join()``."""
+        thread = threading.Thread(
+            target=asyncio.run, args=(self.run(),), name="outbox-dispatcher", daemon=True
+        )
+        thread.start()
+        return thread
+
+    async def _idle(self) -> None:
+        assert self._stopping is not None
+        assert self._wake is not None
+        waits = [asyncio.ensure_future(self._stopping.wait())]
+        if self.listen:
+            waits.append(asyncio.ensure_future(self._wake.wait()))
+        try:
+            await asyncio.wait(
+                waits, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _listen(self) -> None:
+        """Keep a LISTEN connection open; each notification wakes the idle loop."""
+        import psycopg
+
+        assert self._wake is not None
+        url = self.engine.url.set(drivername="postgresql")
+        dsn = url.render_as_string(hide_password=False)
+        channel = self._statements.channel  # validated identifiers: safe between quotes
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                    await conn.execute(f'LISTEN "{channel}"')
+                    self._wake.set()  # anything recorded while not listening
+                    async for _ in conn.notifies():
+                        self._wake.set()
+            except psycopg.Error as exc:
+                logger.warning("outbox LISTEN connection failed (%s); polling meanwhile", exc)
+            await asyncio.sleep(self.poll_interval)
+
+    # -- one batch ------------------------------------------------------------------------
+
+    async def dispatch_once(self) -> int:
+        """Lease one batch of due effects, deliver it, record the outcomes; return its size."""
+        started = time.monotonic()  # before the lease: the local deadline errs early
+        token = uuid.uuid4().hex
+        effects = await asyncio.to_thread(self._lease, token)
+        if not effects:
+            return 0
+        self.stats.batches += 1
+        self.stats.leased += len(effects)
+        if self.on_leased is not None:
+            self.on_leased(effects)
+        deadline = started + self.lease * (1 - _LEASE_SPARE)
+        tasks = [asyncio.create_task(self._deliver(effect, deadline)) for effect in effects]
+        try:
+            await self._wait_for(tasks)
+        finally:
+            # Also when this coroutine is cancelled: whatever is still running is
+            # cancelled, and every lease is settled or released before returning.
+            for task in tasks:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            outcomes = [
+                result if isinstance(result, dict) else _released(effect)
+                for effect, result in zip(effects, results, strict=True)
+            ]
+            await asyncio.shield(asyncio.to_thread(self._settle, token, outcomes))
+        return len(effects)
+
+    async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]]) -> None:
+        """Until the deliveries end; after `stop`, for ``shutdown_grace`` at most."""
+        assert self._stopping is not None
+        assert self._aborting is not None
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            while pending and not stopping.done():
+                done, _ = await asyncio.wait(
+                    [*pending, stopping], return_when=asyncio.FIRST_COMPLETED
+                )
+                pending -= done
+        finally:
+            stopping.cancel()
+        if not pending:
+            return
+        logger.info(
+            "outbox dispatcher stopping: up to %ss for %d in-flight deliveries",
+            self.shutdown_grace,
+            len(pending),
+        )
+        aborting = asyncio.ensure_future(self._aborting.wait())
+        deadline = time.monotonic() + self.shutdown_grace
+        try:
+            while pending and not aborting.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait(
+                    [*pending, aborting], timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending -= done
+        finally:
+            aborting.cancel()
+
+    async def _deliver(self, effect: Effect, deadline: float) -> dict[str, Any]:
+        if effect.attempt > self.max_attempts:
+            return self._failed(
+                effect,
+                f"attempt {effect.attempt - 1} ended without a result before its lease expired "
+                "(its dispatcher stopped or died)",
+            )
+        timeout = min(self.delivery_timeout, deadline - time.monotonic())
+        if timeout < self.delivery_timeout * _MIN_SHARE:
+            return _released(effect)  # too little of the lease left to start
+        destination = self.destinations[effect.destination]
+        try:
+            async with asyncio.timeout(timeout):
+                result = await destination.deliver(effect, timeout)
+        except TimeoutError:
+            # Ambiguous: the remote may have applied it. The retry also waits for the
+            # lease's end, in case the attempt is still running somewhere (a thread).
+            return self._retry(effect, f"TimeoutError: no answer within {timeout:.3g}s", True)
+        except PermanentDeliveryError as exc:
+            return self._failed(effect, _describe(exc), exc.result)
+        except Exception as exc:
+            return self._retry(effect, _describe(exc), False, getattr(exc, "result", None))
+        return _outcome(effect, DISPATCHED, result=_json(result, present=True))
+
+    def _retry(
+        self, effect: Effect, error: str, after_lease: bool, result: Any = None
+    ) -> dict[str, Any]:
+        if effect.attempt >= self.max_attempts:
+            return self._failed(effect, f"gave up after {effect.attempt} attempts: {error}", result)
+        delay = self.backoff.delay(effect.attempt)
+        logger.warning(
+            "outbox effect %s (%s) attempt %d failed, retrying in %.1fs: %s",
+            effect.effect_id,
+            effect.destination,
+            effect.attempt,
+            delay,
+            error,
+        )
+        return _outcome(
+            effect, PENDING, error=error, delay=delay, after_lease=after_lease, result=_json(result)
+        )
+
+    def _failed(self, effect: Effect, error: str, result: Any = None) -> dict[str, Any]:
+        logger.error(
+            "outbox effect %s (%s) failed: %s", effect.effect_id, effect.destination, error
+        )
+        return _outcome(effect, FAILED, error=error, result=_json(result))
+
+    # -- storage (in a worker thread) -----------------------------------------------------
+
+    def _lease(self, token: str) -> list[Effect]:
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                self._statements.lease,
+                {
+                    "destinations": list(self.destinations),
+                    "limit": self.batch_size,
+                    "lease": timedelta(seconds=self.lease),
+                    "token": token,
+                },
+            ).all()
+        return [
+            Effect(
+                effect_id=row.effect_id,
+                destination=row.destination,
+                payload=row.payload,
+                headers=row.headers,
+                attempt=row.attempts,
+                created_at=row.created_at,
+            )
+            for row in rows
+        ]
+
+    def _settle(self, token: str, outcomes: list[dict[str, Any]]) -> None:
+        params = OutboxStatements.settle_params(token, outcomes)
+        with self.engine.begin() as conn:
+            recorded = set(conn.scalars(self._statements.settle, params))
+        stats = self.stats
+        for outcome in outcomes:
+            if outcome["effect_id"] not in recorded:
+                stats.leases_lost += 1
+                logger.warning(
+                    "outbox effect %s: lease lost to another dispatcher before its outcome "
+                    "(%s) was recorded; the new holder delivers it again with the same "
+                    "idempotency key",
+                    outcome["effect_id"],
+                    outcome["status"],
+                )
+            elif outcome["uncount"]:
+                stats.released += 1
+            elif outcome["status"] == DISPATCHED:
+                stats.dispatched += 1
+            elif outcome["status"] == FAILED:
+                stats.failed += 1
+            else:
+                stats.retried += 1
+
+
+def require_postgresql(engine: object) -> None:
+    """Refuse anything but a synchronous PostgreSQL engine, saying why."""
+    if not isinstance(engine, Engine):
+        raise ConfigurationError(
+            f"the dispatcher needs a synchronous sqlalchemy Engine, got {type(engine).__name__}"
+        )
+    if engine.dialect.name != "postgresql":
+        raise ConfigurationError(
+            "the outbox dispatcher needs PostgreSQL (it leases with FOR UPDATE SKIP "
+            f"LOCKED); on {engine.dialect.name} effects can be recorded, not dispatched"
+        )
+
+
+def _outcome(
+    effect: Effect,
+    status: str,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    delay: float = 0.0,
+    after_lease: bool = False,
+    uncount: int = 0,
+) -> dict[str, Any]:
+    return {
+        "effect_id": effect.effect_id,
+        "status": status,
+        "result": result,
+        "error": None if error is None else error[:_MAX_ERROR],
+        "delay": delay,
+        "after_lease": after_lease,
+        "uncount": uncount,
+    }
+
+
+def _released(effect: Effect) -> dict[str, Any]:
+    """Give the lease back unattempted (or interrupted): due now, the attempt not counted."""
+    return _outcome(effect, PENDING, uncount=1)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _json(value: Any, *, present: bool = False) -> str | None:
+    """The remote result as JSON text for the database; non-JSON values as their repr."""
+    if value is None and not present:
+        return None
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return json.dumps({"repr": repr(value)[:_MAX_ERROR]})

@@ -1,0 +1,127 @@
+"""``inbox-middleware outbox`` run, list, show and retry, as an operator uses them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from inbox_middleware import outbox
+from inbox_middleware.outbox import Dispatcher, Effect, PermanentDeliveryError
+from inbox_middleware.storage import InboxSchema
+
+from ..support.http_remote import Remote
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTBOX = InboxSchema().tables.outbox
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from inbox_middleware.cli import run; run()", "outbox", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+class Refuses:
+    async def deliver(self, effect: Effect, timeout: float) -> Any:
+        raise PermanentDeliveryError("the mailbox does not exist", result={"code": 550})
+
+
+def status(engine, effect_id: str) -> tuple[str, int]:
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(OUTBOX.c.status, OUTBOX.c.attempts).where(OUTBOX.c.effect_id == effect_id)
+        ).one()
+    return row.status, row.attempts
+
+
+def test_cli_outbox__list_show_and_retry_failed_effects(pg_url, pg_engine):
+    with Session(pg_engine) as session, session.begin():
+        for effect_id in ("mail-1", "mail-2"):
+            outbox.add(session, destination="email", payload={"to": effect_id}, effect_id=effect_id)
+    asyncio.run(Dispatcher(pg_engine, {"email": Refuses()}).run(burst=True))
+
+    listed = cli("list", "--database-url", pg_url, "--status", "failed")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0] == "pending 0, dispatched 0, failed 2"
+    assert any(
+        line.startswith("mail-1  email  failed  attempts=1")
+        and "PermanentDeliveryError: the mailbox does not exist" in line
+        for line in lines
+    )
+
+    shown = cli("show", "--database-url", pg_url, "mail-1")
+    assert shown.returncode == 0, shown.stderr
+    detail = json.loads(shown.stdout)
+    assert (detail["status"], detail["remote_result"], detail["payload"]) == (
+        "failed",
+        {"code": 550},
+        {"to": "mail-1"},
+    )
+
+    retried = cli("retry", "--database-url", pg_url, "mail-1")
+    assert (retried.returncode, retried.stdout) == (0, "pending again: mail-1\n")
+    assert status(pg_engine, "mail-1") == ("pending", 0)
+
+    refused = cli("retry", "--database-url", pg_url, "mail-1", "missing")
+    assert refused.returncode == 1
+    assert "not retried: mail-1: it is pending, not failed" in refused.stderr
+    assert "not retried: missing: no such effect" in refused.stderr
+
+    everything = cli("retry", "--database-url", pg_url, "--all-failed", "--destination", "email")
+    assert everything.returncode == 0, everything.stderr
+    assert "1 failed effects are pending again" in everything.stdout
+    assert status(pg_engine, "mail-2") == ("pending", 0)
+
+    missing = cli("show", "--database-url", pg_url, "nope")
+    assert (missing.returncode, missing.stderr) == (1, "error: no effect 'nope'\n")
+
+
+def test_cli_outbox_run__burst_delivers_what_is_due_and_exits(pg_url, pg_engine, tmp_path):
+    remote = Remote()
+    try:
+        with Session(pg_engine) as session, session.begin():
+            for n in range(3):
+                outbox.add(session, destination="remote", payload={"n": n}, effect_id=f"e-{n}")
+        env = {"INBOX_TEST_REMOTE_URL": remote.url, "INBOX_TEST_MARKERS": str(tmp_path)}
+        ran = cli(
+            "run",
+            "--database-url",
+            pg_url,
+            "--destinations",
+            "tests.apps.outbox_app:destinations",
+            "--burst",
+            env=env,
+        )
+    finally:
+        remote.close()
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip().startswith("dispatched 3, retried 0, failed 0")
+    assert sorted(remote.applied) == ["e-0", "e-1", "e-2"]
+
+
+def test_cli_outbox_run__refuses_sqlite_and_a_bad_target_with_one_line(sqlite_engine, pg_url):
+    url = str(sqlite_engine.url)
+    sqlite = cli(
+        "run", "--database-url", url, "--destinations", "tests.apps.outbox_app:destinations"
+    )
+    assert sqlite.returncode == 1
+    assert sqlite.stderr.startswith("error: the outbox dispatcher needs PostgreSQL")
+    assert "Traceback" not in sqlite.stderr
+
+    bad = cli("run", "--database-url", pg_url, "--destinations", "tests.apps.outbox_app")
+    assert bad.returncode == 2
+    assert "is not MODULE:ATTRIBUTE" in bad.stderr
