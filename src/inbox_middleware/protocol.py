@@ -18,11 +18,22 @@ claims; nothing here reads before it writes::
 `claim_steps` yields the storage operations to perform and receives their results, so
 the synchronous and asynchronous executors share every decision and differ only in
 whether they ``await``.
+
+`claim_batch_steps` decides a batch the same way in one transaction: one INSERT claims
+every key, in key order, so two batches that share keys lock them in the same order and
+cannot deadlock on each other::
+
+    batch A: k1 k3           batch B: k3 k1   -> both insert k1 first, then k3:
+    INSERT k1, k3 (sorted)   INSERT k1 ...       B waits on A's k1, never A on B's k3
+
+The keys that were not claimed are read back in one statement and decided one by one, as
+for a single delivery; a key that appears twice in one batch is decided against its first
+appearance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -33,14 +44,17 @@ from .identity import MessageIdentity, PayloadHash
 
 __all__ = [
     "Claim",
+    "ClaimBatch",
     "Decision",
     "Delivery",
     "LookUp",
+    "LookUpBatch",
     "QuarantineRecord",
     "RecordConflict",
     "Step",
     "StoredClaim",
     "Verdict",
+    "claim_batch_steps",
     "claim_steps",
     "compare",
 ]
@@ -70,7 +84,9 @@ class Delivery:
     source: str = ""
     """The queue, stream or subject the message came from."""
     payload: bytes | None = None
-    """The message as received, kept with a quarantined conflict."""
+    """The message as received, kept with a quarantined conflict or a poison message."""
+    payload_format: str = ""
+    """How `payload` is encoded (``dramatiq``, ``faststream``), to publish it again."""
     headers: Mapping[str, Any] = field(default_factory=dict)
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     rehash: Callable[[str], str | None] | None = None
@@ -130,7 +146,23 @@ class RecordConflict:
     stored: StoredClaim
 
 
-Step = Claim | LookUp | RecordConflict
+@dataclass(frozen=True, slots=True)
+class ClaimBatch:
+    """Insert every key in one statement, in key order; the result is the set of keys
+    (`Delivery.key`) this transaction now owns."""
+
+    deliveries: tuple[Delivery, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookUpBatch:
+    """Read the committed claims of these keys in one statement; the result maps each key
+    found to its `StoredClaim` (a key missing from it was purged in the meantime)."""
+
+    deliveries: tuple[Delivery, ...]
+
+
+Step = Claim | LookUp | RecordConflict | ClaimBatch | LookUpBatch
 
 
 def compare(stored: StoredClaim, delivery: Delivery) -> tuple[Decision, bool]:
@@ -174,3 +206,67 @@ def claim_steps(delivery: Delivery) -> Generator[Step, Any, Verdict]:
         producer=delivery.identity.producer,
         message_id=delivery.identity.message_id,
     )
+
+
+def claim_batch_steps(
+    deliveries: Sequence[Delivery],
+) -> Generator[Step, Any, tuple[Verdict, ...]]:
+    """Decide a batch inside the caller's transaction; verdicts in the batch's order."""
+    verdicts: list[Verdict | None] = [None] * len(deliveries)
+    first: dict[tuple[str, str, str, str], int] = {}
+    for index, delivery in enumerate(deliveries):
+        first.setdefault(delivery.key, index)
+    pending = sorted((deliveries[index] for index in first.values()), key=_sort_key)
+    for _ in range(_MAX_VANISHED):
+        if not pending:
+            break
+        claimed: set[tuple[str, str, str, str]] = yield ClaimBatch(tuple(pending))
+        for delivery in pending:
+            if delivery.key in claimed:
+                verdicts[first[delivery.key]] = Verdict(Decision.FIRST)
+        rest = tuple(d for d in pending if d.key not in claimed)
+        if not rest:
+            pending = []
+            break
+        # A separate statement, as for one delivery: it sees rows committed while the
+        # INSERT waited.
+        stored: dict[tuple[str, str, str, str], StoredClaim] = yield LookUpBatch(rest)
+        pending = [d for d in rest if d.key not in stored]
+        for delivery in rest:
+            if delivery.key in stored:
+                verdicts[first[delivery.key]] = yield from _decide(delivery, stored[delivery.key])
+    if pending:
+        raise TransactionConflict(
+            "the batch claim kept conflicting with rows that then disappeared",
+            consumer=pending[0].consumer,
+            producer=pending[0].identity.producer,
+            message_id=pending[0].identity.message_id,
+        )
+    for index, delivery in enumerate(deliveries):
+        if verdicts[index] is None:
+            # Repeated within the batch: compared with its first appearance, or with the
+            # committed claim that first appearance was compared with.
+            earlier = verdicts[first[delivery.key]]
+            assert earlier is not None
+            reference = earlier.stored or _as_stored(deliveries[first[delivery.key]])
+            verdicts[index] = yield from _decide(delivery, reference)
+    return tuple(v for v in verdicts if v is not None)
+
+
+def _decide(delivery: Delivery, stored: StoredClaim) -> Generator[Step, Any, Verdict]:
+    decision, verified = compare(stored, delivery)
+    record: QuarantineRecord | None = None
+    if decision is Decision.CONFLICT:
+        record = yield RecordConflict(delivery, stored)
+    return Verdict(decision, stored, verified, record)
+
+
+def _as_stored(delivery: Delivery) -> StoredClaim:
+    """The claim ``delivery`` is inserting, as a later delivery of its key will see it."""
+    return StoredClaim(
+        delivery.payload_hash.sha256, delivery.payload_hash.scheme, delivery.handler_version, None
+    )
+
+
+def _sort_key(delivery: Delivery) -> tuple[str, str, str, str]:
+    return delivery.key

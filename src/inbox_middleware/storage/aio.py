@@ -7,7 +7,7 @@ synchronous-only installation does not have. See `executors` for the protocol's 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -18,11 +18,14 @@ from ..protocol import Decision, Delivery, Step, Verdict
 from .executors import (
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
-    DELIVERY_KEY,
+    BatchOutcome,
     Outcome,
+    _any_first,
     _Attempts,
     _Base,
+    _Batch,
     _log,
+    _Single,
     _synchronous_commit,
 )
 from .migrate import check_schema
@@ -33,6 +36,7 @@ from .tables import InboxSchema
 __all__ = ["AsyncInbox"]
 
 R = TypeVar("R")
+V = TypeVar("V")
 
 
 class AsyncInbox(_Base):
@@ -66,7 +70,32 @@ class AsyncInbox(_Base):
     async def process(
         self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]]
     ) -> Outcome[R]:
-        attempts = _Attempts(delivery, self.serialization_retries)
+        async def body(session: AsyncSession, verdict: Verdict) -> R | None:
+            return await handler(session) if verdict.decision is Decision.FIRST else None
+
+        attempts = _Single(delivery, self.serialization_retries)
+        verdict, result, number = await self._run(attempts, body)
+        return Outcome(verdict, result, number)
+
+    async def process_batch(
+        self,
+        deliveries: Sequence[Delivery],
+        handler: Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[R]],
+    ) -> BatchOutcome[R]:
+        """See `Inbox.process_batch`."""
+
+        async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
+            return await handler(session, verdicts) if _any_first(verdicts) else None
+
+        attempts = _Batch(deliveries, self.serialization_retries)
+        verdicts, result, number = await self._run(attempts, body)
+        return BatchOutcome(verdicts, result, number)
+
+    async def _run(
+        self,
+        attempts: _Attempts[V],
+        body: Callable[[AsyncSession, V], Awaitable[R | None]],
+    ) -> tuple[V, R | None, int]:
         while True:
             attempts.start()
             session = AsyncSession(**self._session_options)
@@ -75,17 +104,19 @@ class AsyncInbox(_Base):
                 if not self._isolation_known:
                     self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = await _drive_async(attempts.steps(), conn, self.statements)
-                session.sync_session.info[DELIVERY_KEY] = delivery
-                result = await handler(session) if verdict.decision is Decision.FIRST else None
+                attempts.bind(session.sync_session)
+                attempts.in_handler = True
+                result = await body(session, verdict)
+                attempts.in_handler = False
                 await session.run_sync(Session.commit)
-                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
-                return Outcome(verdict, result, attempts.number)
+                attempts.committed(verdict)
+                return verdict, result, attempts.number
             except Exception as exc:
-                await _abandon_async(session, exc, delivery)
+                await _abandon_async(session, exc, attempts.delivery)
                 if not attempts.retry_now(exc):
                     raise
             except BaseException as exc:
-                await _abandon_async(session, exc, delivery)
+                await _abandon_async(session, exc, attempts.delivery)
                 raise
             finally:
                 await session.run_sync(Session.close)
@@ -106,8 +137,8 @@ class AsyncInbox(_Base):
 
 
 async def _drive_async(
-    steps: Generator[Step, Any, Verdict], conn: AsyncConnection, statements: ClaimStatements
-) -> Verdict:
+    steps: Generator[Step, Any, V], conn: AsyncConnection, statements: ClaimStatements
+) -> V:
     try:
         step = next(steps)
         while True:
@@ -115,7 +146,7 @@ async def _drive_async(
             result = await conn.execute(statement, params)
             step = steps.send(statements.result(step, result))
     except StopIteration as done:
-        verdict: Verdict = done.value
+        verdict: V = done.value
         return verdict
 
 

@@ -14,12 +14,16 @@ the same `_Attempts`; they differ only in whether a call is awaited. One attempt
 
 An interruption that is not an `Exception` (a time limit, a task cancellation) can land
 in the middle of a driver call; the connection is then invalidated, never reused.
+
+`process_batch` runs a batch the same way, with `protocol.claim_batch_steps`: one claim
+statement for every key, one lookup for the keys already claimed, one commit; the handler
+sees each delivery's verdict and runs once when at least one of them is first seen.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -27,22 +31,24 @@ from sqlalchemy import Connection, Dialect, Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..exceptions import ConfigurationError, PrerequisiteError
-from ..protocol import Decision, Delivery, Step, Verdict, claim_steps
+from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
 from .errors import Failure, classify, transient_error
 from .migrate import check_schema
 from .session import InboxSession
 from .statements import ClaimStatements
 from .tables import InboxSchema
 
-__all__ = ["Inbox", "Outcome", "current_delivery"]
+__all__ = ["BatchOutcome", "Inbox", "Outcome", "current_delivery"]
 
 R = TypeVar("R")
+V = TypeVar("V")
 logger = logging.getLogger("inbox_middleware")
 
 DEFAULT_LOCK_TIMEOUT = 5.0
 DEFAULT_SERIALIZATION_RETRIES = 3
 _READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
 DELIVERY_KEY = "inbox_middleware.delivery"
+BATCH_KEY = "inbox_middleware.batch"
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -65,6 +71,20 @@ class Outcome(Generic[R]):
     @property
     def decision(self) -> Decision:
         return self.verdict.decision
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome(Generic[R]):
+    """How a batch was settled: one verdict per delivery, in the batch's order. Only after
+    `process_batch` returns may the caller ack."""
+
+    verdicts: tuple[Verdict, ...]
+    result: R | None = None
+    attempts: int = 1
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return tuple(verdict.decision for verdict in self.verdicts)
 
 
 class _Base:
@@ -115,7 +135,7 @@ class _Base:
             )
 
 
-class _Attempts:
+class _Attempts(Generic[V]):
     """Counts one delivery's attempts and decides what a failed one leads to."""
 
     def __init__(self, delivery: Delivery, retries: int) -> None:
@@ -123,17 +143,19 @@ class _Attempts:
         self.retries = retries
         self.number = 0
         self.claimed = False
+        self.in_handler = False
 
     def start(self) -> None:
         self.number += 1
         self.claimed = False
+        self.in_handler = False
 
     def retry_now(self, exc: BaseException) -> bool:
         """True to run the transaction again at once; else raise the library's error.
 
         Returns False for an error that is the handler's own, which the caller re-raises.
         """
-        failure = classify(exc)
+        failure = classify(exc, from_handler=self.in_handler)
         if failure is Failure.SERIALIZATION and self.number <= self.retries:
             _log(
                 logging.INFO,
@@ -147,11 +169,55 @@ class _Attempts:
             raise mapped from exc
         return False
 
+    def steps(self) -> Generator[Step, Any, V]:
+        raise NotImplementedError
+
+    def bind(self, session: Session) -> None:
+        """Make the claim visible to the handler's session (`current_delivery`)."""
+
+    def committed(self, verdict: V) -> None:
+        """Log the commit."""
+
+
+class _Single(_Attempts[Verdict]):
     def steps(self) -> Generator[Step, Any, Verdict]:
         verdict = yield from claim_steps(self.delivery)
         self.claimed = True
         _log_verdict(self.delivery, verdict)
         return verdict
+
+    def bind(self, session: Session) -> None:
+        session.info[DELIVERY_KEY] = self.delivery
+
+    def committed(self, verdict: Verdict) -> None:
+        _log(logging.DEBUG, "committed", self.delivery, decision=verdict.decision)
+
+
+class _Batch(_Attempts[tuple[Verdict, ...]]):
+    """A batch's attempts; errors and retries are reported under its first delivery."""
+
+    def __init__(self, deliveries: Sequence[Delivery], retries: int) -> None:
+        if not deliveries:
+            raise ValueError("a batch needs at least one delivery")
+        super().__init__(deliveries[0], retries)
+        self.deliveries = tuple(deliveries)
+
+    def steps(self) -> Generator[Step, Any, tuple[Verdict, ...]]:
+        verdicts = yield from claim_batch_steps(self.deliveries)
+        self.claimed = True
+        for delivery, verdict in zip(self.deliveries, verdicts, strict=True):
+            _log_verdict(delivery, verdict)
+        return verdicts
+
+    def bind(self, session: Session) -> None:
+        session.info[BATCH_KEY] = self.deliveries
+
+    def committed(self, verdict: tuple[Verdict, ...]) -> None:
+        _log(logging.DEBUG, "committed", self.delivery, batch=len(self.deliveries))
+
+
+def _any_first(verdicts: Sequence[Verdict]) -> bool:
+    return any(verdict.decision is Decision.FIRST for verdict in verdicts)
 
 
 class Inbox(_Base):
@@ -193,7 +259,32 @@ class Inbox(_Base):
     def process(self, delivery: Delivery, handler: Callable[[Session], R]) -> Outcome[R]:
         """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then."""
-        attempts = _Attempts(delivery, self.serialization_retries)
+
+        def body(session: Session, verdict: Verdict) -> R | None:
+            return handler(session) if verdict.decision is Decision.FIRST else None
+
+        verdict, result, number = self._run(_Single(delivery, self.serialization_retries), body)
+        return Outcome(verdict, result, number)
+
+    def process_batch(
+        self,
+        deliveries: Sequence[Delivery],
+        handler: Callable[[Session, tuple[Verdict, ...]], R],
+    ) -> BatchOutcome[R]:
+        """Claim every delivery of a batch in one statement and, when at least one is first
+        seen, run ``handler`` with every verdict (in the batch's order); commit once.
+        Raises when the attempt rolled back: ack none of the batch then."""
+
+        def body(session: Session, verdicts: tuple[Verdict, ...]) -> R | None:
+            return handler(session, verdicts) if _any_first(verdicts) else None
+
+        attempts = _Batch(deliveries, self.serialization_retries)
+        verdicts, result, number = self._run(attempts, body)
+        return BatchOutcome(verdicts, result, number)
+
+    def _run(
+        self, attempts: _Attempts[V], body: Callable[[Session, V], R | None]
+    ) -> tuple[V, R | None, int]:
         while True:
             attempts.start()
             session = self._sessions()
@@ -202,17 +293,19 @@ class Inbox(_Base):
                 if not self._isolation_known:
                     self._learn_isolation(conn.dialect, self.engine.get_execution_options())
                 verdict = _drive(attempts.steps(), conn, self.statements)
-                session.info[DELIVERY_KEY] = delivery
-                result = handler(session) if verdict.decision is Decision.FIRST else None
+                attempts.bind(session)
+                attempts.in_handler = True
+                result = body(session, verdict)
+                attempts.in_handler = False
                 Session.commit(session)
-                _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
-                return Outcome(verdict, result, attempts.number)
+                attempts.committed(verdict)
+                return verdict, result, attempts.number
             except Exception as exc:
-                _abandon(session, exc, delivery)
+                _abandon(session, exc, attempts.delivery)
                 if not attempts.retry_now(exc):
                     raise
             except BaseException as exc:
-                _abandon(session, exc, delivery)
+                _abandon(session, exc, attempts.delivery)
                 raise
             finally:
                 Session.close(session)
@@ -236,16 +329,14 @@ class Inbox(_Base):
             Session.close(session)
 
 
-def _drive(
-    steps: Generator[Step, Any, Verdict], conn: Connection, statements: ClaimStatements
-) -> Verdict:
+def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
     try:
         step = next(steps)
         while True:
             statement, params = statements.statement(step)
             step = steps.send(statements.result(step, conn.execute(statement, params)))
     except StopIteration as done:
-        verdict: Verdict = done.value
+        verdict: V = done.value
         return verdict
 
 

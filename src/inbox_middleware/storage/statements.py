@@ -2,16 +2,20 @@
 
 Each method turns a `protocol` step into a statement and its parameters, and turns the
 result back into what the protocol expects, so the two executors share every query.
+A batch claim is one statement too; it is built per batch size (one row of parameters
+per delivery), and SQLAlchemy caches each size's compiled form.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from sqlalchemy import (
     CursorResult,
     DateTime,
     Executable,
+    Select,
     Text,
     bindparam,
     cast,
@@ -19,10 +23,22 @@ from sqlalchemy import (
     literal_column,
     select,
     true,
+    tuple_,
+    union_all,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ..protocol import Claim, Delivery, LookUp, QuarantineRecord, RecordConflict, Step, StoredClaim
+from ..protocol import (
+    Claim,
+    ClaimBatch,
+    Delivery,
+    LookUp,
+    LookUpBatch,
+    QuarantineRecord,
+    RecordConflict,
+    Step,
+    StoredClaim,
+)
 from .tables import InboxSchema
 
 __all__ = ["ClaimStatements"]
@@ -39,6 +55,7 @@ class ClaimStatements:
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         key = [inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id]
         self._key_names = [column.name for column in key]
+        self._inbox, self._insert, self._key_columns = inbox, insert, key
 
         columns = [*key, inbox.c.payload_sha256, inbox.c.hash_scheme, inbox.c.handler_version]
         values: list[Any] = [bindparam(column.name, type_=Text) for column in columns]
@@ -48,15 +65,13 @@ class ClaimStatements:
             cast(bindparam("received_at", type_=_TIMESTAMP), _TIMESTAMP),
         ]
         rows = select(*values)
+        self._columns = [column.name for column in columns]
         self._lock_timeout: str | None = None
         if dialect == "postgresql" and lock_timeout is not None:
             # Set lock_timeout for this transaction inside the claim statement itself: the
             # sub-select runs before the INSERT waits on a conflicting uncommitted row, so
             # the wait is bounded without a separate SET round trip per message.
-            setting = select(
-                func.set_config("lock_timeout", bindparam("lock_timeout", type_=Text), true())
-            ).subquery("inbox_settings")
-            rows = rows.select_from(setting)
+            rows = rows.select_from(self._setting())
             self._lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
         self.claim: Executable = (
             insert(inbox)
@@ -82,6 +97,7 @@ class ClaimStatements:
             hash_scheme=bindparam("hash_scheme"),
             source=bindparam("source"),
             payload=bindparam("payload"),
+            payload_format=bindparam("payload_format"),
             headers=bindparam("headers", type_=quarantine.c.headers.type),
             reason_code="identity_conflict",
             attempts=1,
@@ -99,16 +115,76 @@ class ClaimStatements:
             },
         ).returning(quarantine.c.id, quarantine.c.attempts)
 
+    @staticmethod
+    def _setting() -> Any:
+        return select(
+            func.set_config("lock_timeout", bindparam("lock_timeout", type_=Text), true())
+        ).subquery("inbox_settings")
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one instance per inbox, kept for its life)
+    def claim_batch(self, size: int) -> Executable:
+        """INSERT ``size`` rows in one statement, in key order; RETURNING the claimed keys.
+
+        The rows are a UNION ALL of one SELECT of parameters per delivery (``c0_*``,
+        ``c1_*``, ...), which PostgreSQL and SQLite both accept. ORDER BY the key makes
+        every batch take its row locks in the same order.
+        """
+        branches = []
+        for index in range(size):
+            row: list[Any] = [
+                cast(bindparam(f"c{index}_{name}", type_=Text), Text).label(name)
+                for name in self._columns[:7]
+            ]
+            row += [
+                cast(bindparam(f"c{index}_{name}", type_=_TIMESTAMP), _TIMESTAMP).label(name)
+                for name in self._columns[7:]
+            ]
+            branches.append(select(*row))
+        rows = union_all(*branches).subquery("inbox_rows")
+        ordered: Select[Any] = select(*(rows.c[name] for name in self._columns))
+        if self._lock_timeout is not None:
+            # Sorting consumes every row, settings included, before the first INSERT can
+            # wait on a lock: lock_timeout is in force by then, as for one delivery.
+            ordered = ordered.select_from(rows.join(self._setting(), true()))
+        # WHERE true: SQLite cannot otherwise tell the upsert's ON CONFLICT from a join's ON.
+        ordered = ordered.where(true()).order_by(*(rows.c[name] for name in self._key_names))
+        statement: Executable = (
+            self._insert(self._inbox)
+            .from_select(self._columns, ordered)
+            .on_conflict_do_nothing()
+            .returning(*self._key_columns)
+        )
+        return statement
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019
+    def look_up_batch(self, size: int) -> Executable:
+        keys: list[list[Any]] = [
+            [bindparam(f"k{i}_{name}") for name in self._key_names] for i in range(size)
+        ]
+        return select(
+            *self._key_columns,
+            self._inbox.c.payload_sha256,
+            self._inbox.c.hash_scheme,
+            self._inbox.c.handler_version,
+            self._inbox.c.processed_at,
+        ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys]))
+
     def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
+        if isinstance(step, ClaimBatch):
+            params: dict[str, Any] = {}
+            for index, delivery in enumerate(step.deliveries):
+                params |= {f"c{index}_{k}": v for k, v in self._claim_row(delivery).items()}
+            if self._lock_timeout is not None:
+                params["lock_timeout"] = self._lock_timeout
+            return self.claim_batch(len(step.deliveries)), params
+        if isinstance(step, LookUpBatch):
+            params = {}
+            for index, delivery in enumerate(step.deliveries):
+                params |= {f"k{index}_{k}": v for k, v in self._key(delivery).items()}
+            return self.look_up_batch(len(step.deliveries)), params
         delivery = step.delivery
         if isinstance(step, Claim):
-            params = self._key(delivery) | {
-                "payload_sha256": delivery.payload_hash.sha256,
-                "hash_scheme": delivery.payload_hash.scheme,
-                "handler_version": delivery.handler_version,
-                "produced_at": delivery.identity.produced_at,
-                "received_at": delivery.received_at,
-            }
+            params = self._claim_row(delivery)
             if self._lock_timeout is not None:
                 params["lock_timeout"] = self._lock_timeout
             return self.claim, params
@@ -120,12 +196,18 @@ class ClaimStatements:
             "hash_scheme": delivery.payload_hash.scheme,
             "source": delivery.source,
             "payload": delivery.payload,
+            "payload_format": delivery.payload_format,
             "headers": dict(delivery.headers),
             "handler_version": delivery.handler_version,
         }
 
     @staticmethod
     def result(step: Step, result: CursorResult[Any]) -> object:
+        if isinstance(step, ClaimBatch):
+            return {tuple(row) for row in result}
+        if isinstance(step, LookUpBatch):
+            rows: list[tuple[Any, ...]] = [tuple(row) for row in result]
+            return {row[:4]: StoredClaim(row[4], row[5], row[6], row[7]) for row in rows}
         first = result.first()
         row: tuple[Any, ...] | None = None if first is None else tuple(first)
         if isinstance(step, Claim):
@@ -135,6 +217,15 @@ class ClaimStatements:
         assert isinstance(step, RecordConflict)
         assert row is not None
         return QuarantineRecord(*row)
+
+    def _claim_row(self, delivery: Delivery) -> dict[str, Any]:
+        return self._key(delivery) | {
+            "payload_sha256": delivery.payload_hash.sha256,
+            "hash_scheme": delivery.payload_hash.scheme,
+            "handler_version": delivery.handler_version,
+            "produced_at": delivery.identity.produced_at,
+            "received_at": delivery.received_at,
+        }
 
     def _key(self, delivery: Delivery) -> dict[str, Any]:
         return dict(zip(self._key_names, delivery.key, strict=True))

@@ -1,0 +1,129 @@
+"""What the inbox needs from a broker, for one subscriber.
+
+The processing in `..processing` is the same for every broker; what differs is here:
+which subscribers can be protected at all, how a message is handed back for a later
+redelivery, where a message is published when it is quarantined or rejected, and what
+the broker itself keeps stable across redeliveries (for the ``broker_id`` opt-in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["BrokerAdapter", "Item", "Peer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One message as the inbox sees it (a batch has several)."""
+
+    body: bytes
+    headers: Mapping[str, Any]
+    broker_id: tuple[str, str] | None = None
+    """(producer name, id) the broker keeps stable across redeliveries, if it has one."""
+    content_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Another inbox subscriber on the same broker, for checks that span subscribers."""
+
+    adapter: BrokerAdapter
+    consumer: str
+
+
+class BrokerAdapter:
+    """The broker-specific half of one inbox subscriber.
+
+    Subclasses implement the broker's answers; each method's docstring states its
+    contract. ``broker`` and ``subscriber`` are FastStream's objects.
+    """
+
+    name: ClassVar[str]
+    native_reject: ClassVar[bool] = False
+    """Whether `reject` sends a message to a dead-letter path the broker itself has."""
+
+    def __init__(self, broker: Any, subscriber: Any) -> None:
+        self.broker = broker
+        self.subscriber = subscriber
+
+    @property
+    def source(self) -> str:
+        """The queue, stream, subject or topic messages come from."""
+        raise NotImplementedError
+
+    @property
+    def batch(self) -> bool:
+        """Whether the subscriber receives batches."""
+        return False
+
+    def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
+        """Why this subscriber (of inbox consumer ``consumer``) cannot be protected, with
+        what to change; None if it can. ``peers`` are the broker's other inbox subscribers.
+
+        Runs before the generic ack-policy checks, so it can explain a broker's own case
+        (a Redis list reports itself as MANUAL, for instance).
+        """
+        return None
+
+    async def prepare(self, destinations: Iterable[str]) -> None:
+        """Declare the quarantine and dead-letter destinations durably, before consuming."""
+
+    async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
+        """Publish ``item``'s body durably to ``destination`` with ``headers``; return only
+        once the broker has it (confirmed), raise otherwise."""
+        raise NotImplementedError
+
+    def items(self, message: Any) -> list[Item]:
+        """The messages in ``message``: one, or each of a batch, in order."""
+        return [
+            Item(
+                bytes(message.body),
+                message.headers,
+                self.broker_id(message.raw_message),
+                message.content_type,
+            )
+        ]
+
+    def broker_id(self, raw: Any) -> tuple[str, str] | None:
+        """What the broker keeps stable across redeliveries of ``raw``, if anything."""
+        return None
+
+    async def retry_later(self, message: Any, delay: float) -> None:
+        """Hand ``message`` back for redelivery no sooner than about ``delay`` seconds.
+
+        The default waits, then nacks: the message is held meanwhile, so a failing
+        database never turns into a hot redelivery loop.
+        """
+        await _wait_then(message.nack(), delay)
+
+    async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
+        """Send ``message`` (or these items of a batch) to the broker's dead-letter path."""
+        raise NotImplementedError
+
+
+async def _wait_then(action: Any, delay: float) -> None:
+    """Sleep, then run ``action`` (an awaitable); on cancellation run it at once."""
+    try:
+        await asyncio.sleep(delay)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(action)
+        raise
+    await action
+
+
+def text_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    """Headers for brokers that carry text only (Redis, NATS, Kafka)."""
+    result: dict[str, str] = {}
+    for name, value in headers.items():
+        if isinstance(value, bytes | bytearray):
+            text = bytes(value).decode("utf-8", "backslashreplace")
+        else:
+            text = value if isinstance(value, str) else str(value)
+        result[str(name)] = text
+    return result

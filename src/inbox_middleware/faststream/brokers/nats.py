@@ -1,0 +1,142 @@
+"""NATS: JetStream subscribers only (push or pull); core NATS keeps nothing to redeliver.
+
+A failed message is nacked with JetStream's own redelivery delay (``nak(delay=...)``), so
+nothing is held in the worker meanwhile. Quarantined and rejected messages are published
+to subjects that a JetStream stream keeps: the inbox creates ``<stream>_inbox`` for them
+when no stream captures those subjects yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from faststream.nats.subscriber.usecases.core_subscriber import CoreSubscriber
+from faststream.nats.subscriber.usecases.key_value_subscriber import KeyValueWatchSubscriber
+from faststream.nats.subscriber.usecases.object_storage_subscriber import (
+    ObjStoreWatchSubscriber,
+)
+from faststream.nats.subscriber.usecases.stream_basic import StreamSubscriber
+from faststream.nats.subscriber.usecases.stream_pull_subscriber import (
+    BatchPullStreamSubscriber,
+)
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from .base import BrokerAdapter, Item, Peer, text_headers
+
+__all__ = ["NatsAdapter", "subject_matches"]
+
+
+class NatsAdapter(BrokerAdapter):
+    name = "NATS"
+    native_reject = True
+
+    def __init__(self, broker: Any, subscriber: Any) -> None:
+        super().__init__(broker, subscriber)
+        self.streams: dict[str, str] = {}  # destination subject -> the stream keeping it
+
+    @property
+    def source(self) -> str:
+        return str(self.subscriber.subject.broker_address)
+
+    @property
+    def batch(self) -> bool:
+        return isinstance(self.subscriber, BatchPullStreamSubscriber)
+
+    def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
+        subscriber = self.subscriber
+        if isinstance(subscriber, KeyValueWatchSubscriber | ObjStoreWatchSubscriber):
+            return "a key-value or object-store watch has no acknowledgement to control"
+        if isinstance(subscriber, CoreSubscriber) or not isinstance(
+            subscriber, StreamSubscriber | BatchPullStreamSubscriber
+        ):
+            return (
+                f"core NATS subject {self.source!r} delivers at most once and keeps "
+                "nothing, so a message whose transaction did not commit would be lost. "
+                "Subscribe through JetStream: stream=JStream(...) (push) or also "
+                "pull_sub=PullSub(...)"
+            )
+        if subscriber.extra_options.get("manual_ack") is False:
+            return (
+                "AckPolicy.ACK_FIRST: JetStream acknowledges the message on delivery, "
+                "before the inbox commits, so a crash would lose it. Remove ack_policy "
+                "(the inbox acks after the commit itself)"
+            )
+        return None
+
+    def captures(self, destination: str) -> bool:
+        """Whether this subscriber would consume ``destination`` itself."""
+        return subject_matches(self.source, destination)
+
+    async def prepare(self, destinations: Iterable[str]) -> None:
+        js = self.subscriber.jetstream
+        missing = []
+        for subject in destinations:
+            try:
+                self.streams[subject] = await js.find_stream_name_by_subject(subject)
+            except NotFoundError:
+                missing.append(subject)
+        if not missing:
+            return
+        name = f"{self.subscriber.stream.name}_inbox"
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            await js.add_stream(StreamConfig(name, subjects=missing, storage=StorageType.FILE))
+        else:
+            subjects = sorted({*(info.config.subjects or ()), *missing})
+            await js.update_stream(StreamConfig(name, subjects=subjects, storage=StorageType.FILE))
+        self.streams |= dict.fromkeys(missing, name)
+
+    async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
+        # Through JetStream: returns once the stream has stored the message.
+        await self.broker.publish(
+            item.body,
+            destination,
+            headers=text_headers(headers),
+            stream=self.streams.get(destination),
+        )
+
+    def items(self, message: Any) -> list[Item]:
+        if not self.batch:
+            return super().items(message)
+        return [
+            Item(
+                bytes(raw.data),
+                raw.headers or {},
+                self.broker_id(raw),
+                (raw.headers or {}).get("content-type"),
+            )
+            for raw in message.raw_message
+        ]
+
+    def broker_id(self, raw: Any) -> tuple[str, str] | None:
+        # The publisher's deduplication id when it set one, else the stream sequence;
+        # both stay the same on every redelivery.
+        metadata = raw.metadata
+        if msg_id := (raw.headers or {}).get("Nats-Msg-Id"):
+            return (f"nats-msg-id:{metadata.stream}", str(msg_id))
+        return (f"nats-stream:{metadata.stream}", str(metadata.sequence.stream))
+
+    async def retry_later(self, message: Any, delay: float) -> None:
+        await message.nack(delay=delay)
+
+    async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
+        # TERM: JetStream stops redelivering and publishes a MSG_TERMINATED advisory.
+        if indexes is None:
+            await message.reject()
+            return
+        for index in indexes:
+            await message.raw_message[index].term()
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    for index, token in enumerate(want):
+        if token == ">":
+            return len(have) > index
+        if index >= len(have) or (token not in ("*", have[index])):
+            return False
+    return len(want) == len(have)

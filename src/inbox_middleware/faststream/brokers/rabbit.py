@@ -1,0 +1,52 @@
+"""RabbitMQ: every queue subscriber can be protected; the inbox settles each message."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from faststream.rabbit import RabbitQueue
+
+from .base import BrokerAdapter, Item, _wait_then
+
+__all__ = ["RabbitAdapter"]
+
+
+class RabbitAdapter(BrokerAdapter):
+    name = "RabbitMQ"
+    native_reject = True
+
+    @property
+    def source(self) -> str:
+        queue: RabbitQueue = self.subscriber.queue
+        return str(queue.add_prefix(self.subscriber._outer_config.prefix).name)
+
+    async def prepare(self, destinations: Iterable[str]) -> None:
+        # Durable, like the queues a repair tool would declare to read them back.
+        for name in destinations:
+            await self.broker.declare_queue(RabbitQueue(name, durable=True))
+
+    async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
+        # persist: FastStream publishes non-persistent messages unless asked. mandatory and
+        # the channel's publisher confirms make an unroutable or lost publish an error.
+        await self.broker.publish(
+            item.body,
+            queue=destination,
+            persist=True,
+            mandatory=True,
+            headers=headers,
+            content_type=item.content_type,
+        )
+
+    def broker_id(self, raw: Any) -> tuple[str, str] | None:
+        # The AMQP message-id property: FastStream's publisher fills it (one per publish),
+        # so it identifies redeliveries of one publish, never a producer's second send.
+        message_id = getattr(raw, "message_id", None)
+        return ("rabbitmq.message_id", str(message_id)) if message_id else None
+
+    async def retry_later(self, message: Any, delay: float) -> None:
+        await _wait_then(message.nack(requeue=True), delay)
+
+    async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
+        # Without requeue: to the queue's dead-letter exchange, if it has one.
+        await message.reject(requeue=False)

@@ -1,0 +1,69 @@
+"""The subscriber dependency that names an inbox consumer: ``inbox.consumer("billing")``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..exceptions import ConfigurationError
+from .context import current_attempt
+from .payload import CanonicalForm
+
+if TYPE_CHECKING:
+    from .inbox import FastStreamInbox
+
+__all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "check_policy"]
+
+MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
+"""What to do with a message that carries no ``x-inbox-producer`` / ``x-inbox-message-id``.
+
+``reject`` (default): to the dead-letter destination, with an error log line.
+``process``: run the handler without deduplication, with a warning per message.
+``broker_id``: deduplicate on what the broker keeps stable across redeliveries (RabbitMQ's
+message-id property, a Redis stream entry id, a JetStream sequence, a Kafka offset). That
+catches redeliveries, never a producer publishing the same intent twice.
+"""
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InboxConsumer:
+    """A subscriber's inbox declaration; also the dependency FastStream resolves per call.
+
+    Resolving it checks that the inbox middleware is running this message, so a handler
+    whose broker lacks ``middlewares=[inbox.middleware]`` fails instead of running
+    unprotected.
+    """
+
+    inbox: FastStreamInbox
+    name: str
+    handler_version: str = ""
+    missing_identity: MissingIdentityPolicy | None = None
+    canonical_form: CanonicalForm | None = None
+    quarantine: str | None = None
+    dead_letter: str | _Unset | None = UNSET
+
+    def __call__(self) -> None:
+        if current_attempt() is None:
+            raise ConfigurationError(
+                f"inbox consumer {self.name!r} is not running under the inbox middleware: "
+                "create the broker with middlewares=[inbox.middleware]"
+            )
+
+    def __repr__(self) -> str:
+        return f"inbox.consumer({self.name!r})"
+
+
+def check_policy(value: object) -> MissingIdentityPolicy:
+    if value not in ("reject", "process", "broker_id"):
+        raise ConfigurationError(
+            f"missing_identity must be 'reject', 'process' or 'broker_id', not {value!r}"
+        )
+    return value

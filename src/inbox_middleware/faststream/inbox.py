@@ -1,0 +1,278 @@
+"""`FastStreamInbox`: the settings, the broker middleware, the subscriber dependency and
+the start-up check, in one object.
+
+```python
+inbox = FastStreamInbox(async_engine)
+broker = RabbitBroker(url, middlewares=[inbox.middleware])
+app = FastStream(inbox.guard(broker))
+
+@broker.subscriber("orders", dependencies=[inbox.consumer("billing", handler_version="3")])
+async def handle(order: Order, session: InboxSession) -> None: ...
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fast_depends import Depends
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..exceptions import ConfigurationError
+from ..identity import MAX_NAME_LENGTH, validate_name
+from ..storage import InboxSchema
+from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from .brokers import adapter_for
+from .brokers.nats import NatsAdapter
+from .consumer import UNSET, InboxConsumer, MissingIdentityPolicy, _Unset, check_policy
+from .guard import Found, find, refusals
+from .middleware import InboxMiddlewareFactory
+from .payload import CanonicalForm
+from .processing import Backoff, Subscription
+
+if TYPE_CHECKING:
+    from ..storage.aio import AsyncInbox
+
+__all__ = ["FastStreamInbox"]
+
+logger = logging.getLogger("inbox_middleware.faststream")
+
+B = TypeVar("B")
+
+
+class FastStreamInbox:
+    """Deduplicates the messages of every subscriber that declares ``inbox.consumer(...)``.
+
+    Parameters:
+      engine: the `AsyncEngine` (asyncpg) holding your tables and the inbox tables.
+      naming: schema and table prefix of the inbox tables.
+      lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
+        handed back (and the bound on any lock wait inside the transaction).
+      serialization_retries: in-process reruns after a serialization failure or deadlock.
+      missing_identity: see `MissingIdentityPolicy`.
+      quarantine: where conflicting messages are published; ``{source}`` is the queue,
+        stream, subject or topic they came from.
+      dead_letter: where messages without a usable identity (or rejected by the handler)
+        are published, with the reason; None uses the broker's own dead-letter path
+        (RabbitMQ: reject without requeue, to the queue's dead-letter exchange; NATS:
+        TERM). Redis and Kafka have none.
+      canonical_form: a `CanonicalForm` used to hash payloads instead of the body.
+      retry_backoff: (first, limit) seconds to wait before handing back a message whose
+        transaction failed, doubling per failure of the same message.
+      check_database: check the schema and ``synchronous_commit`` at start-up.
+
+    The consumer name and handler version come from ``inbox.consumer(...)``; the other
+    settings can be overridden there per subscriber.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        missing_identity: MissingIdentityPolicy = "reject",
+        quarantine: str = "{source}.quarantine",
+        dead_letter: str | None = "{source}.dead-letter",
+        canonical_form: CanonicalForm | None = None,
+        retry_backoff: tuple[float, float] = (0.5, 30.0),
+        check_database: bool = True,
+    ) -> None:
+        from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
+
+        self.storage: AsyncInbox = AsyncInbox(
+            engine,
+            naming=naming,
+            lock_timeout=lock_timeout,
+            serialization_retries=serialization_retries,
+        )
+        self.missing_identity = check_policy(missing_identity)
+        self.quarantine = quarantine
+        self.dead_letter = dead_letter
+        self.canonical_form = canonical_form
+        self.backoff = Backoff(*retry_backoff)
+        self.check_database = check_database
+        self.middleware = InboxMiddlewareFactory(self)
+        """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
+        self._subscriptions: dict[int, Subscription | None] = {}
+        self._refused: dict[int, str] = {}
+        self._lock = asyncio.Lock()
+        self._database_checked = False
+
+    def consumer(
+        self,
+        name: str,
+        handler_version: str = "",
+        *,
+        missing_identity: MissingIdentityPolicy | None = None,
+        canonical_form: CanonicalForm | None = None,
+        quarantine: str | None = None,
+        dead_letter: str | _Unset | None = UNSET,
+    ) -> Any:
+        """A subscriber dependency naming the handler's inbox consumer::
+
+            @broker.subscriber("orders", dependencies=[inbox.consumer("billing", "3")])
+
+        One name per handler; the handler version is recorded with every claim.
+        """
+        try:
+            validate_name(name, "consumer name", max_length=MAX_NAME_LENGTH)
+        except Exception as exc:
+            raise ConfigurationError(str(exc)) from None
+        if missing_identity is not None:
+            check_policy(missing_identity)
+        declaration = InboxConsumer(
+            self,
+            name,
+            str(handler_version),
+            missing_identity,
+            canonical_form,
+            quarantine,
+            dead_letter,
+        )
+        return Depends(declaration, cast=False)
+
+    def guard(self, broker: B) -> B:
+        """Run `check` whenever ``broker`` starts, before any of its subscribers does.
+
+        Returns the broker: ``app = FastStream(inbox.guard(broker))``.
+        """
+        start = broker.start  # type: ignore[attr-defined]
+        if getattr(start, "__inbox_guarded__", None) is self:
+            return broker
+
+        async def guarded_start(*args: Any, **kwargs: Any) -> Any:
+            await self.check(broker)
+            return await start(*args, **kwargs)
+
+        guarded_start.__inbox_guarded__ = self  # type: ignore[attr-defined]
+        broker.start = guarded_start  # type: ignore[attr-defined]
+        return broker
+
+    async def check(self, broker: Any) -> None:
+        """Refuse, with what to change, any inbox subscriber whose messages the inbox could
+        not settle; check the schema and database settings; declare the quarantine and
+        dead-letter destinations. Raises `ConfigurationError` listing every problem."""
+        async with self._lock:
+            await self._check(broker)
+
+    async def _check(self, broker: Any) -> None:
+        found = find(broker, self)
+        refused = refusals(found, self.middleware)
+        subscriptions: dict[int, Subscription] = {}
+        for f in found:
+            if f.consumer is None or f.adapter is None or id(f.subscriber) in refused:
+                continue
+            subscription = self._subscription(f)
+            if problem := _settings_refusal(subscription):
+                refused[id(f.subscriber)] = problem
+            else:
+                subscriptions[id(f.subscriber)] = subscription
+        if refused:
+            self._refused |= refused
+            raise ConfigurationError(_report(found, refused))
+        if self.check_database and not self._database_checked:
+            await self.storage.check()
+            self._database_checked = True
+        if subscriptions:
+            await broker.connect()
+        for subscription in subscriptions.values():
+            await subscription.adapter.prepare(subscription.destinations)
+        for f in found:
+            self._subscriptions[id(f.subscriber)] = subscriptions.get(id(f.subscriber))
+            self._refused.pop(id(f.subscriber), None)
+        for subscription in subscriptions.values():
+            logger.info(
+                "inbox consumer %s protects %s (quarantine %s, dead letters %s)",
+                subscription.consumer.name,
+                subscription.describe(),
+                subscription.quarantine,
+                subscription.dead_letter or "the broker's dead-letter path",
+            )
+
+    def _subscription(self, found: Found) -> Subscription:
+        assert found.consumer is not None
+        assert found.adapter is not None
+        return Subscription(
+            storage=self.storage,
+            consumer=found.consumer,
+            adapter=found.adapter,
+            missing_identity=self.missing_identity,
+            canonical_form=self.canonical_form,
+            quarantine=self.quarantine,
+            dead_letter=self.dead_letter,
+            backoff=self.backoff,
+        )
+
+    async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:
+        """The inbox subscription of ``subscriber``, None if it is not an inbox subscriber.
+
+        Normally known since `check` ran at start-up. Without `guard`, the check runs at
+        the first message, too late for an ACK_FIRST subscriber: hence the warning.
+        """
+        key = id(subscriber)
+        if key in self._subscriptions:
+            return self._subscriptions[key]
+        if key not in self._refused:
+            logger.warning(
+                "the inbox start-up check did not run before this broker started; running it "
+                "now. Wrap the broker with inbox.guard(broker) so that a subscriber the inbox "
+                "cannot protect is refused before it consumes anything"
+            )
+            try:
+                await self.check(broker)
+            except ConfigurationError as exc:
+                logger.critical("%s", exc)
+        if key in self._refused:
+            raise ConfigurationError(self._refused[key])
+        return self._subscriptions.get(key)
+
+    async def hold(self, broker: Any, subscriber: Any, message: Any) -> None:
+        """Hand back a message of a refused subscriber, so it is not lost meanwhile."""
+        await adapter_for(broker, subscriber).retry_later(message, self.backoff.limit)
+
+
+def _settings_refusal(subscription: Subscription) -> str | None:
+    adapter = subscription.adapter
+    if subscription.dead_letter is None and not adapter.native_reject:
+        return (
+            f"dead_letter=None, but {adapter.name} has no dead-letter path of its own: "
+            "keep the default (a dead-letter destination the inbox publishes to)"
+        )
+    if adapter.batch and subscription.missing_identity == "process":
+        return (
+            "missing_identity='process' cannot apply to a batch subscriber, whose batch is "
+            "claimed as a whole; use 'reject' or 'broker_id'"
+        )
+    for destination in subscription.destinations:
+        if destination == adapter.source:
+            return f"its quarantine or dead-letter destination is its own source {destination!r}"
+        if isinstance(adapter, NatsAdapter):
+            if any(token in ("*", ">") for token in destination.split(".")):
+                return (
+                    f"its destination {destination!r} has a wildcard: pass quarantine= and "
+                    "dead_letter= as plain subjects to inbox.consumer(...)"
+                )
+            if adapter.captures(destination):
+                return (
+                    f"it would consume its own destination {destination!r}: choose "
+                    "quarantine= and dead_letter= subjects outside its subject filter"
+                )
+    return None
+
+
+def _report(found: list[Found], refused: dict[int, str]) -> str:
+    lines = ["the inbox refuses to start these subscribers:"]
+    for f in found:
+        if id(f.subscriber) in refused:
+            what = f.adapter.name if f.adapter else type(f.subscriber).__name__
+            where = repr(f.adapter.source) if f.adapter else ""
+            consumer = f.consumer.name if f.consumer else "?"
+            lines.append(
+                f"  - {what} subscriber {where} (inbox consumer {consumer!r}): "
+                f"{refused[id(f.subscriber)]}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""The broker middleware: routes each consumed message of an inbox subscriber through its
+`Subscription`, and lets every other message through untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from faststream import BaseMiddleware
+from faststream.message import SourceType
+
+from ..exceptions import ConfigurationError
+from .context import current_attempt
+
+if TYPE_CHECKING:
+    from faststream._internal.context.repository import ContextRepo
+    from faststream.message import StreamMessage
+
+    from .inbox import FastStreamInbox
+
+__all__ = ["InboxMiddleware", "InboxMiddlewareFactory"]
+
+
+class InboxMiddleware(BaseMiddleware):
+    """One message's pass through the inbox (FastStream builds one per message)."""
+
+    def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: FastStreamInbox) -> None:
+        super().__init__(msg, context=context)
+        self.inbox = inbox
+
+    async def consume_scope(
+        self, call_next: Callable[[Any], Awaitable[Any]], msg: StreamMessage[Any]
+    ) -> Any:
+        subscriber = self.context.get_local("handler_")
+        if (
+            subscriber is None
+            or msg.source_type is not SourceType.CONSUME
+            # A message consumed inside an inbox handler (an RPC reply, get_one) belongs
+            # to that handler's transaction, not to a claim of its own.
+            or current_attempt() is not None
+        ):
+            return await call_next(msg)
+        broker = self.context.get_local("broker")
+        try:
+            subscription = await self.inbox.subscription_for(subscriber, broker)
+        except ConfigurationError:
+            await self.inbox.hold(broker, subscriber, msg)
+            raise
+        if subscription is None:
+            return await call_next(msg)
+        return await subscription.consume(call_next, msg)
+
+
+class InboxMiddlewareFactory:
+    """What the broker is given (``middlewares=[inbox.middleware]``): FastStream calls it
+    once per message to build an `InboxMiddleware`."""
+
+    def __init__(self, inbox: FastStreamInbox) -> None:
+        self.inbox = inbox
+
+    def __call__(self, msg: Any, /, *, context: ContextRepo) -> InboxMiddleware:
+        return InboxMiddleware(msg, context=context, inbox=self.inbox)
+
+    def __repr__(self) -> str:
+        return "inbox.middleware"

@@ -1,0 +1,131 @@
+"""The account-credit service as a FastStream app, for tests that run real worker
+processes with ``faststream run tests.apps.faststream_app:app``.
+
+Configured by environment variables:
+
+INBOX_TEST_DATABASE_URL   SQLAlchemy URL of the run's database (asyncpg)
+INBOX_TEST_BROKER         "rabbit", "redis" or "nats";  INBOX_TEST_BROKER_URL its URL
+INBOX_TEST_SOURCE         the queue, stream or subject (one per test); NATS: the stream is
+                          its upper-case name, the durable consumer "d" + the subject
+INBOX_TEST_WORKER         this process's Redis consumer name (one per process)
+INBOX_TEST_PAUSE_AT       a named point where the first message to reach it stops and
+                          waits to be killed: before_claim, in_body or after_commit
+INBOX_TEST_MARKERS        folder where "<point>.paused" is written on reaching it
+INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid>"
+INBOX_TEST_ACK_POLICY     an AckPolicy value for the subscriber (to test the guard)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from faststream import BaseMiddleware, FastStream
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+
+from .domain import apply_credit_async
+
+ENV = os.environ
+SOURCE = ENV.get("INBOX_TEST_SOURCE", "accounts")
+PAUSE_AT = ENV.get("INBOX_TEST_PAUSE_AT", "")
+MARKERS = ENV.get("INBOX_TEST_MARKERS", "")
+RECLAIM_MS = 1000
+NATS_ACK_WAIT = 3.0
+
+
+async def pause_point(name: str) -> None:
+    """Stop here, once across all processes, until the test kills this process."""
+    if name != PAUSE_AT:
+        return
+    try:
+        fd = os.open(os.path.join(MARKERS, f"{name}.paused"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
+    while True:
+        await asyncio.sleep(60)
+
+
+class CrashPoints(BaseMiddleware):
+    """Named points around the inbox's transaction, and an arrival log. Outside the inbox
+    middleware, so it sees the message before the claim, and its acknowledgement after
+    the commit: the inbox acknowledges only once its transaction has committed."""
+
+    async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+        if path := ENV.get("INBOX_TEST_ARRIVALS"):
+            with open(path, "a") as log:
+                log.write(f"{time.time()} {os.getpid()}\n")
+        await pause_point("before_claim")
+        ack = msg.ack
+
+        async def ack_after_commit(*args: Any, **kwargs: Any) -> None:
+            await pause_point("after_commit")
+            await ack(*args, **kwargs)
+
+        msg.ack = ack_after_commit
+        return await call_next(msg)
+
+
+def _broker(middlewares: list[Any]) -> Any:
+    kind, url = ENV["INBOX_TEST_BROKER"], ENV["INBOX_TEST_BROKER_URL"]
+    if kind == "rabbit":
+        from faststream.rabbit import RabbitBroker
+
+        return RabbitBroker(url, middlewares=middlewares)
+    if kind == "redis":
+        from faststream.redis import RedisBroker
+
+        return RedisBroker(url, middlewares=middlewares)
+    from faststream.nats import NatsBroker
+
+    return NatsBroker(url, middlewares=middlewares)
+
+
+engine = create_async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
+inbox = FastStreamInbox(engine, lock_timeout=30, retry_backoff=(0.1, 1.0))
+broker = _broker([CrashPoints, inbox.middleware])
+app = FastStream(inbox.guard(broker))
+app.after_shutdown(engine.dispose)
+billing = inbox.consumer("billing")
+options: dict[str, Any] = {"dependencies": [billing]}
+if policy := ENV.get("INBOX_TEST_ACK_POLICY"):
+    from faststream import AckPolicy
+
+    options["ack_policy"] = AckPolicy(policy)
+
+
+async def add_credit(body: dict[str, int], session: InboxSession) -> None:
+    await apply_credit_async(session, "billing", body["account"], body["delta"])
+    await pause_point("in_body")
+
+
+if ENV["INBOX_TEST_BROKER"] == "rabbit":
+    from faststream.rabbit import RabbitQueue
+
+    broker.subscriber(RabbitQueue(SOURCE, durable=True), **options)(add_credit)
+elif ENV["INBOX_TEST_BROKER"] == "redis":
+    from faststream.redis import StreamSub
+
+    worker = ENV.get("INBOX_TEST_WORKER", "w1")
+    reading = StreamSub(SOURCE, group="billing", consumer=worker)
+    reclaiming = StreamSub(
+        SOURCE, group="billing", consumer=f"{worker}-reclaim", min_idle_time=RECLAIM_MS
+    )
+    for stream in (reading, reclaiming):
+        broker.subscriber(stream=stream, **options)(add_credit)
+else:
+    from faststream.nats import ConsumerConfig, JStream, PullSub
+
+    broker.subscriber(
+        SOURCE,
+        stream=JStream(SOURCE.upper(), subjects=[SOURCE]),
+        durable=f"d{SOURCE}",
+        pull_sub=PullSub(batch_size=16, timeout=0.2),
+        config=ConsumerConfig(ack_wait=NATS_ACK_WAIT),
+        **options,
+    )(add_credit)

@@ -1,0 +1,167 @@
+"""Batch subscribers (Redis streams, NATS pull) on the real brokers: one claim statement
+for the batch, the handler given the first-seen messages, each duplicate and conflict
+settled on its own, one commit."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, event, text
+
+from inbox_middleware.faststream import (
+    FastStreamInbox,
+    InboxBatch,
+    InboxSession,
+    identity_headers,
+)
+from inbox_middleware.faststream.payload import delivery, headers_identity
+from inbox_middleware.protocol import Decision
+from inbox_middleware.storage import Inbox
+
+from ..apps.domain import apply_credit_async, effects
+from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+
+
+def order(message_id: str, delta: int) -> tuple[dict[str, Any], dict[str, str]]:
+    return {"account": 7, "delta": delta, "id": message_id}, identity_headers(
+        producer="orders", message_id=message_id
+    )
+
+
+def claim_directly(engine: Engine, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """Record a claim as if an earlier delivery of this message had been processed."""
+    claim = delivery(
+        consumer="billing",
+        identity=headers_identity(headers),
+        body=json.dumps(body).encode(),
+        headers=headers,
+        handler_version="",
+        source="earlier",
+        canonical=None,
+    )
+    Inbox(engine).process(claim, lambda session: None)
+
+
+@pytest.fixture(params=["redis", "nats"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def seen() -> Seen:
+    return Seen()
+
+
+@pytest.fixture
+def inbox(pg_async_engine: Any) -> FastStreamInbox:
+    return FastStreamInbox(pg_async_engine, lock_timeout=10, retry_backoff=(0.05, 0.5))
+
+
+@pytest.fixture
+async def h(kind: str, inbox: FastStreamInbox, seen: Seen) -> Any:
+    harness = Harness(kind, [recorder(seen), inbox.middleware])
+    inbox.guard(harness.broker)
+    yield harness
+    await harness.cleanup()
+
+
+async def test_faststream_batch__one_claim_first_seen_to_the_handler_each_settled(
+    h, inbox, pg_engine, pg_async_engine, seen
+):
+    # Given o-2 processed before, and o-3 processed before with another amount
+    claim_directly(pg_engine, *order("o-2", 20))
+    claim_directly(pg_engine, *order("o-3", 30))
+    calls: list[tuple[list[dict[str, Any]], list[tuple[Decision | None, str | None]]]] = []
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(
+        bodies: list[dict[str, Any]], session: InboxSession, batch: InboxBatch
+    ) -> None:
+        calls.append((bodies, [(item.decision, item.rejected) for item in batch]))
+        for body in bodies:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    claim_statements: list[str] = []
+
+    @event.listens_for(pg_async_engine.sync_engine, "before_cursor_execute")
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("INSERT INTO consumer_inbox"):
+            claim_statements.append(statement)
+
+    # When one batch brings a new order, o-2 again, o-3 with yet another amount, a message
+    # without identity, another new order and the first one again
+    await h.prepare_source()
+    async with h.broker:
+        for body, headers in [
+            order("o-1", 10),
+            order("o-2", 20),
+            order("o-3", 99),
+            ({"account": 7, "delta": 5}, {}),
+            order("o-4", 40),
+            order("o-1", 10),
+        ]:
+            await h.publish(body, headers)
+        await h.broker.start()
+        await eventually(lambda: seen.outcomes, what="the batch")
+        quarantined = await h.read(f"{h.source}.quarantine")
+        dead = await h.read(f"{h.source}.dead-letter")
+    event.remove(pg_async_engine.sync_engine, "before_cursor_execute", count)
+
+    # Then the handler ran once, with the first-seen orders, and knew every decision
+    ((bodies, decisions),) = calls
+    assert [b["id"] for b in bodies] == ["o-1", "o-4"]
+    assert decisions == [
+        (Decision.FIRST, None),
+        (Decision.DUPLICATE, None),
+        (Decision.CONFLICT, None),
+        (None, "the message has no x-inbox-producer and no x-inbox-message-id"),
+        (Decision.FIRST, None),
+        (Decision.DUPLICATE, None),
+    ]
+    # ... one claim statement for the batch; the conflict and the rejection each settled
+    assert len(claim_statements) == 1
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 2
+        assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 4
+        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+    ((body, headers),) = quarantined
+    assert json.loads(body)["delta"] == 99
+    assert json.loads(headers["x-inbox-conflict"])["message_id"] == "o-3"
+    ((body, _),) = dead
+    assert json.loads(body) == {"account": 7, "delta": 5}
+    assert seen.outcomes == ["processed"]
+    assert await h.leftover() == 0
+
+
+async def test_faststream_batch__failure_hands_back_the_batch_then_applies_each_once(
+    h, inbox, pg_engine, seen
+):
+    calls: list[int] = []
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        calls.append(len(bodies))
+        for body in bodies:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+        if len(calls) == 1:
+            raise RuntimeError("the ledger service is down")
+
+    await h.prepare_source()
+    async with h.broker:
+        for n in range(5):
+            await h.publish(*order(f"o-{n}", 1))
+        await h.broker.start()
+        await eventually(lambda: seen.count("processed") >= 1, timeout=20, what="a retry")
+        await eventually(lambda: effects_now(pg_engine) == 5, timeout=20, what="every order once")
+    # Then the first attempt rolled back as a whole, and the retries applied each once
+    assert seen.outcomes[0] == "RuntimeError"
+    assert calls[0] == 5
+    assert effects_now(pg_engine) == 5
+    assert await h.leftover() == 0
+
+
+def effects_now(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return effects(conn, 7)
