@@ -70,7 +70,7 @@ def main() -> None:
 @click.option("--sql", "print_sql", is_flag=True, help="Print the SQL instead of running it.")
 def migrate_command(database_url: str, schema: str | None, prefix: str, print_sql: bool) -> None:
     """Create or upgrade the inbox tables. Safe to run twice, or from two hosts at once."""
-    naming = _naming(schema, prefix)
+    naming = naming_from(schema, prefix)
     engine = connect(database_url)
     try:
         if print_sql:
@@ -91,7 +91,7 @@ def migrate_command(database_url: str, schema: str | None, prefix: str, print_sq
 @database_options
 def check_command(database_url: str, schema: str | None, prefix: str) -> None:
     """Exit with an error unless the inbox tables are at the version this code needs."""
-    naming = _naming(schema, prefix)
+    naming = naming_from(schema, prefix)
     engine = connect(database_url)
     try:
         with engine.connect() as conn:
@@ -101,7 +101,8 @@ def check_command(database_url: str, schema: str | None, prefix: str) -> None:
         engine.dispose()
 
 
-def _naming(schema: str | None, prefix: str) -> InboxSchema:
+def naming_from(schema: str | None, prefix: str) -> InboxSchema:
+    """The table naming from the common ``--schema`` and ``--prefix`` options."""
     return InboxSchema(schema=schema or None, prefix=prefix)
 
 
@@ -116,3 +117,12 @@ def run() -> None:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         click.echo(f"error: the database refused or could not be reached: {reason}", err=True)
         sys.exit(1)
+
+
+# Subcommand groups, in modules of their own; they use the helpers above.
+from .outbox.cli import outbox as _outbox  # noqa: E402
+from .repair_cli import poison as _poison  # noqa: E402
+from .repair_cli import quarantine as _quarantine  # noqa: E402
+
+for _group in (_outbox, _quarantine, _poison):
+    main.add_command(_group)

@@ -445,3 +445,15 @@ async def test_async_claim__cancellation_mid_transaction_invalidates_connection(
     assert outcome.decision is Decision.FIRST
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+def test_claim__handler_os_error_stays_the_handlers_error(engine):
+    # A TimeoutError is an OSError, which outside the handler means "the driver could not
+    # connect"; raised by the handler it is the handler's own and must pass through as is.
+    inbox = Inbox(engine)
+
+    def times_out(session: Session) -> None:
+        raise TimeoutError("the payment gateway timed out")
+
+    with pytest.raises(TimeoutError, match="payment gateway"):
+        inbox.process(delivery(), times_out)

@@ -79,6 +79,16 @@ def drop_database(name: str) -> None:
 def truncate(engine_url: str) -> None:
     engine = create_engine(engine_url)
     with engine.begin() as conn:
-        tables = ", ".join(["consumer_inbox", "inbox_quarantine", *domain.TABLES])
+        tables = ", ".join(
+            [
+                "consumer_inbox",
+                "inbox_quarantine",
+                "message_outbox",
+                "inbox_attempts",
+                "inbox_poison",
+                "inbox_retention",
+                *domain.TABLES,
+            ]
+        )
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
     engine.dispose()

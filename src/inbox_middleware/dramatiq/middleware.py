@@ -27,11 +27,11 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import dramatiq
 from dramatiq import Broker
@@ -39,7 +39,7 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from ..exceptions import (
@@ -49,9 +49,20 @@ from ..exceptions import (
     InboxError,
     MissingIdentity,
     PayloadNotHashable,
+    TransientError,
 )
 from ..identity import MAX_NAME_LENGTH, MessageIdentity, validate_name
+from ..metrics import metrics
+from ..poison import (
+    REDELIVERY_LIMIT,
+    RETRIES_EXHAUSTED,
+    FailureRecorder,
+    PoisonRecord,
+    describe,
+    reason_code,
+)
 from ..protocol import Decision, Delivery
+from ..repair import mark_recovered, parse_marker
 from ..storage import Inbox, InboxSchema, Outcome
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .payload import (
@@ -64,6 +75,7 @@ from .payload import (
     CanonicalForm,
     identity_options,
 )
+from .repair import OPTION_REPAIR
 from .routing import QuarantinePublisher, publisher_for
 
 if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
@@ -82,6 +94,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("inbox_middleware.dramatiq")
+R = TypeVar("R")
 
 MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
 """What to do with a message that carries no identity.
@@ -181,6 +194,13 @@ class InboxMiddleware(dramatiq.Middleware):
       in_progress_delay: milliseconds before retrying a message whose claim is held by
         another delivery; None uses the actor's retry backoff.
       canonical_form: a default `CanonicalForm` for hashing payloads.
+      permanent_errors: exception types that mean "retrying cannot help", besides
+        `PermanentError`: such a failure goes to the poison table and the dead-letter
+        queue at once.
+      redelivery_limit: how often a message may come back from a broker redelivery (its
+        worker died or lost the connection before an outcome) before it is treated as
+        poison; RabbitMQ reports redeliveries, Dramatiq's Redis broker does not. None: no
+        limit.
       check_database: verify the schema and database settings when a worker boots.
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
@@ -201,6 +221,8 @@ class InboxMiddleware(dramatiq.Middleware):
         quarantine_publisher: QuarantinePublisher | None = None,
         in_progress_delay: int | None = None,
         canonical_form: CanonicalForm | None = None,
+        permanent_errors: Sequence[type[BaseException]] = (),
+        redelivery_limit: int | None = 10,
         check_database: bool = True,
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
@@ -225,7 +247,11 @@ class InboxMiddleware(dramatiq.Middleware):
         self.quarantine_publisher = quarantine_publisher
         self.in_progress_delay = in_progress_delay
         self.canonical_form = canonical_form
+        self.permanent_errors = tuple(permanent_errors)
+        self.redelivery_limit = redelivery_limit
         self.check_database = check_database
+        self.retries: Retries | None = None
+        self._recorders: dict[str, FailureRecorder] = {}
         self._actors: dict[str, _InboxActor] = {}
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
@@ -238,6 +264,7 @@ class InboxMiddleware(dramatiq.Middleware):
             "inbox_missing_identity",
             "inbox_canonical_form",
             "inbox_quarantine_queue",
+            "inbox_permanent_errors",
         }
 
     # -- declaration ----------------------------------------------------------------------
@@ -264,7 +291,8 @@ class InboxMiddleware(dramatiq.Middleware):
                 f"actors {owner!r} and {actor.actor_name!r} both declare inbox_consumer="
                 f"{consumer!r}; each handler needs its own consumer name"
             )
-        if not any(isinstance(m, Retries) for m in broker.middleware):
+        self.retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
+        if self.retries is None:
             raise ConfigurationError(
                 "InboxMiddleware needs Dramatiq's Retries middleware: without it a rolled-back "
                 "attempt is acknowledged and its message lost"
@@ -319,6 +347,12 @@ class InboxMiddleware(dramatiq.Middleware):
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         self._pending.value = None
+
+    def recorder(self, dialect: str) -> FailureRecorder:
+        naming = (self.inbox or self.async_inbox).naming  # type: ignore[union-attr]
+        if dialect not in self._recorders:
+            self._recorders[dialect] = FailureRecorder(naming, dialect)
+        return self._recorders[dialect]
 
     def take_pending(self, actor_name: str) -> _Pending | None:
         """The message prepared for this thread's actor call; each is taken once, so an
@@ -399,6 +433,10 @@ class _InboxActor:
         self.quarantine_queue = str(
             options.get("inbox_quarantine_queue", middleware.quarantine_queue)
         ).format(queue=q_name(actor.queue_name))
+        self.permanent = tuple(options.get("inbox_permanent_errors", middleware.permanent_errors))
+        throws = options.get("throws")
+        if throws:  # Dramatiq never retries these: they fail permanently too
+            self.permanent += tuple(throws) if isinstance(throws, tuple) else (throws,)
         original = actor.fn
         self.target: Callable[..., Any] = getattr(original, "__wrapped__", original)
         self.payload = ActorPayload(
@@ -412,12 +450,14 @@ class _InboxActor:
                     f"actor {actor.actor_name!r} is async: give InboxMiddleware an AsyncEngine"
                 )
             call = self.call_async
+            self.is_async = True
         else:
             if middleware.inbox is None:
                 raise ConfigurationError(
                     f"actor {actor.actor_name!r} is not async: give InboxMiddleware an Engine"
                 )
             call = self.call
+            self.is_async = False
 
         @functools.wraps(self.target)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -448,12 +488,24 @@ class _InboxActor:
             if _session.get() is not None:  # called from another inbox actor: join it
                 return self.target(*args, **kwargs)
             return inbox.transaction(lambda session: self._body(session, args, kwargs))
+        self._limit_redeliveries(pending)
+        marker = pending.message.options.get(OPTION_REPAIR)
+
+        def body(session: Session) -> Any:
+            result = self._body(session, args, kwargs)
+            if marker is not None:  # a redriven or accepted message: recovered with this commit
+                mark_recovered(session.connection(), inbox.naming, marker)
+            return result
+
         try:
-            outcome = inbox.process(
-                pending.delivery, lambda session: self._body(session, args, kwargs)
-            )
+            outcome = inbox.process(pending.delivery, body)
         except ClaimInProgress as exc:
             raise dramatiq.Retry(str(exc), delay=self.middleware.in_progress_delay) from exc
+        except TransientError:
+            raise  # the database's trouble, not the message's: retried as it is
+        except Exception as exc:
+            self._failed(pending, exc)
+            raise
         return self._settle(pending, outcome)
 
     def _body(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -475,12 +527,18 @@ class _InboxActor:
             raise ConfigurationError(
                 f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
             )
+        if pending is None or pending.delivery is None:
+            return loop_thread.run_coroutine(self._run_async(pending, joined, args, kwargs))
+        self._limit_redeliveries(pending)
         try:
             outcome = loop_thread.run_coroutine(self._run_async(pending, joined, args, kwargs))
         except ClaimInProgress as exc:
             raise dramatiq.Retry(str(exc), delay=self.middleware.in_progress_delay) from exc
-        if pending is None or pending.delivery is None:
-            return outcome
+        except TransientError:
+            raise
+        except Exception as exc:
+            self._failed(pending, exc)
+            raise
         # Settled here, on the worker thread, so publishing never blocks the event loop.
         return self._settle(pending, outcome)
 
@@ -501,12 +559,137 @@ class _InboxActor:
             if joined:
                 return await self.target(*args, **kwargs)
             return await inbox.transaction(body)
-        return await inbox.process(pending.delivery, body)
+        marker = pending.message.options.get(OPTION_REPAIR)
+
+        async def repaired(session: AsyncSession) -> Any:
+            result = await body(session)
+            if marker is not None:
+                await session.run_sync(
+                    lambda sync: mark_recovered(sync.connection(), inbox.naming, marker)
+                )
+            return result
+
+        return await inbox.process(pending.delivery, repaired if marker is not None else body)
+
+    # -- failures -------------------------------------------------------------------------
+
+    def _failed(self, pending: _Pending, exc: Exception) -> None:
+        """Count the failure in its own transaction; a permanent one becomes poison and
+        is dead-lettered here (SkipMessage), a transient one returns to be retried."""
+        delivery, message = pending.delivery, pending.message
+        assert delivery is not None
+        code = reason_code(exc, self.permanent)
+        last = code is None and self._last_attempt(message)
+        reason = code or (RETRIES_EXHAUSTED if last else None)
+        error = describe(exc)
+
+        def record(conn: Connection) -> PoisonRecord | None:
+            recorder = self.middleware.recorder(conn.dialect.name)
+            attempts = recorder.count_failure(conn, delivery, error)
+            if reason is None:
+                return None
+            return recorder.record_poison(
+                conn, delivery, reason_code=reason, error=error, attempts=attempts
+            )
+
+        try:
+            poison = self._in_own_transaction(record)
+        except Exception:
+            # Not recorded (the database may be down): the message must not be dropped,
+            # so it takes the ordinary retry path whatever kind of failure this was.
+            logger.exception(
+                "could not record the failure of message %s; it will be retried",
+                message.message_id,
+            )
+            return
+        metrics.handler_failure(self.consumer, reason or type(exc).__name__)
+        if poison is not None:
+            metrics.moved(self.consumer, "poison")
+            logger.error(
+                "poison message %s for %s (%s, %d attempts): kept in the poison table as "
+                "#%d, moved to the dead-letter queue",
+                message.message_id,
+                self.consumer,
+                reason,
+                poison.attempts,
+                poison.id,
+                extra={
+                    "inbox_event": "poison",
+                    "inbox_consumer": self.consumer,
+                    "inbox_reason_code": reason,
+                    "inbox_poison_id": poison.id,
+                },
+            )
+        if code is not None:
+            message.fail()
+            raise SkipMessage(f"poison message for {self.consumer}: {code}") from exc
+
+    def _last_attempt(self, message: MessageProxy) -> bool:
+        """Will Dramatiq's Retries give up after this failure? (Unknown with retry_when.)"""
+        retries = self.middleware.retries
+        if retries is None or self.actor.options.get("retry_when") or retries.retry_when:
+            return False
+        limit = message.options.get(
+            "max_retries", self.actor.options.get("max_retries", retries.max_retries)
+        )
+        return limit is not None and message.options.get("retries", 0) >= limit
+
+    def _limit_redeliveries(self, pending: _Pending) -> None:
+        """Bound crash loops: a message whose deliveries keep ending without an outcome
+        (the worker is killed, runs out of memory) stops after `redelivery_limit`."""
+        limit = self.middleware.redelivery_limit
+        delivery, message = pending.delivery, pending.message
+        if limit is None or delivery is None or not getattr(message, "redelivered", False):
+            return
+        error = "redelivered: an earlier delivery ended without an outcome"
+
+        def count(conn: Connection) -> PoisonRecord | None:
+            recorder = self.middleware.recorder(conn.dialect.name)
+            attempts = recorder.count_failure(conn, delivery, error)
+            if attempts <= limit or recorder.claimed(conn, delivery):
+                return None  # within the limit, or an ack lost after the commit: a duplicate
+            return recorder.record_poison(
+                conn, delivery, reason_code=REDELIVERY_LIMIT, error=error, attempts=attempts
+            )
+
+        poison = self._in_own_transaction(count)
+        if poison is not None:
+            metrics.moved(self.consumer, "poison")
+            logger.error(
+                "message %s for %s was redelivered %d times without an outcome: kept in "
+                "the poison table as #%d, moved to the dead-letter queue",
+                message.message_id,
+                self.consumer,
+                poison.attempts,
+                poison.id,
+            )
+            message.fail()
+            raise SkipMessage(f"poison message for {self.consumer}: {REDELIVERY_LIMIT}")
+
+    def _in_own_transaction(self, work: Callable[[Connection], R]) -> R:
+        """Run ``work`` in a short transaction of its own, never the failed attempt's."""
+        if self.is_async:
+            inbox = self.middleware.async_inbox
+            loop_thread = get_event_loop_thread()
+            assert inbox is not None
+            assert loop_thread is not None
+
+            async def run() -> R:
+                async with inbox.engine.begin() as conn:
+                    return await conn.run_sync(work)
+
+            return loop_thread.run_coroutine(run())
+        assert self.middleware.inbox is not None
+        with self.middleware.inbox.engine.begin() as conn:
+            return work(conn)
 
     # -- outcome --------------------------------------------------------------------------
 
     def _settle(self, pending: _Pending, outcome: Outcome[Any]) -> Any:
         if outcome.decision is Decision.FIRST:
+            repaired = parse_marker(pending.message.options.get(OPTION_REPAIR))
+            if repaired is not None:
+                metrics.recovered(self.consumer, repaired[0])
             return outcome.result
         if outcome.decision is Decision.CONFLICT:
             self._quarantine(pending, outcome)

@@ -112,6 +112,7 @@ class ActorPayload:
             handler_version=handler_version,
             source=message.queue_name,
             payload=message.encode(),
+            payload_format="dramatiq",
             headers=_json_options(message.options),
             received_at=datetime.now(UTC),
             rehash=rehash,

@@ -43,10 +43,16 @@ def sqlstate(exc: BaseException) -> str | None:
     return code if isinstance(code, str) else None
 
 
-def classify(exc: BaseException) -> Failure:
+def classify(exc: BaseException, *, from_handler: bool = False) -> Failure:
+    """What a failed attempt's exception means for the inbox.
+
+    ``from_handler``: the exception came out of the handler. A raw `OSError` there is the
+    handler's own (a `TimeoutError` from an HTTP client, say), while outside it, it is a
+    driver failing to connect; the driver's own errors are `DBAPIError` wherever they occur.
+    """
     if isinstance(exc, sa_exc.TimeoutError):  # the pool had no connection to give
         return Failure.DISCONNECTED
-    if isinstance(exc, OSError):  # raised by some drivers while connecting
+    if isinstance(exc, OSError) and not from_handler:  # some drivers, while connecting
         return Failure.DISCONNECTED
     if not isinstance(exc, sa_exc.DBAPIError):
         return Failure.OTHER

@@ -1,0 +1,295 @@
+"""Operator decisions on quarantined and poison messages: list, show, redrive, discard,
+and accept (quarantine).
+
+The tables are the source of truth; every decision is recorded in the row with who made
+it, when and why. Redrive and accept republish the stored message; both are idempotent
+by operation id::
+
+    redrive 12 --operation-id op-1   ->  UPDATE ... SET decision = 'redriven',
+                                            operation_id = 'op-1'
+                                         WHERE id = 12 AND (decision = 'pending'
+                                            OR decision = 'redriven' AND operation_id = 'op-1')
+                                     ->  COMMIT, then publish
+    the same command again           ->  the row matches again: publish again. The copy
+                                         carries the same identity, so the consumer's inbox
+                                         applies it at most once; a publish lost after the
+                                         commit is repaired by running the command again.
+    another operation id             ->  refused: already redriven by op-1
+
+A republished message carries a repair marker (``poison:12``, ``quarantine:7``); when it
+is later processed, the adapter marks the row ``recovered`` in the same transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import Connection, Table, bindparam, func, or_, select, update
+
+from .exceptions import ConfigurationError, InboxError
+from .identity import MAX_MESSAGE_ID_LENGTH
+from .storage.tables import InboxSchema
+
+__all__ = [
+    "Kind",
+    "RepairError",
+    "Republisher",
+    "StoredMessage",
+    "accept",
+    "discard",
+    "list_rows",
+    "mark_recovered",
+    "parse_marker",
+    "redrive",
+    "show_row",
+]
+
+Kind = Literal["quarantine", "poison"]
+KINDS: tuple[Kind, ...] = ("quarantine", "poison")
+
+
+class RepairError(InboxError):
+    """An operator decision cannot be made on this row."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """What a quarantine or poison row keeps of a message, to publish it again."""
+
+    kind: Kind
+    row_id: int
+    consumer: str
+    producer: str
+    tenant: str
+    message_id: str
+    payload: bytes
+    payload_format: str
+    headers: Mapping[str, Any]
+    source: str
+
+    @property
+    def marker(self) -> str:
+        return f"{self.kind}:{self.row_id}"
+
+
+class Republisher(Protocol):
+    """Publishes a stored message back to its source; one per framework."""
+
+    @property
+    def formats(self) -> Sequence[str]:
+        """The ``payload_format`` values it can publish."""
+
+    def republish(self, message: StoredMessage, *, message_id: str) -> None:
+        """Publish ``message`` to ``message.source`` under ``message_id``, carrying
+        ``message.marker`` so that its later processing marks the row recovered."""
+
+
+def _table(naming: InboxSchema, kind: Kind) -> Table:
+    if kind not in KINDS:
+        raise ConfigurationError(f"kind must be quarantine or poison, not {kind!r}")
+    return naming.tables.quarantine if kind == "quarantine" else naming.tables.poison
+
+
+def list_rows(
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    *,
+    consumer: str | None = None,
+    decision: str | None = "pending",
+    limit: int = 50,
+) -> list[dict[str, Any]]:
+    """Rows without their payload, most recent failure or sighting first."""
+    table = _table(naming, kind)
+    last = table.c.last_seen_at if kind == "quarantine" else table.c.last_failure_at
+    query = select(*(c for c in table.c if c.name != "payload")).order_by(last.desc())
+    if consumer is not None:
+        query = query.where(table.c.consumer_name == consumer)
+    if decision is not None:
+        query = query.where(table.c.decision == decision)
+    return [dict(row) for row in conn.execute(query.limit(limit)).mappings()]
+
+
+def show_row(conn: Connection, naming: InboxSchema, kind: Kind, row_id: int) -> dict[str, Any]:
+    table = _table(naming, kind)
+    row = conn.execute(select(table).where(table.c.id == row_id)).mappings().first()
+    if row is None:
+        raise RepairError(f"there is no {kind} row #{row_id}")
+    return dict(row)
+
+
+def discard(
+    conn: Connection, naming: InboxSchema, kind: Kind, row_id: int, *, by: str, reason: str
+) -> dict[str, Any]:
+    """Give up on a pending row, saying why. The message is not published again."""
+    if not reason.strip():
+        raise RepairError("a discard needs a reason")
+    return _decide(conn, naming, kind, row_id, "discarded", by=by, note=reason, operation=None)
+
+
+def redrive(
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    row_id: int,
+    *,
+    by: str,
+    publisher: Republisher,
+    operation_id: str | None = None,
+    note: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """Publish the stored message again under its own identity; return (row, operation).
+
+    Commits the decision on ``conn`` before publishing. For poison, the identity was
+    never claimed (its attempts rolled back), so the repaired consumer processes it once.
+    For quarantine, the copy meets the original claim again: a duplicate when its payload
+    now matches (a canonical form fixed to ignore a volatile field), a conflict otherwise.
+    """
+    row = show_row(conn, naming, kind, row_id)
+    operation = operation_id or f"redrive-{kind}-{row_id}-{row['attempts']}"
+    row = _decide(conn, naming, kind, row_id, "redriven", by=by, note=note, operation=operation)
+    _commit(conn)
+    _publish(publisher, kind, row, message_id=row["message_id"])
+    return row, operation
+
+
+def accept(
+    conn: Connection,
+    naming: InboxSchema,
+    row_id: int,
+    *,
+    by: str,
+    publisher: Republisher,
+    operation_id: str | None = None,
+    note: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """Treat a quarantined payload as a new intent, under a new recorded message id.
+
+    The new id is derived from the row, so accepting twice (same operation) publishes the
+    same intent again, which the consumer applies once. Returns (row, new message id).
+    """
+    row = show_row(conn, naming, "quarantine", row_id)
+    operation = operation_id or f"accept-quarantine-{row_id}"
+    new_id = accepted_message_id(row["message_id"], row_id)
+    row = _decide(
+        conn,
+        naming,
+        "quarantine",
+        row_id,
+        "accepted",
+        by=by,
+        note=note,
+        operation=operation,
+        extra={"accepted_message_id": new_id},
+    )
+    _commit(conn)
+    _publish(publisher, "quarantine", row, message_id=new_id)
+    return row, new_id
+
+
+def accepted_message_id(message_id: str, row_id: int) -> str:
+    candidate = f"{message_id}+accepted-{row_id}"
+    if len(candidate) <= MAX_MESSAGE_ID_LENGTH:
+        return candidate
+    digest = hashlib.sha256(message_id.encode()).hexdigest()[:32]
+    return f"accepted-{row_id}-{digest}"
+
+
+def parse_marker(marker: object) -> tuple[Kind, int] | None:
+    """``"poison:12"`` -> ("poison", 12); anything else -> None."""
+    if not isinstance(marker, str) or ":" not in marker:
+        return None
+    kind, _, number = marker.partition(":")
+    if kind not in KINDS or not number.isdigit():
+        return None
+    return kind, int(number)
+
+
+def mark_recovered(conn: Connection, naming: InboxSchema, marker: object) -> Kind | None:
+    """In the processing transaction: the repaired message committed; say so in its row."""
+    parsed = parse_marker(marker)
+    if parsed is None:
+        return None
+    kind, row_id = parsed
+    table = _table(naming, kind)
+    values: dict[str, Any] = {"recovered_at": func.now()}
+    if kind == "poison":
+        values["decision"] = "recovered"
+    conn.execute(update(table).where(table.c.id == row_id).values(**values))
+    return kind
+
+
+def _decide(
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    row_id: int,
+    decision: str,
+    *,
+    by: str,
+    note: str | None,
+    operation: str | None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    table = _table(naming, kind)
+    allowed = table.c.decision == "pending"
+    if operation is not None:  # the same operation may run again: it is the same decision
+        allowed = or_(
+            allowed,
+            (table.c.decision == decision) & (table.c.operation_id == bindparam("operation")),
+        )
+    values: dict[str, Any] = {
+        "decision": decision,
+        "decided_by": by,
+        "decided_at": func.now(),
+        "decision_note": note,
+        "operation_id": operation,
+        **(extra or {}),
+    }
+    statement = update(table).where(table.c.id == row_id, allowed).values(**values).returning(table)
+    row = conn.execute(statement, {"operation": operation} if operation else {}).mappings().first()
+    if row is None:
+        current = show_row(conn, naming, kind, row_id)
+        raise RepairError(
+            f"{kind} row #{row_id} is already {current['decision']}"
+            + (f" by operation {current['operation_id']}" if current["operation_id"] else "")
+            + (
+                f" ({current['decided_by']}, {current['decided_at']})"
+                if current["decided_by"]
+                else ""
+            )
+        )
+    return dict(row)
+
+
+def _commit(conn: Connection) -> None:
+    if conn.in_transaction():
+        conn.commit()
+
+
+def _publish(
+    publisher: Republisher, kind: Kind, row: Mapping[str, Any], *, message_id: str
+) -> None:
+    stored = StoredMessage(
+        kind=kind,
+        row_id=row["id"],
+        consumer=row["consumer_name"],
+        producer=row["producer_name"],
+        tenant=row["tenant"],
+        message_id=row["message_id"],
+        payload=bytes(row["payload"] or b""),
+        payload_format=row["payload_format"],
+        headers=row["headers"] or {},
+        source=row["source"],
+    )
+    if not stored.payload:
+        raise RepairError(f"{kind} row #{row['id']} kept no payload to publish")
+    if stored.payload_format not in publisher.formats:
+        raise RepairError(
+            f"{kind} row #{row['id']} holds a {stored.payload_format or 'unknown'} message; "
+            f"this publisher handles {', '.join(publisher.formats)}"
+        )
+    publisher.republish(stored, message_id=message_id)
