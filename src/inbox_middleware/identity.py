@@ -18,7 +18,6 @@ exactly rather than through a double, so two distinct large IDs never collapse.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import unicodedata
@@ -26,9 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from json.encoder import encode_basestring
 from typing import Any
 
 from .exceptions import InvalidIdentity, MissingIdentity, PayloadNotHashable
+
+# The C string escaper json.dumps uses: quotes, escapes \\, \" and control characters.
+_quote: Callable[[str], str] = encode_basestring
 
 __all__ = [
     "MAX_MESSAGE_ID_LENGTH",
@@ -38,6 +41,7 @@ __all__ = [
     "canonical_json",
     "hash_bytes",
     "hash_json",
+    "jsonable",
     "validate_name",
 ]
 
@@ -197,37 +201,134 @@ def canonical_json(value: object) -> bytes:
     offending value, since a payload without a canonical form cannot be deduplicated.
     """
     parts: list[str] = []
-    _encode(value, parts, "$", 0)
     try:
+        _encode(value, parts, 0)
         return "".join(parts).encode("utf-8")
+    except _Unencodable:
+        pass  # find where, on the slow path, so the common path keeps no JSON path
     except UnicodeEncodeError as exc:  # a lone surrogate slipped in through a key
         raise PayloadNotHashable(f"payload holds text that is not valid Unicode: {exc}") from None
+    _explain(value, "$", 0)
+    raise AssertionError("unreachable: the value was refused, then found acceptable")
 
 
-def _encode(value: object, out: list[str], path: str, depth: int) -> None:
-    if depth > MAX_NESTING:
-        raise PayloadNotHashable(f"payload is nested deeper than {MAX_NESTING} levels", path=path)
-    if value is None:
+class _Unencodable(Exception):
+    """Raised by the fast encoder; `_explain` then finds the offending value's path."""
+
+
+def _encode(value: object, out: list[str], depth: int) -> None:
+    kind = type(value)
+    if kind is str:
+        out.append(_string(value))  # type: ignore[arg-type]
+    elif kind is int:
+        out.append(str(value))
+    elif kind is dict:
+        _encode_object(value, out, depth)  # type: ignore[arg-type]
+    elif value is None:
         out.append("null")
     elif value is True:
         out.append("true")
     elif value is False:
         out.append("false")
-    elif isinstance(value, int):
-        out.append(str(int(value)))
-    elif isinstance(value, float | Decimal):
-        out.append(_number(value, path))
-    elif isinstance(value, str):
-        out.append(_string(value, path))
-    elif isinstance(value, list | tuple):
+    elif kind is list or kind is tuple:
+        if depth >= MAX_NESTING:
+            raise _Unencodable
+        items: Any = value
         out.append("[")
-        for index, item in enumerate(value):
+        for index, item in enumerate(items):
             if index:
                 out.append(",")
-            _encode(item, out, f"{path}[{index}]", depth + 1)
+            _encode(item, out, depth + 1)
         out.append("]")
+    elif isinstance(value, float | Decimal):
+        out.append(_number(value))
+    elif isinstance(value, int):  # subclasses of int, after bool
+        out.append(str(int(value)))
+    elif isinstance(value, str):
+        out.append(_string(str(value)))
+    elif isinstance(value, list | tuple):
+        _encode(list(value), out, depth)
     elif isinstance(value, Mapping):
-        _encode_object(value, out, path, depth)
+        _encode_object(value, out, depth)
+    else:
+        raise _Unencodable
+
+
+def _encode_object(value: Mapping[Any, Any], out: list[str], depth: int) -> None:
+    if depth >= MAX_NESTING:
+        raise _Unencodable
+    keys = list(value)
+    if all(type(key) is str and key.isascii() for key in keys):
+        # ASCII keys are already NFC, and their code point order is their UTF-16 order.
+        ordered = [(key, key) for key in sorted(keys)]
+    else:
+        ordered = _normal_keys(value)
+    out.append("{")
+    for index, (key, original) in enumerate(ordered):
+        if index:
+            out.append(",")
+        out.append(_string(key))
+        out.append(":")
+        _encode(value[original], out, depth + 1)
+    out.append("}")
+
+
+def _normal_keys(value: Mapping[Any, Any]) -> list[tuple[str, Any]]:
+    normal: dict[str, Any] = {}
+    for key in value:
+        if not isinstance(key, str):
+            raise _Unencodable
+        form = unicodedata.normalize("NFC", key)
+        if form in normal:
+            raise _Unencodable
+        normal[form] = key
+    return [(key, normal[key]) for key in sorted(normal, key=_utf16_order)]
+
+
+def _utf16_order(key: str) -> bytes:
+    return key.encode("utf-16-be", "surrogatepass")
+
+
+def _string(value: str) -> str:
+    if not value.isascii():
+        if _LONE_SURROGATE.search(value):
+            raise _Unencodable
+        if not unicodedata.is_normalized("NFC", value):
+            value = unicodedata.normalize("NFC", value)
+    return _quote(value)
+
+
+def _explain(value: object, path: str, depth: int) -> None:
+    """Raise `PayloadNotHashable` for the first value without a canonical form."""
+    if depth > MAX_NESTING:
+        raise PayloadNotHashable(f"payload is nested deeper than {MAX_NESTING} levels", path=path)
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float | Decimal):
+        try:
+            _number(value)
+        except _Unencodable:
+            raise PayloadNotHashable(f"{value} at {path} is not a JSON number", path=path) from None
+    elif isinstance(value, str):
+        if _LONE_SURROGATE.search(value):
+            raise PayloadNotHashable(f"text at {path} holds a lone surrogate", path=path)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _explain(item, f"{path}[{index}]", depth + 1)
+    elif isinstance(value, Mapping):
+        seen: set[str] = set()
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise PayloadNotHashable(
+                    f"object key {key!r} at {path} is a {type(key).__name__}, not text",
+                    path=path,
+                )
+            normal = unicodedata.normalize("NFC", key)
+            if normal in seen:
+                raise PayloadNotHashable(f"two keys at {path} normalise to {normal!r}", path=path)
+            seen.add(normal)
+            _explain(key, path, depth + 1)
+            _explain(item, f"{path}.{key}", depth + 1)
     else:
         raise PayloadNotHashable(
             f"a {type(value).__name__} at {path} has no canonical JSON form; "
@@ -236,47 +337,16 @@ def _encode(value: object, out: list[str], path: str, depth: int) -> None:
         )
 
 
-def _encode_object(value: Mapping[Any, Any], out: list[str], path: str, depth: int) -> None:
-    items: dict[str, object] = {}
-    for key, item in value.items():
-        if not isinstance(key, str):
-            raise PayloadNotHashable(
-                f"object key {key!r} at {path} is a {type(key).__name__}, not text", path=path
-            )
-        normal = unicodedata.normalize("NFC", key)
-        if normal in items:
-            raise PayloadNotHashable(f"two keys at {path} normalise to {normal!r}", path=path)
-        items[normal] = item
-    out.append("{")
-    for index, key in enumerate(sorted(items, key=_utf16_order)):
-        if index:
-            out.append(",")
-        out.append(_string(key, path))
-        out.append(":")
-        _encode(items[key], out, f"{path}.{key}", depth + 1)
-    out.append("}")
-
-
-def _utf16_order(key: str) -> bytes:
-    return key.encode("utf-16-be", "surrogatepass")
-
-
-def _string(value: str, path: str) -> str:
-    if _LONE_SURROGATE.search(value):
-        raise PayloadNotHashable(f"text at {path} holds a lone surrogate", path=path)
-    return json.dumps(unicodedata.normalize("NFC", value), ensure_ascii=False)
-
-
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def _number(value: float | Decimal, path: str) -> str:
+def _number(value: float | Decimal) -> str:
     """Format a number as ECMAScript's Number.prototype.toString does (RFC 8785 3.2.2.3)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise PayloadNotHashable(f"{value} at {path} is not a JSON number", path=path)
+        raise _Unencodable
     if isinstance(value, Decimal):
         if not value.is_finite():
-            raise PayloadNotHashable(f"{value} at {path} is not a JSON number", path=path)
+            raise _Unencodable
         if value == value.to_integral_value():
             return str(int(value))
         value = float(value)
@@ -303,6 +373,15 @@ def _place_point(digits: str, point: int) -> str:
     exponent = point - 1
     mantissa = digits[0] + ("." + digits[1:] if count > 1 else "")
     return f"{mantissa}e{'+' if exponent > 0 else '-'}{abs(exponent)}"
+
+
+def jsonable(value: object) -> object:
+    """``value`` if it has a JSON form, else its ``repr``: for storing headers as JSON."""
+    try:
+        canonical_json(value)
+    except PayloadNotHashable:
+        return repr(value)
+    return value
 
 
 CanonicalForm = Callable[[Any], object]

@@ -165,9 +165,9 @@ class FailureRecorder:
         params = self._key(delivery) | {
             "payload_sha256": delivery.payload_hash.sha256,
             "hash_scheme": delivery.payload_hash.scheme,
-            "payload": delivery.payload,
+            "payload": delivery.stored_payload(),
             "payload_format": delivery.payload_format,
-            "headers": dict(delivery.headers),
+            "headers": delivery.stored_headers(),
             "source": delivery.source,
             "reason_code": reason_code,
             "error": error,

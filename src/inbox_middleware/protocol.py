@@ -40,7 +40,7 @@ from enum import StrEnum
 from typing import Any
 
 from .exceptions import TransactionConflict
-from .identity import MessageIdentity, PayloadHash
+from .identity import MessageIdentity, PayloadHash, jsonable
 
 __all__ = [
     "Claim",
@@ -83,11 +83,13 @@ class Delivery:
     handler_version: str = ""
     source: str = ""
     """The queue, stream or subject the message came from."""
-    payload: bytes | None = None
-    """The message as received, kept with a quarantined conflict or a poison message."""
+    payload: bytes | Callable[[], bytes] | None = None
+    """The message as received, kept with a quarantined conflict or a poison message; a
+    callable is called only then, so the common path never encodes it (`stored_payload`)."""
     payload_format: str = ""
     """How `payload` is encoded (``dramatiq``, ``faststream``), to publish it again."""
     headers: Mapping[str, Any] = field(default_factory=dict)
+    """Kept with the payload; made JSON-safe only when stored (`stored_headers`)."""
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     rehash: Callable[[str], str | None] | None = None
     """Hash this payload under an older scheme, or ``None`` when the scheme is unknown."""
@@ -95,6 +97,12 @@ class Delivery:
     @property
     def key(self) -> tuple[str, str, str, str]:
         return self.identity.key(self.consumer)
+
+    def stored_payload(self) -> bytes | None:
+        return self.payload() if callable(self.payload) else self.payload
+
+    def stored_headers(self) -> dict[str, Any]:
+        return {str(name): jsonable(value) for name, value in self.headers.items()}
 
 
 @dataclass(frozen=True, slots=True)

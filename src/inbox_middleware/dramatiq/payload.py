@@ -9,7 +9,7 @@ signature: ``add_credit(7, 10)`` and ``add_credit(account_id=7, delta=10)`` hash
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -70,8 +70,18 @@ class ActorPayload:
         self.actor_name = actor_name
         self.signature = inspect.signature(fn)
         self.canonical = canonical
+        # The usual call, positional arguments filling plain parameters, binds by zip;
+        # anything else (keywords, defaults left out, *args) goes through Signature.bind.
+        plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = list(self.signature.parameters.values())
+        self._positional = (
+            tuple(p.name for p in parameters) if all(p.kind in plain for p in parameters) else None
+        )
 
     def arguments(self, message: Message[Any] | MessageProxy) -> dict[str, Any]:
+        names, args = self._positional, message.args
+        if names is not None and not message.kwargs and len(args) == len(names):
+            return dict(zip(names, args, strict=True))
         try:
             bound = self.signature.bind(*message.args, **message.kwargs)
         except TypeError as exc:
@@ -111,9 +121,9 @@ class ActorPayload:
             payload_hash=payload_hash,
             handler_version=handler_version,
             source=message.queue_name,
-            payload=message.encode(),
+            payload=message.encode,  # encoded only if a conflict or a failure keeps it
             payload_format="dramatiq",
-            headers=_json_options(message.options),
+            headers=_Options(message.options),
             received_at=datetime.now(UTC),
             rehash=rehash,
         )
@@ -138,14 +148,20 @@ _OPTION_NAMES = {
 }
 
 
-def _json_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    kept: dict[str, Any] = {}
-    for name, value in options.items():
+class _Options(Mapping[str, Any]):
+    """The message's options without those that describe a delivery, read only when a
+    row keeps them (building a filtered copy per message would cost every message)."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._options = options
+
+    def __getitem__(self, name: str) -> Any:
         if name in _VOLATILE_OPTIONS:
-            continue
-        try:
-            canonical_json(value)
-            kept[name] = value
-        except PayloadNotHashable:
-            kept[name] = repr(value)
-    return kept
+            raise KeyError(name)
+        return self._options[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._options if name not in _VOLATILE_OPTIONS)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

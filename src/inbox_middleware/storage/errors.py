@@ -8,7 +8,9 @@ them in `DBAPIError` with the driver's exception as ``orig``. Everything that de
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
 from ..exceptions import (
@@ -19,7 +21,7 @@ from ..exceptions import (
 )
 from ..protocol import Delivery
 
-__all__ = ["Failure", "classify", "sqlstate", "transient_error"]
+__all__ = ["Failure", "classify", "from_driver", "sqlstate", "transient_error"]
 
 _SERIALIZATION = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _LOCK_TIMEOUT = "55P03"  # lock_not_available
@@ -35,6 +37,29 @@ class Failure(Enum):
     """The connection is gone; the transaction's outcome on the server is a rollback."""
     OTHER = "other"
     """Not a database condition the inbox handles; the caller's own error."""
+
+
+def from_driver(
+    exc: Any, conn: Connection, dbapi_connection: Any, statement: str, params: Any
+) -> sa_exc.StatementError:
+    """A driver error raised outside SQLAlchemy's execution, as SQLAlchemy would raise it.
+
+    Checks for a lost connection the way SQLAlchemy does, and invalidates the connection
+    then, so `classify` sees the same error whichever path sent the statement.
+    """
+    dialect = conn.dialect
+    disconnected = dialect.is_disconnect(exc, dbapi_connection, None)
+    if disconnected:
+        conn.invalidate(exc)
+    error: sa_exc.StatementError = sa_exc.DBAPIError.instance(
+        statement,
+        params,
+        exc,
+        dialect.loaded_dbapi.Error,
+        connection_invalidated=disconnected,
+        dialect=dialect,
+    )
+    return error
 
 
 def sqlstate(exc: BaseException) -> str | None:

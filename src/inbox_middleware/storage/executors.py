@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..exceptions import ConfigurationError, PrerequisiteError
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .errors import Failure, classify, transient_error
+from .errors import Failure, classify, from_driver, transient_error
 from .migrate import check_schema
 from .session import InboxSession
 from .statements import ClaimStatements
@@ -330,14 +330,43 @@ class Inbox(_Base):
 
 
 def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
+    driver = _driver_path(conn, statements)
     try:
         step = next(steps)
         while True:
             statement, params = statements.statement(step)
-            step = steps.send(statements.result(step, conn.execute(statement, params)))
+            if driver is not None and type(step) in driver[1]:
+                sql, constants = driver[1][type(step)]
+                answer = _on_driver(conn, driver[0], sql, step, constants | params)
+            else:
+                answer = statements.result(step, conn.execute(statement, params))
+            step = steps.send(answer)
     except StopIteration as done:
         verdict: V = done.value
         return verdict
+
+
+def _driver_path(
+    conn: Connection, statements: ClaimStatements
+) -> tuple[Any, dict[type[Any], tuple[str, dict[str, Any]]]] | None:
+    """psycopg's connection and the compiled claim and look-up, or None elsewhere.
+
+    With psycopg the claim and its look-up go straight to the driver: SQLAlchemy's
+    execution work costs more CPU than the statement itself (about 150 µs a message), and
+    psycopg opens the transaction on its first statement, as it would have through
+    SQLAlchemy. Other drivers, and every other statement, take the ordinary path.
+    """
+    if conn.dialect.driver != "psycopg":
+        return None
+    return conn.connection.dbapi_connection, statements.driver_sql(conn.dialect)
+
+
+def _on_driver(conn: Connection, dbapi: Any, sql: str, step: Step, params: Any) -> object:
+    try:
+        row = dbapi.execute(sql, params).fetchone()
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise from_driver(exc, conn, dbapi, sql, params) from exc
+    return ClaimStatements.answer(step, None if row is None else tuple(row))
 
 
 def _abandon(session: Session, exc: BaseException, delivery: Delivery | None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     CursorResult,
     DateTime,
+    Dialect,
     Executable,
     Select,
     Text,
@@ -195,9 +196,9 @@ class ClaimStatements:
             "payload_sha256": delivery.payload_hash.sha256,
             "hash_scheme": delivery.payload_hash.scheme,
             "source": delivery.source,
-            "payload": delivery.payload,
+            "payload": delivery.stored_payload(),
             "payload_format": delivery.payload_format,
-            "headers": dict(delivery.headers),
+            "headers": delivery.stored_headers(),
             "handler_version": delivery.handler_version,
         }
 
@@ -209,7 +210,11 @@ class ClaimStatements:
             rows: list[tuple[Any, ...]] = [tuple(row) for row in result]
             return {row[:4]: StoredClaim(row[4], row[5], row[6], row[7]) for row in rows}
         first = result.first()
-        row: tuple[Any, ...] | None = None if first is None else tuple(first)
+        return ClaimStatements.answer(step, None if first is None else tuple(first))
+
+    @staticmethod
+    def answer(step: Step, row: tuple[Any, ...] | None) -> object:
+        """What a one-row step's first row (or None) means to the protocol."""
         if isinstance(step, Claim):
             return row is not None
         if isinstance(step, LookUp):
@@ -217,6 +222,27 @@ class ClaimStatements:
         assert isinstance(step, RecordConflict)
         assert row is not None
         return QuarantineRecord(*row)
+
+    @functools.cache  # noqa: B019  (one entry per dialect; statements live as long as inboxes)
+    def driver_sql(self, dialect: Dialect) -> dict[type[Any], tuple[str, dict[str, Any]]]:
+        """The claim and look-up compiled once for ``dialect``, to run on its driver, with
+        the values of their constant parameters.
+
+        The hot path sends these two statements straight to the driver connection: the
+        same SQL SQLAlchemy would send, without its per-execution work (see `executors`).
+        """
+        compiled = {
+            Claim: self._compile(self.claim, dialect),
+            LookUp: self._compile(self.look_up, dialect),
+        }
+        return {
+            step: (str(c), {k: v for k, v in c.params.items() if v is not None})
+            for step, c in compiled.items()
+        }
+
+    @staticmethod
+    def _compile(statement: Any, dialect: Dialect) -> Any:
+        return statement.compile(dialect=dialect)
 
     def _claim_row(self, delivery: Delivery) -> dict[str, Any]:
         return self._key(delivery) | {

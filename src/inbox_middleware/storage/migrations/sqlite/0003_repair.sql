@@ -58,4 +58,4 @@ CREATE TABLE IF NOT EXISTS ${inbox_retention} (
 );
 
 CREATE INDEX IF NOT EXISTS "${prefix}consumer_inbox_processed_at_idx"
-    ON ${consumer_inbox} (processed_at);
+    ON ${consumer_inbox} (processed_at);  -- SQLite has no BRIN: a plain index
