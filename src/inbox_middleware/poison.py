@@ -137,6 +137,22 @@ class FailureRecorder:
             },
         ).returning(poison.c.id, poison.c.attempts)
 
+        redelivery = insert(attempts).values(
+            **{name: bindparam(name) for name in key},
+            attempts=0,
+            redeliveries=1,
+            first_failure_at=func.now(),
+            last_failure_at=func.now(),
+            last_error=bindparam("error"),
+        )
+        self._redelivery = redelivery.on_conflict_do_update(
+            index_elements=key,
+            set_={
+                "redeliveries": attempts.c.redeliveries + 1,
+                "last_failure_at": func.now(),
+            },
+        ).returning(attempts.c.redeliveries, attempts.c.attempts)
+
         inbox = tables.inbox
         self._claimed = select(literal(1)).where(
             *(inbox.c[name] == bindparam(name) for name in key)
@@ -145,6 +161,12 @@ class FailureRecorder:
     def claimed(self, conn: Connection, delivery: Delivery) -> bool:
         """Whether ``delivery``'s processing committed (a redelivery of it is a duplicate)."""
         return conn.execute(self._claimed, self._key(delivery)).first() is not None
+
+    def count_redelivery(self, conn: Connection, delivery: Delivery) -> tuple[int, int]:
+        """Count one broker redelivery of ``delivery``; return (redeliveries, failures)."""
+        params = self._key(delivery) | {"error": "redelivered"}
+        row = conn.execute(self._redelivery, params).one()
+        return int(row[0]), int(row[1])
 
     def count_failure(self, conn: Connection, delivery: Delivery, error: str) -> int:
         """Count one failed attempt of ``delivery``; return its failures so far."""

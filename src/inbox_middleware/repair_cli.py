@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import getpass
-import importlib
 import json
 import socket
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import click
 
@@ -57,8 +56,9 @@ def republisher(broker_url: str, payload_format: str, redis_namespace: str) -> R
 
         return DramatiqRepublisher(broker_from_url(broker_url, namespace=redis_namespace))
     if payload_format.startswith("faststream"):
-        module = importlib.import_module("inbox_middleware.faststream.repair")
-        return cast(Republisher, module.FastStreamRepublisher(broker_url))
+        from .faststream.repair import FastStreamRepublisher
+
+        return FastStreamRepublisher(broker_url)
     raise click.UsageError(f"no publisher for messages kept as {payload_format or 'unknown'}")
 
 

@@ -645,11 +645,13 @@ class _InboxActor:
 
         def count(conn: Connection) -> PoisonRecord | None:
             recorder = self.middleware.recorder(conn.dialect.name)
-            attempts = recorder.count_failure(conn, delivery, error)
-            if attempts <= limit or recorder.claimed(conn, delivery):
+            # Dramatiq retries a failure as a new message, so every redelivery is a
+            # delivery that ended without any outcome.
+            redeliveries, _ = recorder.count_redelivery(conn, delivery)
+            if redeliveries <= limit or recorder.claimed(conn, delivery):
                 return None  # within the limit, or an ack lost after the commit: a duplicate
             return recorder.record_poison(
-                conn, delivery, reason_code=REDELIVERY_LIMIT, error=error, attempts=attempts
+                conn, delivery, reason_code=REDELIVERY_LIMIT, error=error, attempts=redeliveries
             )
 
         poison = self._in_own_transaction(count)

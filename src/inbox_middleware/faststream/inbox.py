@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fast_depends import Depends
@@ -61,6 +62,13 @@ class FastStreamInbox:
       canonical_form: a `CanonicalForm` used to hash payloads instead of the body.
       retry_backoff: (first, limit) seconds to wait before handing back a message whose
         transaction failed, doubling per failure of the same message.
+      permanent_errors: exception types that mean "retrying cannot help", besides
+        `PermanentError`: such a failure is kept as poison at once.
+      max_attempts: failed attempts after which a message is kept as poison
+        (``retries_exhausted``) instead of being handed back again; None: no limit.
+      redelivery_limit: redeliveries without an outcome (the worker died) after which a
+        message is kept as poison; counted by JetStream and RabbitMQ quorum queues, by the
+        inbox for classic RabbitMQ queues, not available on Redis streams and Kafka.
       check_database: check the schema and ``synchronous_commit`` at start-up.
 
     The consumer name and handler version come from ``inbox.consumer(...)``; the other
@@ -79,6 +87,9 @@ class FastStreamInbox:
         dead_letter: str | None = "{source}.dead-letter",
         canonical_form: CanonicalForm | None = None,
         retry_backoff: tuple[float, float] = (0.5, 30.0),
+        permanent_errors: Sequence[type[BaseException]] = (),
+        max_attempts: int | None = 10,
+        redelivery_limit: int | None = 10,
         check_database: bool = True,
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
@@ -94,6 +105,9 @@ class FastStreamInbox:
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
         self.backoff = Backoff(*retry_backoff)
+        self.permanent_errors = tuple(permanent_errors)
+        self.max_attempts = max_attempts
+        self.redelivery_limit = redelivery_limit
         self.check_database = check_database
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
@@ -205,6 +219,9 @@ class FastStreamInbox:
             quarantine=self.quarantine,
             dead_letter=self.dead_letter,
             backoff=self.backoff,
+            permanent_errors=self.permanent_errors,
+            max_attempts=self.max_attempts,
+            redelivery_limit=self.redelivery_limit,
         )
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:

@@ -13,7 +13,7 @@ byte for byte. The scheme name stored with the hash says which form was used.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -254,6 +254,7 @@ def delivery(
     handler_version: str,
     source: str,
     canonical: CanonicalForm | None,
+    content_type: str | None = None,
 ) -> Delivery:
     digest, rehash = payload_hash(body, headers, canonical)
     return Delivery(
@@ -263,7 +264,34 @@ def delivery(
         handler_version=handler_version,
         source=source,
         payload=body,
-        headers=json_headers(headers),
+        payload_format="faststream",
+        headers=TextHeaders(headers, content_type),
         received_at=datetime.now(UTC),
         rehash=rehash,
     )
+
+
+class TextHeaders(Mapping[str, Any]):
+    """The headers with bytes values read as text, converted only when a row keeps them;
+    with the content type (a message property on RabbitMQ) as ``content-type``, so that
+    a republished message is decoded as the original was."""
+
+    def __init__(self, headers: Mapping[str, Any], content_type: str | None = None) -> None:
+        self._headers = headers
+        self._content_type = content_type if "content-type" not in headers else None
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "content-type" and self._content_type is not None:
+            return self._content_type
+        value = self._headers[name]
+        if isinstance(value, bytes | bytearray):
+            return bytes(value).decode("utf-8", "backslashreplace")
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (str(name) for name in self._headers)
+        if self._content_type is not None:
+            yield "content-type"
+
+    def __len__(self) -> int:
+        return len(self._headers) + (self._content_type is not None)

@@ -43,7 +43,17 @@ from ..exceptions import (
     TransientError,
 )
 from ..identity import MessageIdentity
+from ..metrics import metrics
+from ..poison import (
+    REDELIVERY_LIMIT,
+    RETRIES_EXHAUSTED,
+    FailureRecorder,
+    PoisonRecord,
+    describe,
+    reason_code,
+)
 from ..protocol import Decision, Delivery, Verdict
+from ..repair import mark_recovered, parse_marker
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, MissingIdentityPolicy, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
@@ -52,7 +62,7 @@ from .payload import CanonicalForm, delivery, headers_identity
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
 
-__all__ = ["CONFLICT_HEADER", "REJECTED_HEADER", "Backoff", "Subscription"]
+__all__ = ["CONFLICT_HEADER", "REJECTED_HEADER", "REPAIR_HEADER", "Backoff", "Subscription"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
 
@@ -61,6 +71,9 @@ CONFLICT_HEADER = "x-inbox-conflict"
 
 REJECTED_HEADER = "x-inbox-rejected"
 """On a dead-lettered message: JSON with the consumer and the reason."""
+
+REPAIR_HEADER = "x-inbox-repair"
+"""On a redriven or accepted message: the row it repairs (``poison:12``, ``quarantine:7``)."""
 
 CallNext = Callable[[Any], Awaitable[Any]]
 
@@ -122,8 +135,15 @@ class Subscription:
         quarantine: str,
         dead_letter: str | None,
         backoff: Backoff,
+        permanent_errors: tuple[type[BaseException], ...] = (),
+        max_attempts: int | None = None,
+        redelivery_limit: int | None = None,
     ) -> None:
         self.storage = storage
+        self.permanent_errors = permanent_errors
+        self.max_attempts = max_attempts
+        self.redelivery_limit = redelivery_limit
+        self.recorder = FailureRecorder(storage.naming, storage.dialect)
         self.consumer = consumer
         self.adapter = adapter
         self.missing_identity = consumer.missing_identity or missing_identity
@@ -161,24 +181,38 @@ class Subscription:
         except (IdentityError, PayloadNotHashable) as exc:
             await self._reject(message, item, exc)
 
+        marker = item.headers.get(REPAIR_HEADER)
+        if isinstance(marker, bytes | bytearray):
+            marker = bytes(marker).decode("utf-8", "replace")
+
         async def body(session: AsyncSession) -> Any:
             token = set_attempt(Attempt(session))
             try:
-                return await call_next(message)
+                result = await call_next(message)
             finally:
                 reset_attempt(token)
+            if marker is not None:  # a redriven or accepted message: recovered now
+                await session.run_sync(
+                    lambda sync: mark_recovered(sync.connection(), self.storage.naming, marker)
+                )
+            return result
 
+        await self._limit_redeliveries(message, item, claim)
         try:
             outcome = await self.storage.process(claim, body)
         except HandlerException as exc:
             await self._obey(message, item, exc)
         except _INVALID as exc:
             await self._reject(message, item, Unfit(f"the message does not fit the handler: {exc}"))
-        except Exception as exc:
+        except TransientError as exc:
             await self._hand_back(message, claim.key, exc)
+        except Exception as exc:
+            await self._failed(message, item, claim, exc)
         self.backoff.forget(claim.key)
         if outcome.decision is Decision.FIRST:
             await message.ack()
+            if (repaired := parse_marker(marker)) is not None:
+                metrics.recovered(self.consumer.name, repaired[0])
             return outcome.result
         if outcome.decision is Decision.CONFLICT:
             try:
@@ -206,6 +240,7 @@ class Subscription:
             handler_version=self.consumer.handler_version,
             source=self.adapter.source,
             canonical=self.canonical_form,
+            content_type=item.content_type,
         )
 
     async def _unprotected(
@@ -361,6 +396,75 @@ class Subscription:
             await message.ack(**exc.extra_options)
         raise exc
 
+    async def _failed(self, message: Any, item: Item, claim: Delivery, exc: Exception) -> NoReturn:
+        """Count the failure in its own transaction. A permanent failure, or one past
+        ``max_attempts``, is kept as poison and moved to the dead-letter destination; any
+        other is handed back for a later redelivery."""
+        code = reason_code(exc, self.permanent_errors)
+        error = describe(exc)
+        limit = self.max_attempts
+
+        def record(conn: Any) -> PoisonRecord | None:
+            attempts = self.recorder.count_failure(conn, claim, error)
+            reason = code or (RETRIES_EXHAUSTED if limit and attempts >= limit else None)
+            if reason is None:
+                return None
+            return self.recorder.record_poison(
+                conn, claim, reason_code=reason, error=error, attempts=attempts
+            )
+
+        try:
+            async with self.storage.engine.begin() as conn:
+                poison = await conn.run_sync(record)
+        except Exception:
+            logger.exception(
+                "could not record the failure of a message for inbox consumer %s; it is "
+                "handed back",
+                self.consumer.name,
+            )
+            await self._hand_back(message, claim.key, exc)
+        metrics.handler_failure(self.consumer.name, code or type(exc).__name__)
+        if poison is None:
+            await self._hand_back(message, claim.key, exc)
+        await self._poisoned(message, item, claim, poison, error)
+
+    async def _limit_redeliveries(self, message: Any, item: Item, claim: Delivery) -> None:
+        """Bound crash loops: a message the broker keeps redelivering without an outcome
+        (its worker killed, out of memory) is kept as poison after ``redelivery_limit``."""
+        limit = self.redelivery_limit
+        if limit is None:
+            return
+        counted = self.adapter.deliveries(message)
+        if counted is None and not self.adapter.redelivered(message):
+            return
+        error = "redelivered: an earlier delivery ended without an outcome"
+
+        def record(conn: Any) -> PoisonRecord | None:
+            if counted is not None:  # the broker's count of deliveries
+                crashes = counted - 1
+            else:  # hand-backs set the flag too: crashes are what failures do not explain
+                redeliveries, failures = self.recorder.count_redelivery(conn, claim)
+                crashes = redeliveries - failures
+            if crashes <= limit or self.recorder.claimed(conn, claim):
+                return None  # within the limit, or an ack lost after the commit: a duplicate
+            return self.recorder.record_poison(
+                conn, claim, reason_code=REDELIVERY_LIMIT, error=error, attempts=crashes
+            )
+
+        if counted is not None and counted <= limit + 1:
+            return  # the broker's own count: nothing to look up yet
+        async with self.storage.engine.begin() as conn:
+            poison = await conn.run_sync(record)
+        if poison is not None:
+            await self._poisoned(message, item, claim, poison, error)
+
+    async def _poisoned(
+        self, message: Any, item: Item, claim: Delivery, poison: PoisonRecord, error: str
+    ) -> NoReturn:
+        metrics.moved(self.consumer.name, "poison")
+        self.backoff.forget(claim.key)
+        await self._reject(message, item, Poisoned(poison, error))
+
     async def _hand_back(self, message: Any, key: Hashable, exc: Exception) -> NoReturn:
         delay = self.backoff.next(key)
         logger.warning(
@@ -379,6 +483,17 @@ class Subscription:
 
 class _Rejected(InboxError):
     """The handler raised RejectMessage."""
+
+
+class Poisoned(InboxError):
+    """The message failed permanently and is kept in the poison table."""
+
+    def __init__(self, poison: PoisonRecord, error: str) -> None:
+        self.poison = poison
+        super().__init__(
+            f"poison message #{poison.id} after {poison.attempts} attempts ({error}); kept in "
+            "the poison table with its payload"
+        )
 
 
 class Unfit(InboxError):

@@ -93,6 +93,16 @@ class BrokerAdapter:
         """What the broker keeps stable across redeliveries of ``raw``, if anything."""
         return None
 
+    def deliveries(self, message: Any) -> int | None:
+        """How often the broker has delivered ``message``, counting this delivery, when
+        it counts (a redelivery limit then needs no bookkeeping of ours); else None."""
+        return None
+
+    def redelivered(self, message: Any) -> bool:
+        """Whether the broker says an earlier delivery of ``message`` ended without an
+        outcome (its consumer died or lost the connection). False when it cannot tell."""
+        return False
+
     async def retry_later(self, message: Any, delay: float) -> None:
         """Hand ``message`` back for redelivery no sooner than about ``delay`` seconds.
 

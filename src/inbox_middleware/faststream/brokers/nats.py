@@ -119,6 +119,11 @@ class NatsAdapter(BrokerAdapter):
             return (f"nats-msg-id:{metadata.stream}", str(msg_id))
         return (f"nats-stream:{metadata.stream}", str(metadata.sequence.stream))
 
+    def deliveries(self, message: Any) -> int | None:
+        # JetStream counts every delivery, those after a hand-back included.
+        metadata = getattr(message.raw_message, "metadata", None)
+        return int(metadata.num_delivered) if metadata is not None else None
+
     async def retry_later(self, message: Any, delay: float) -> None:
         await message.nack(delay=delay)
 

@@ -44,6 +44,13 @@ class RabbitAdapter(BrokerAdapter):
         message_id = getattr(raw, "message_id", None)
         return ("rabbitmq.message_id", str(message_id)) if message_id else None
 
+    def deliveries(self, message: Any) -> int | None:
+        count = (message.headers or {}).get("x-delivery-count")  # quorum queues count
+        return int(count) + 1 if isinstance(count, int) else None
+
+    def redelivered(self, message: Any) -> bool:
+        return bool(getattr(message.raw_message, "redelivered", False))
+
     async def retry_later(self, message: Any, delay: float) -> None:
         await _wait_then(message.nack(requeue=True), delay)
 

@@ -1,14 +1,17 @@
 -- Failure handling, operator decisions and retention.
 --
--- inbox_attempts counts the failed attempts of a message. The failed attempt itself rolls
--- back, so each failure is counted in a short transaction of its own; a row exists only
--- for messages that failed at least once.
+-- inbox_attempts counts the failed attempts of a message, and the broker redeliveries of
+-- it. The failed attempt itself rolls back, so each is counted in a short transaction of
+-- its own; a row exists only for messages that failed or were redelivered. Redeliveries
+-- that no counted failure explains are deliveries that ended without any outcome (the
+-- worker died): the crash loops a redelivery limit stops.
 CREATE TABLE IF NOT EXISTS ${inbox_attempts} (
     consumer_name    text        NOT NULL,
     producer_name    text        NOT NULL,
     tenant           text        NOT NULL DEFAULT '',
     message_id       text        NOT NULL,
     attempts         integer     NOT NULL DEFAULT 0,
+    redeliveries     integer     NOT NULL DEFAULT 0,
     first_failure_at timestamptz NOT NULL DEFAULT now(),
     last_failure_at  timestamptz NOT NULL DEFAULT now(),
     last_error       text,

@@ -6,6 +6,7 @@ CREATE TABLE IF NOT EXISTS ${inbox_attempts} (
     tenant           TEXT NOT NULL DEFAULT '',
     message_id       TEXT NOT NULL,
     attempts         INTEGER NOT NULL DEFAULT 0,
+    redeliveries     INTEGER NOT NULL DEFAULT 0,
     first_failure_at DATETIME NOT NULL DEFAULT CURRENT_TIMESTAMP,
     last_failure_at  DATETIME NOT NULL DEFAULT CURRENT_TIMESTAMP,
     last_error       TEXT,
