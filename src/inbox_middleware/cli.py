@@ -123,6 +123,8 @@ def run() -> None:
 from .outbox.cli import outbox as _outbox  # noqa: E402
 from .repair_cli import poison as _poison  # noqa: E402
 from .repair_cli import quarantine as _quarantine  # noqa: E402
+from .retention_cli import purge as _purge  # noqa: E402
+from .retention_cli import retention_group as _retention  # noqa: E402
 
-for _group in (_outbox, _quarantine, _poison):
+for _group in (_outbox, _quarantine, _poison, _retention, _purge):
     main.add_command(_group)

@@ -100,6 +100,11 @@ class Metrics:
         """A redriven or accepted message later processed successfully."""
         self._count("recovered", consumer=consumer, source=source)
 
+    def expired(self, consumer: str, outcome: str) -> None:
+        """A first-seen message older than the retention window: ``rejected`` or
+        ``processed`` per the expired-redelivery policy."""
+        self._count("expired", consumer=consumer, outcome=outcome)
+
     def outbox(self, destination: str, outcome: str) -> None:
         """An outbox delivery attempt: ``delivered``, ``retry``, ``failed`` or ``lost_lease``."""
         self._count("outbox_attempts", destination=destination, outcome=outcome)
@@ -185,6 +190,11 @@ def _prometheus() -> dict[str, Any]:
             "Outbox delivery attempts by outcome",
             ["destination", "outcome"],
         ),
+        "expired": Counter(
+            "inbox_expired_redeliveries",
+            "First-seen messages older than the retention window, by what was done",
+            ["consumer", "outcome"],
+        ),
     }
 
 
@@ -207,6 +217,7 @@ def _opentelemetry() -> dict[str, Any]:
             "moved",
             "recovered",
             "outbox_attempts",
+            "expired",
         )
     }
     histograms = {

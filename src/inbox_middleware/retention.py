@@ -20,13 +20,56 @@ sees which failure the window is sized for.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from functools import cache
+from typing import Any, Literal
 
-from .exceptions import ConfigurationError
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Float,
+    Integer,
+    Text,
+    and_,
+    bindparam,
+    delete,
+    func,
+    literal_column,
+    or_,
+    select,
+    tuple_,
+)
+from sqlalchemy.dialects import postgresql, sqlite
 
-__all__ = ["RetentionPolicy", "Scenario", "format_duration", "minimum_window", "parse_duration"]
+from .exceptions import ConfigurationError, PermanentError
+from .metrics import metrics
+from .poison import EXPIRED_REDELIVERY
+from .protocol import Delivery
+from .storage.tables import InboxSchema
+
+logger = logging.getLogger("inbox_middleware")
+
+__all__ = [
+    "ALL_CONSUMERS",
+    "ExpiredPolicy",
+    "RecordedPolicy",
+    "RetentionPolicy",
+    "RetentionRefused",
+    "Scenario",
+    "check_expired",
+    "check_window",
+    "format_duration",
+    "minimum_window",
+    "parse_duration",
+    "purge",
+    "record_policy",
+    "recorded_policy",
+]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
@@ -103,3 +146,211 @@ def minimum_window(policy: RetentionPolicy) -> tuple[timedelta, Scenario]:
     dominant = max(policy.scenarios(), key=lambda scenario: scenario.window)
     window = dominant.window * (1 + policy.margin)
     return timedelta(seconds=round(window.total_seconds())), dominant
+
+
+# -- the recorded policy and the purge ---------------------------------------------------
+#
+# A purge deletes claims, so it runs only against a recorded policy: the operator records
+# the scenarios once (`inbox-middleware retention set`), and every purge checks its window
+# against their minimum. The purge works in small batches, each its own transaction, taking
+# rows with FOR UPDATE SKIP LOCKED: a live claim never waits for it, and several purgers
+# never wait for each other.
+
+ALL_CONSUMERS = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedPolicy:
+    consumer: str
+    policy: RetentionPolicy
+    minimum: timedelta
+    dominant: str
+
+
+def record_policy(
+    conn: Connection, naming: InboxSchema, policy: RetentionPolicy, *, consumer: str, by: str
+) -> RecordedPolicy:
+    """Store ``policy`` for ``consumer`` (``*``: the default for all); return it, computed."""
+    window, dominant = minimum_window(policy)
+    table = naming.tables.retention
+    scenarios = {
+        field.name: (
+            getattr(policy, field.name).total_seconds()
+            if isinstance(getattr(policy, field.name), timedelta)
+            else getattr(policy, field.name)
+        )
+        for field in fields(policy)
+    }
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    values = {
+        "consumer_name": consumer,
+        "scenarios": scenarios,
+        "minimum_seconds": int(window.total_seconds()),
+        "dominant_scenario": dominant.name,
+        "updated_at": func.now(),
+        "updated_by": by,
+    }
+    statement = insert(table).values(**values)
+    conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=["consumer_name"],
+            set_={k: getattr(statement.excluded, k) for k in values if k != "consumer_name"},
+        )
+    )
+    return RecordedPolicy(consumer, policy, window, dominant.name)
+
+
+def recorded_policy(
+    conn: Connection, naming: InboxSchema, consumer: str | None
+) -> RecordedPolicy | None:
+    """The policy recorded for ``consumer``, else the default one (``*``), else None."""
+    table = naming.tables.retention
+    wanted = [ALL_CONSUMERS] if consumer is None else [consumer, ALL_CONSUMERS]
+    rows = {
+        row.consumer_name: row
+        for row in conn.execute(select(table).where(table.c.consumer_name.in_(wanted)))
+    }
+    row = next((rows[name] for name in wanted if name in rows), None)
+    if row is None:
+        return None
+    values = dict(row.scenarios)
+    margin = float(values.pop("margin", 0.25))
+    policy = RetentionPolicy(
+        **{name: timedelta(seconds=float(seconds)) for name, seconds in values.items()},
+        margin=margin,
+    )
+    return RecordedPolicy(
+        row.consumer_name, policy, timedelta(seconds=row.minimum_seconds), row.dominant_scenario
+    )
+
+
+def check_window(
+    conn: Connection,
+    naming: InboxSchema,
+    older_than: timedelta,
+    *,
+    consumer: str | None,
+    force: bool,
+) -> RecordedPolicy | None:
+    """Refuse a purge window the recorded policy does not allow, unless ``force``."""
+    recorded = recorded_policy(conn, naming, consumer)
+    if force:
+        return recorded
+    if recorded is None:
+        raise RetentionRefused(
+            "no retention policy is recorded: record the failure scenarios first "
+            "(inbox-middleware retention set ...), or pass --force"
+        )
+    if older_than < recorded.minimum:
+        raise RetentionRefused(
+            f"purging claims younger than {format_duration(recorded.minimum)} is refused: the "
+            f"recorded policy needs that long for its dominant scenario "
+            f"({recorded.dominant}); a copy delivered later would be processed again. "
+            "To apply old messages once more, see the replay guide (a versioned consumer or "
+            "a compensating migration), never the purge"
+        )
+    return recorded
+
+
+def purge(
+    engine: Engine,
+    naming: InboxSchema,
+    older_than: timedelta,
+    *,
+    consumer: str | None = None,
+    batch_size: int = 5000,
+    pause: float = 0.0,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
+    """Delete claims processed more than ``older_than`` ago, batch by batch; return how many.
+
+    Call `check_window` first. Failure counts older than the window go too.
+    """
+    if batch_size <= 0:
+        raise ConfigurationError("batch_size must be positive")
+    statements = _purge_statements(naming, engine.dialect.name)
+    params = {"seconds": older_than.total_seconds(), "consumer": consumer, "limit": batch_size}
+    total = 0
+    while True:
+        with engine.begin() as conn:
+            deleted = conn.execute(statements[0], params).rowcount
+        total += deleted
+        if on_batch is not None:
+            on_batch(deleted)
+        if deleted < batch_size:
+            break
+        if pause:
+            time.sleep(pause)
+    with engine.begin() as conn:
+        conn.execute(statements[1], params)
+    return total
+
+
+class RetentionRefused(ConfigurationError):
+    """The purge window is shorter than the recorded retention policy allows."""
+
+
+@cache
+def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any]:
+    inbox, attempts = naming.tables.inbox, naming.tables.attempts
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
+    if dialect == "sqlite":
+        cutoff = func.datetime("now", func.printf("-%f seconds", bindparam("seconds")))
+    consumer = bindparam("consumer", type_=Text)
+    old = and_(
+        inbox.c.processed_at < cutoff,
+        or_(consumer.is_(None), inbox.c.consumer_name == consumer),
+    )
+    limit = bindparam("limit", type_=Integer)
+    if dialect == "postgresql":
+        ctid: Any = literal_column("ctid")
+        doomed = select(ctid).select_from(inbox).where(old).limit(limit)
+        doomed = doomed.with_for_update(skip_locked=True)
+        batch = delete(inbox).where(ctid == func.any(func.array(doomed.scalar_subquery())))
+    else:
+        key = tuple_(
+            inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id
+        )
+        doomed = select(*key.clauses).where(old).limit(limit)
+        batch = delete(inbox).where(key.in_(doomed))
+    failures = delete(attempts).where(
+        attempts.c.last_failure_at < cutoff,
+        or_(consumer.is_(None), attempts.c.consumer_name == consumer),
+    )
+    return batch, failures
+
+
+# -- redeliveries older than the window ---------------------------------------------------
+
+ExpiredPolicy = Literal["reject", "process"]
+"""What to do with a first-seen message produced longer ago than the retention window:
+its claim may have existed and been purged, so processing it may apply it twice.
+``reject`` keeps it as poison (reason ``expired_redelivery``) for an operator to decide;
+``process`` applies it, with a warning. Both are counted."""
+
+
+def check_expired(
+    delivery: Delivery, window: timedelta | None, policy: ExpiredPolicy, *, consumer: str
+) -> None:
+    """In the claim's transaction, before the handler: refuse (raise `PermanentError`) or
+    report a first-seen message older than ``window`` by its producer's timestamp."""
+    produced = delivery.identity.produced_at
+    if window is None or produced is None:
+        return
+    age = datetime.now(UTC) - produced
+    if age <= window:
+        return
+    metrics.expired(consumer, "rejected" if policy == "reject" else "processed")
+    text = (
+        f"produced {format_duration(age)} ago, beyond the {format_duration(window)} retention "
+        "window: its claim may have been purged"
+    )
+    if policy == "reject":
+        raise PermanentError(EXPIRED_REDELIVERY, f"a message {text}")
+    logger.warning(
+        "processing message %s of %s for %s although it was %s (expired_redelivery='process')",
+        delivery.identity.message_id,
+        delivery.identity.producer,
+        consumer,
+        text,
+    )

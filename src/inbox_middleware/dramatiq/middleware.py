@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import dramatiq
@@ -63,6 +63,7 @@ from ..poison import (
 )
 from ..protocol import Decision, Delivery
 from ..repair import mark_recovered, parse_marker
+from ..retention import ExpiredPolicy, check_expired
 from ..storage import Inbox, InboxSchema, Outcome
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .payload import (
@@ -201,6 +202,11 @@ class InboxMiddleware(dramatiq.Middleware):
         worker died or lost the connection before an outcome) before it is treated as
         poison; RabbitMQ reports redeliveries, Dramatiq's Redis broker does not. None: no
         limit.
+      retention_window: how long claims are kept (the purge window); a first-seen message
+        whose producer timestamp (``inbox_produced_at``) is older may have been processed
+        and purged already. None: no check.
+      expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
+        reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: verify the schema and database settings when a worker boots.
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
@@ -223,6 +229,8 @@ class InboxMiddleware(dramatiq.Middleware):
         canonical_form: CanonicalForm | None = None,
         permanent_errors: Sequence[type[BaseException]] = (),
         redelivery_limit: int | None = 10,
+        retention_window: timedelta | None = None,
+        expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
@@ -249,6 +257,8 @@ class InboxMiddleware(dramatiq.Middleware):
         self.canonical_form = canonical_form
         self.permanent_errors = tuple(permanent_errors)
         self.redelivery_limit = redelivery_limit
+        self.retention_window = retention_window
+        self.expired_redelivery = expired_redelivery
         self.check_database = check_database
         self.retries: Retries | None = None
         self._recorders: dict[str, FailureRecorder] = {}
@@ -490,8 +500,10 @@ class _InboxActor:
             return inbox.transaction(lambda session: self._body(session, args, kwargs))
         self._limit_redeliveries(pending)
         marker = pending.message.options.get(OPTION_REPAIR)
+        delivery = pending.delivery
 
         def body(session: Session) -> Any:
+            self._check_expired(delivery)
             result = self._body(session, args, kwargs)
             if marker is not None:  # a redriven or accepted message: recovered with this commit
                 mark_recovered(session.connection(), inbox.naming, marker)
@@ -560,8 +572,10 @@ class _InboxActor:
                 return await self.target(*args, **kwargs)
             return await inbox.transaction(body)
         marker = pending.message.options.get(OPTION_REPAIR)
+        delivery = pending.delivery
 
         async def repaired(session: AsyncSession) -> Any:
+            self._check_expired(delivery)
             result = await body(session)
             if marker is not None:
                 await session.run_sync(
@@ -569,7 +583,15 @@ class _InboxActor:
                 )
             return result
 
-        return await inbox.process(pending.delivery, repaired if marker is not None else body)
+        return await inbox.process(pending.delivery, repaired)
+
+    def _check_expired(self, delivery: Delivery) -> None:
+        check_expired(
+            delivery,
+            self.middleware.retention_window,
+            self.middleware.expired_redelivery,
+            consumer=self.consumer,
+        )
 
     # -- failures -------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fast_depends import Depends
@@ -23,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
+from ..retention import ExpiredPolicy
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .brokers import adapter_for
@@ -69,6 +71,11 @@ class FastStreamInbox:
       redelivery_limit: redeliveries without an outcome (the worker died) after which a
         message is kept as poison; counted by JetStream and RabbitMQ quorum queues, by the
         inbox for classic RabbitMQ queues, not available on Redis streams and Kafka.
+      retention_window: how long claims are kept (the purge window); a first-seen message
+        whose ``x-inbox-produced-at`` is older may have been processed and purged already.
+        None: no check.
+      expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
+        reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: check the schema and ``synchronous_commit`` at start-up.
 
     The consumer name and handler version come from ``inbox.consumer(...)``; the other
@@ -90,6 +97,8 @@ class FastStreamInbox:
         permanent_errors: Sequence[type[BaseException]] = (),
         max_attempts: int | None = 10,
         redelivery_limit: int | None = 10,
+        retention_window: timedelta | None = None,
+        expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
@@ -108,6 +117,8 @@ class FastStreamInbox:
         self.permanent_errors = tuple(permanent_errors)
         self.max_attempts = max_attempts
         self.redelivery_limit = redelivery_limit
+        self.retention_window = retention_window
+        self.expired_redelivery = expired_redelivery
         self.check_database = check_database
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
@@ -222,6 +233,8 @@ class FastStreamInbox:
             permanent_errors=self.permanent_errors,
             max_attempts=self.max_attempts,
             redelivery_limit=self.redelivery_limit,
+            retention_window=self.retention_window,
+            expired_redelivery=self.expired_redelivery,
         )
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:

@@ -29,6 +29,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from faststream.exceptions import AckMessage, HandlerException, NackMessage, RejectMessage
@@ -54,6 +55,7 @@ from ..poison import (
 )
 from ..protocol import Decision, Delivery, Verdict
 from ..repair import mark_recovered, parse_marker
+from ..retention import ExpiredPolicy, check_expired
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, MissingIdentityPolicy, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
@@ -138,11 +140,15 @@ class Subscription:
         permanent_errors: tuple[type[BaseException], ...] = (),
         max_attempts: int | None = None,
         redelivery_limit: int | None = None,
+        retention_window: timedelta | None = None,
+        expired_redelivery: ExpiredPolicy = "reject",
     ) -> None:
         self.storage = storage
         self.permanent_errors = permanent_errors
         self.max_attempts = max_attempts
         self.redelivery_limit = redelivery_limit
+        self.retention_window = retention_window
+        self.expired_redelivery = expired_redelivery
         self.recorder = FailureRecorder(storage.naming, storage.dialect)
         self.consumer = consumer
         self.adapter = adapter
@@ -186,6 +192,9 @@ class Subscription:
             marker = bytes(marker).decode("utf-8", "replace")
 
         async def body(session: AsyncSession) -> Any:
+            check_expired(
+                claim, self.retention_window, self.expired_redelivery, consumer=self.consumer.name
+            )
             token = set_attempt(Attempt(session))
             try:
                 result = await call_next(message)
