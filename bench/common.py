@@ -19,6 +19,7 @@ DATABASE = os.environ.get("BENCH_DATABASE", "inbox_bench")
 PG = os.environ.get("BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
 RABBITMQ = os.environ.get("BENCH_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 REDIS = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/14")
+NATS = os.environ.get("BENCH_NATS", "nats://127.0.0.1:4222")
 ACCOUNTS = 100
 
 DDL = [

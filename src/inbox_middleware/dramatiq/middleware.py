@@ -65,6 +65,7 @@ from ..protocol import Decision, Delivery
 from ..repair import mark_recovered, parse_marker
 from ..retention import ExpiredPolicy, check_expired
 from ..storage import Inbox, InboxSchema, Outcome
+from ..storage.errors import as_transient
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .payload import (
     BROKER_ID_PRODUCER,
@@ -676,7 +677,10 @@ class _InboxActor:
                 conn, delivery, reason_code=REDELIVERY_LIMIT, error=error, attempts=redeliveries
             )
 
-        poison = self._in_own_transaction(count)
+        try:
+            poison = self._in_own_transaction(count)
+        except Exception as exc:  # the database's trouble: retried like a failed claim
+            raise as_transient(exc, delivery) from exc
         if poison is not None:
             metrics.moved(self.consumer, "poison")
             logger.error(

@@ -56,6 +56,7 @@ from ..poison import (
 from ..protocol import Decision, Delivery, Verdict
 from ..repair import mark_recovered, parse_marker
 from ..retention import ExpiredPolicy, check_expired
+from ..storage.errors import as_transient
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, MissingIdentityPolicy, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
@@ -462,8 +463,12 @@ class Subscription:
 
         if counted is not None and counted <= limit + 1:
             return  # the broker's own count: nothing to look up yet
-        async with self.storage.engine.begin() as conn:
-            poison = await conn.run_sync(record)
+        try:
+            async with self.storage.engine.begin() as conn:
+                poison = await conn.run_sync(record)
+        except Exception as exc:
+            # Before the claim, the same database trouble as in it: hand the message back.
+            await self._hand_back(message, claim.key, as_transient(exc, claim))
         if poison is not None:
             await self._poisoned(message, item, claim, poison, error)
 

@@ -21,7 +21,7 @@ from ..exceptions import (
 )
 from ..protocol import Delivery
 
-__all__ = ["Failure", "classify", "from_driver", "sqlstate", "transient_error"]
+__all__ = ["Failure", "as_transient", "classify", "from_driver", "sqlstate", "transient_error"]
 
 _SERIALIZATION = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _LOCK_TIMEOUT = "55P03"  # lock_not_available
@@ -128,3 +128,13 @@ def transient_error(
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc)
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def as_transient(exc: Exception, delivery: Delivery) -> Exception:
+    """``exc`` from a statement the inbox ran outside the claim's transaction (failure
+    bookkeeping), as the library's transient error when it is the database's trouble."""
+    mapped = transient_error(exc, classify(exc), delivery, claimed=True)
+    if mapped is not None:
+        mapped.__cause__ = exc
+        return mapped
+    return exc

@@ -1,0 +1,96 @@
+"""The benchmark's FastStream app: one async handler, one account update.
+
+    BENCH_MODE=inbox faststream run bench.faststream_worker:app
+
+Modes on RabbitMQ (queue BENCH_QUEUE, prefetch BENCH_PREFETCH):
+  bare     the update in a transaction, no deduplication
+  inbox    this library
+  empty    the framework's ceiling: a handler that does nothing
+Modes on NATS JetStream (subject BENCH_QUEUE, pull consumer):
+  nats_inbox   the inbox, one message per call
+  nats_batch   the inbox on a batch subscriber: one claim statement and one commit
+               per batch of BENCH_BATCH messages
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from faststream import FastStream
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+from bench.common import NATS, RABBITMQ, sqlalchemy_url
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+
+MODE = os.environ.get("BENCH_MODE", "inbox")
+QUEUE = os.environ.get("BENCH_QUEUE", "bench")
+PREFETCH = int(os.environ.get("BENCH_PREFETCH", "16"))
+BATCH = int(os.environ.get("BENCH_BATCH", "50"))
+UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
+MANY = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = ANY(:accounts)")
+
+engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=PREFETCH + 2)
+inbox = FastStreamInbox(engine)
+middlewares = [inbox.middleware] if "inbox" in MODE or "batch" in MODE else []
+
+if MODE.startswith("nats"):
+    from faststream.nats import JStream, NatsBroker, PullSub
+
+    broker: Any = NatsBroker(NATS, middlewares=middlewares)
+    stream = JStream(QUEUE.upper(), subjects=[QUEUE])
+    batched = MODE == "nats_batch"
+    subscriber = broker.subscriber(
+        QUEUE,
+        stream=stream,
+        durable=f"d{QUEUE}",
+        pull_sub=PullSub(batch_size=BATCH if batched else PREFETCH, batch=batched, timeout=0.2),
+        dependencies=[inbox.consumer("bench")],
+        max_workers=1 if batched else PREFETCH,
+    )
+    if batched:
+
+        @subscriber
+        async def handle_batch(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+            # Duplicates share accounts: count each body, not each distinct account.
+            for body in bodies:
+                await session.execute(UPDATE, {"account": body["account"]})
+
+    else:
+
+        @subscriber
+        async def handle_one(body: dict[str, Any], session: InboxSession) -> None:
+            await session.execute(UPDATE, {"account": body["account"]})
+
+else:
+    from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
+
+    broker = RabbitBroker(
+        RABBITMQ, middlewares=middlewares, default_channel=Channel(prefetch_count=PREFETCH)
+    )
+    queue = RabbitQueue(QUEUE, durable=True)
+    if MODE == "inbox":
+
+        @broker.subscriber(queue, dependencies=[inbox.consumer("bench")])
+        async def handle(body: dict[str, Any], session: InboxSession) -> None:
+            await session.execute(UPDATE, {"account": body["account"]})
+
+    elif MODE == "bare":
+        sessions = async_sessionmaker(engine, expire_on_commit=False)
+
+        @broker.subscriber(queue)
+        async def handle_bare(body: dict[str, Any]) -> None:
+            # What a handler without the inbox does: its own session and transaction.
+            async with sessions() as session, session.begin():
+                await session.execute(UPDATE, {"account": body["account"]})
+
+    else:
+
+        @broker.subscriber(queue)
+        async def handle_empty(body: dict[str, Any]) -> None:
+            return None
+
+
+app = FastStream(inbox.guard(broker) if middlewares else broker)
+app.after_shutdown(engine.dispose)
