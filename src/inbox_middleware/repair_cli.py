@@ -156,48 +156,14 @@ def _group(kind: Kind) -> click.Group:
             engine.dispose()
         click.echo(f"{kind} #{row_id} discarded")
 
-    @group.command("redrive")
-    @database_options
-    @click.argument("row_id", type=int)
-    @_publish_options
-    def redrive_command(
-        database_url: str,
-        schema: str | None,
-        prefix: str,
-        row_id: int,
-        broker_url: str,
-        redis_namespace: str,
-        operation_id: str | None,
-        by: str | None,
-        note: str | None,
-    ) -> None:
-        """Publish the kept message again, under its own identity."""
-        engine = connect(database_url)
-        try:
-            with engine.connect() as conn:
-                row = repair.show_row(conn, naming_from(schema, prefix), kind, row_id)
-                publisher = republisher(broker_url, row["payload_format"], redis_namespace)
-                _, operation = repair.redrive(
-                    conn,
-                    naming_from(schema, prefix),
-                    kind,
-                    row_id,
-                    by=_who(by),
-                    publisher=publisher,
-                    operation_id=operation_id,
-                    note=note,
-                )
-        finally:
-            engine.dispose()
-        click.echo(f"{kind} #{row_id} redriven to {row['source']} (operation {operation})")
+    def publishing(action: str, help_text: str) -> None:
+        """A command that records a decision on a row, then publishes the kept message."""
 
-    if kind == "quarantine":
-
-        @group.command("accept")
+        @group.command(action, help=help_text)
         @database_options
         @click.argument("row_id", type=int)
         @_publish_options
-        def accept_command(
+        def command(
             database_url: str,
             schema: str | None,
             prefix: str,
@@ -208,24 +174,33 @@ def _group(kind: Kind) -> click.Group:
             by: str | None,
             note: str | None,
         ) -> None:
-            """Treat the conflicting payload as a new intent, under a new recorded id."""
+            naming = naming_from(schema, prefix)
             engine = connect(database_url)
             try:
                 with engine.connect() as conn:
-                    row = repair.show_row(conn, naming_from(schema, prefix), kind, row_id)
+                    row = repair.show_row(conn, naming, kind, row_id)
                     publisher = republisher(broker_url, row["payload_format"], redis_namespace)
-                    _, new_id = repair.accept(
-                        conn,
-                        naming_from(schema, prefix),
-                        row_id,
-                        by=_who(by),
-                        publisher=publisher,
-                        operation_id=operation_id,
-                        note=note,
-                    )
+                    decided = {
+                        "by": _who(by),
+                        "publisher": publisher,
+                        "operation_id": operation_id,
+                        "note": note,
+                    }
+                    if action == "accept":
+                        _, new_id = repair.accept(conn, naming, row_id, **decided)
+                        done = f"accepted as message id {new_id}"
+                    else:
+                        _, operation = repair.redrive(conn, naming, kind, row_id, **decided)
+                        done = f"redriven to {row['source']} (operation {operation})"
             finally:
                 engine.dispose()
-            click.echo(f"quarantine #{row_id} accepted as message id {new_id}")
+            click.echo(f"{kind} #{row_id} {done}")
+
+    publishing("redrive", "Publish the kept message again, under its own identity.")
+    if kind == "quarantine":
+        publishing(
+            "accept", "Treat the conflicting payload as a new intent, under a new recorded id."
+        )
 
     return group
 
