@@ -180,17 +180,29 @@ def _group(kind: Kind) -> click.Group:
                 with engine.connect() as conn:
                     row = repair.show_row(conn, naming, kind, row_id)
                     publisher = republisher(broker_url, row["payload_format"], redis_namespace)
-                    decided = {
-                        "by": _who(by),
-                        "publisher": publisher,
-                        "operation_id": operation_id,
-                        "note": note,
-                    }
+                    who = _who(by)
                     if action == "accept":
-                        _, new_id = repair.accept(conn, naming, row_id, **decided)
+                        _, new_id = repair.accept(
+                            conn,
+                            naming,
+                            row_id,
+                            by=who,
+                            publisher=publisher,
+                            operation_id=operation_id,
+                            note=note,
+                        )
                         done = f"accepted as message id {new_id}"
                     else:
-                        _, operation = repair.redrive(conn, naming, kind, row_id, **decided)
+                        _, operation = repair.redrive(
+                            conn,
+                            naming,
+                            kind,
+                            row_id,
+                            by=who,
+                            publisher=publisher,
+                            operation_id=operation_id,
+                            note=note,
+                        )
                         done = f"redriven to {row['source']} (operation {operation})"
             finally:
                 engine.dispose()
