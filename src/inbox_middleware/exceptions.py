@@ -17,8 +17,9 @@ InboxError
     └── DatabaseUnavailable       the database could not be reached or dropped the connection
 ```
 
-Driver errors become these types in exactly one place:
-`inbox_middleware.storage.errors.wrap_database_errors`.
+Driver errors become these types in exactly one place, `inbox_middleware.storage.errors`:
+`classify` reads what a failure means, `transient_error` builds the library's error, and
+`from_driver` wraps errors raised outside SQLAlchemy's execution the way it would.
 """
 
 from __future__ import annotations

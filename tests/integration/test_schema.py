@@ -165,3 +165,15 @@ def test_sqlite__refuses_a_schema_with_a_clear_message(tmp_path):
     with pytest.raises(Exception, match="SQLite has no schemas"):
         migrate(engine, InboxSchema(schema="billing"))
     engine.dispose()
+
+
+def test_render_sql__applied_by_hand_gives_the_schema_workers_accept(pg_engine, fresh_schema):
+    from inbox_middleware.storage import render_sql
+
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{fresh_schema.schema}"')
+        for statement in render_sql("postgresql", fresh_schema):
+            conn.exec_driver_sql(statement)
+    with pg_engine.connect() as conn:
+        check_schema(conn, fresh_schema)
+    assert migrate(pg_engine, fresh_schema) == []  # and migrate agrees it is complete

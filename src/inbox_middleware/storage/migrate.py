@@ -20,6 +20,7 @@ from string import Template
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, inspect, select, text
+from sqlalchemy.schema import CreateTable
 
 from ..exceptions import ConfigurationError, SchemaError
 from .tables import TABLES, InboxSchema
@@ -170,6 +171,26 @@ def exclude_inbox_tables(
 
 
 def render_sql(dialect: str, naming: InboxSchema | None = None) -> list[str]:
-    """Every migration's statements for one dialect, for review or a hand-run upgrade."""
+    """Every statement `migrate` would run on an empty database, for review or to apply by
+    hand: the version table, each migration, and the rows that record them (so workers
+    find the schema version they check at start-up)."""
     naming = naming or InboxSchema()
-    return [s for migration in migrations(dialect) for s in migration.statements(naming, dialect)]
+    _placeholders(naming, dialect)
+    engine_dialect = _dialect(dialect)
+    version = naming.tables.version
+    statements = [str(CreateTable(version, if_not_exists=True).compile(dialect=engine_dialect))]
+    for migration in migrations(dialect):
+        statements += migration.statements(naming, dialect)
+        record = version.insert().values(
+            version=migration.version, name=migration.name, applied_at=func.now()
+        )
+        compiled = record.compile(dialect=engine_dialect, compile_kwargs={"literal_binds": True})
+        statements.append(str(compiled))
+    return statements
+
+
+def _dialect(name: str) -> Any:
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    module: Any = postgresql if name == "postgresql" else sqlite
+    return module.dialect()
