@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import create_engine, select, text
@@ -172,6 +173,34 @@ def test_claim__older_hash_scheme_is_recognised_on_redelivery(engine):
     outcome = inbox.process(upgraded, credit())
 
     assert (outcome.decision, outcome.verdict.verified) == (Decision.DUPLICATE, True)
+
+
+def test_claim__timestamps_read_back_as_the_times_written(engine):
+    # SQLite once stored only the year of received_at: its CAST to DATETIME is numeric.
+    inbox = Inbox(engine)
+    produced = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    one = replace(delivery("m-1"), identity=MessageIdentity("orders", "m-1", produced_at=produced))
+
+    inbox.process(one, credit())
+    inbox.process_batch([delivery("m-2"), delivery("m-3")], lambda session, verdicts: None)
+
+    table = InboxSchema().tables.inbox
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(table.c.message_id, table.c.produced_at, table.c.received_at).order_by(
+                table.c.message_id
+            )
+        ).all()
+    assert [row.message_id for row in rows] == ["m-1", "m-2", "m-3"]
+    assert utc(rows[0].produced_at) == produced
+    now = datetime.now(UTC)
+    for row in rows:
+        assert abs(now - utc(row.received_at)) < timedelta(minutes=1)
+
+
+def utc(value: datetime) -> datetime:
+    """SQLite hands back naive UTC; PostgreSQL an aware time in the session's zone."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 # -- PostgreSQL: concurrency, isolation, failures -----------------------------------------

@@ -57,14 +57,12 @@ class ClaimStatements:
         key = [inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id]
         self._key_names = [column.name for column in key]
         self._inbox, self._insert, self._key_columns = inbox, insert, key
+        self._dialect = dialect
 
         columns = [*key, inbox.c.payload_sha256, inbox.c.hash_scheme, inbox.c.handler_version]
         values: list[Any] = [bindparam(column.name, type_=Text) for column in columns]
         columns += [inbox.c.produced_at, inbox.c.received_at]
-        values += [
-            cast(bindparam("produced_at", type_=_TIMESTAMP), _TIMESTAMP),
-            cast(bindparam("received_at", type_=_TIMESTAMP), _TIMESTAMP),
-        ]
+        values += [self._timestamp("produced_at"), self._timestamp("received_at")]
         rows = select(*values)
         self._columns = [column.name for column in columns]
         self._lock_timeout: str | None = None
@@ -116,6 +114,13 @@ class ClaimStatements:
             },
         ).returning(quarantine.c.id, quarantine.c.attempts)
 
+    def _timestamp(self, name: str) -> Any:
+        """A timestamp parameter. PostgreSQL needs the CAST to type a parameter in a
+        SELECT list; SQLite must not have one: its CAST(... AS DATETIME) is numeric and
+        would store the year alone, where the bound value is already ISO text."""
+        parameter = bindparam(name, type_=_TIMESTAMP)
+        return cast(parameter, _TIMESTAMP) if self._dialect == "postgresql" else parameter
+
     @staticmethod
     def _setting() -> Any:
         return select(
@@ -136,10 +141,7 @@ class ClaimStatements:
                 cast(bindparam(f"c{index}_{name}", type_=Text), Text).label(name)
                 for name in self._columns[:7]
             ]
-            row += [
-                cast(bindparam(f"c{index}_{name}", type_=_TIMESTAMP), _TIMESTAMP).label(name)
-                for name in self._columns[7:]
-            ]
+            row += [self._timestamp(f"c{index}_{name}").label(name) for name in self._columns[7:]]
             branches.append(select(*row))
         rows = union_all(*branches).subquery("inbox_rows")
         ordered: Select[Any] = select(*(rows.c[name] for name in self._columns))
