@@ -38,9 +38,17 @@ DEAD_LETTERS_FOR_TWO_WEEKS = RetentionPolicy(
 
 def cli(pg_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from inbox_middleware.cli import run; run()", *args,
-         "--database-url", pg_url],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "from inbox_middleware.cli import run; run()",
+            *args,
+            "--database-url",
+            pg_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -56,8 +64,19 @@ def age_claims(engine, days: float) -> None:
 def test_purge__refused_without_a_policy_and_below_its_minimum(pg_engine, pg_url):
     with pg_engine.connect() as conn, pytest.raises(RetentionRefused, match="no retention policy"):
         check_window(conn, NAMING, timedelta(days=30), consumer=None, force=False)
-    set_ = cli(pg_url, "retention", "set", "--retry-horizon", "1d",
-               "--dead-letter-retention", "14d", "--margin", "0.2", "--by", "ops")
+    set_ = cli(
+        pg_url,
+        "retention",
+        "set",
+        "--retry-horizon",
+        "1d",
+        "--dead-letter-retention",
+        "14d",
+        "--margin",
+        "0.2",
+        "--by",
+        "ops",
+    )
     assert set_.returncode == 0, set_.stderr
     assert "minimum retention window: 2w4d (dead-letter redrive" in set_.stdout
     refused = cli(pg_url, "purge", "--older-than", "7d")
@@ -73,12 +92,14 @@ def test_purge__refused_without_a_policy_and_below_its_minimum(pg_engine, pg_url
 def test_purge__deletes_only_claims_older_than_the_window(pg_engine):
     inbox = Inbox(pg_engine)
     for n in range(30):
-        inbox.process(Delivery("c", MessageIdentity("p", f"old-{n}"), hash_json(n, "s")),
-                      lambda s: None)
+        inbox.process(
+            Delivery("c", MessageIdentity("p", f"old-{n}"), hash_json(n, "s")), lambda s: None
+        )
     age_claims(pg_engine, 40)
     for n in range(5):
-        inbox.process(Delivery("c", MessageIdentity("p", f"new-{n}"), hash_json(n, "s")),
-                      lambda s: None)
+        inbox.process(
+            Delivery("c", MessageIdentity("p", f"new-{n}"), hash_json(n, "s")), lambda s: None
+        )
     batches: list[int] = []
     deleted = purge(pg_engine, NAMING, timedelta(days=30), batch_size=7, on_batch=batches.append)
     assert (deleted, batches) == (30, [7, 7, 7, 7, 2])
@@ -155,9 +176,11 @@ def test_retention__a_copy_older_than_the_window_is_rejected_or_counted(
     copy = identity(producer="orders", message_id="o-1", produced_at=produced)
     with pg_engine.begin() as conn:
         conn.execute(text("INSERT INTO accounts VALUES (7, 10)"))
-        conn.execute(text(
-            "INSERT INTO ledger (consumer, account_id, delta, pid) VALUES ('billing', 7, 10, 0)"
-        ))
+        conn.execute(
+            text(
+                "INSERT INTO ledger (consumer, account_id, delta, pid) VALUES ('billing', 7, 10, 0)"
+            )
+        )
     # When a copy produced ten days ago arrives and finds no claim
     with running_worker(stub_broker, threads=1) as worker:
         add_credit.send_with_options(args=(7, 10), **copy)
@@ -172,12 +195,14 @@ def test_retention__a_copy_older_than_the_window_is_rejected_or_counted(
 def test_purge__a_million_old_claims_while_workers_keep_claiming(pg_engine, capsys):
     # Given a million claims older than the window
     with pg_engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id, "
-            "payload_sha256, hash_scheme, processed_at) SELECT 'old', 'p', '', 'm' || n, "
-            "'x', 's', now() - interval '60 days' + n * interval '1 millisecond' "
-            "FROM generate_series(1, 1000000) n"
-        ))
+        conn.execute(
+            text(
+                "INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id, "
+                "payload_sha256, hash_scheme, processed_at) SELECT 'old', 'p', '', 'm' || n, "
+                "'x', 's', now() - interval '60 days' + n * interval '1 millisecond' "
+                "FROM generate_series(1, 1000000) n"
+            )
+        )
         conn.execute(text("ANALYZE consumer_inbox"))
     inbox = Inbox(pg_engine, lock_timeout=5)
     run = uuid.uuid4().hex
@@ -189,8 +214,9 @@ def test_purge__a_million_old_claims_while_workers_keep_claiming(pg_engine, caps
     def claim(worker: int) -> None:
         n = 0
         while not stop.is_set():
-            delivery = Delivery("live", MessageIdentity("p", f"{run}-{worker}-{n}"),
-                                hash_json(n, "s"))
+            delivery = Delivery(
+                "live", MessageIdentity("p", f"{run}-{worker}-{n}"), hash_json(n, "s")
+            )
             started = time.perf_counter()
             try:
                 assert inbox.process(delivery, lambda s: None).decision is Decision.FIRST
@@ -216,8 +242,10 @@ def test_purge__a_million_old_claims_while_workers_keep_claiming(pg_engine, caps
     assert errors == []
     assert deleted == 1_000_000
     with pg_engine.connect() as conn:
-        assert conn.scalar(text("SELECT count(*) FROM consumer_inbox WHERE consumer_name = "
-                                "'old'")) == 0
+        assert (
+            conn.scalar(text("SELECT count(*) FROM consumer_inbox WHERE consumer_name = 'old'"))
+            == 0
+        )
 
     def ms(values: list[float], q: int) -> float:
         return statistics.quantiles(values, n=100)[q - 1] * 1000
