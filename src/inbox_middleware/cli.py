@@ -125,6 +125,9 @@ from .repair_cli import poison as _poison  # noqa: E402
 from .repair_cli import quarantine as _quarantine  # noqa: E402
 from .retention_cli import purge as _purge  # noqa: E402
 from .retention_cli import retention_group as _retention  # noqa: E402
+from .status_cli import explain_command as _explain  # noqa: E402
+from .status_cli import metrics_group as _metrics  # noqa: E402
+from .status_cli import status_command as _status  # noqa: E402
 
-for _group in (_outbox, _quarantine, _poison, _retention, _purge):
+for _group in (_status, _explain, _outbox, _quarantine, _poison, _retention, _purge, _metrics):
     main.add_command(_group)

@@ -3,32 +3,147 @@
 An inbox that silently stops deduplicating is worse than none, so the counters follow
 every decision: first-seen messages, duplicates and conflicts by consumer and producer,
 messages without identity, retries, lock waits, failures by reason code, and messages
-moved to quarantine, poison or repair and later recovered.
+moved to quarantine, poison or repair and later recovered. Shadow mode counts the
+duplicates and conflicts it did not skip.
 
 Both exporters are optional (extras ``metrics`` and ``otel``); without them every call
-is a no-op. Labels are bounded: consumer names come from declarations, producers and
-reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES` distinct
-values per label and folds the rest into ``"other"``. Message ids are never labels.
+is a no-op. ``INBOX_PROMETHEUS_METRICS=0`` turns the Prometheus side off where it is
+installed; ``INBOX_OTEL_METRICS=1`` turns the OpenTelemetry mirror on (through the global
+meter provider). Labels are bounded: consumer names come from declarations, producers
+and reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES`
+distinct values per label and folds the rest into ``"other"``. Message ids are never
+labels.
 
-Dramatiq and FastStream run several worker processes: set ``PROMETHEUS_MULTIPROC_DIR``
-before they start and serve the aggregate with `serve` (see the monitoring guide).
+The Prometheus instruments are created at the first recorded sample, not at import, so
+that a worker process which sets ``PROMETHEUS_MULTIPROC_DIR`` while it boots (Dramatiq's
+Prometheus middleware does) still writes its samples there. Dramatiq and FastStream run
+several worker processes: set that directory before they start, and serve the aggregate,
+with the table gauges of `inbox_middleware.status`, with `serve` (or ``inbox-middleware
+metrics serve``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import math
 import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MAX_LABEL_VALUES", "Metrics", "metrics"]
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from .storage.tables import InboxSchema
+
+__all__ = [
+    "MAX_LABEL_VALUES",
+    "Metrics",
+    "MetricsServer",
+    "TableCollector",
+    "label_values",
+    "metrics",
+    "serve",
+]
+
+logger = logging.getLogger("inbox_middleware.metrics")
 
 MAX_LABEL_VALUES = 50
 """Distinct producers (and reason codes) kept per consumer before folding into "other"."""
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
+
+# name: (kind, exported name, help, label names). Prometheus appends ``_total`` to
+# counters; OpenTelemetry instruments are named ``inbox.<name>``.
+_INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "messages": (
+        "counter",
+        "inbox_messages",
+        "Deliveries decided by the inbox and committed, by decision (first, duplicate, "
+        "conflict); the same in shadow mode",
+        ("consumer", "producer", "decision"),
+    ),
+    "shadow": (
+        "counter",
+        "inbox_shadow_would_skip",
+        "Duplicates and conflicts that shadow mode processed instead of skipping",
+        ("consumer", "producer", "decision"),
+    ),
+    "identified": (
+        "gauge",
+        "inbox_producer_last_identified_timestamp_seconds",
+        "When a consumer last committed an identified message from a producer (Unix time)",
+        ("consumer", "producer"),
+    ),
+    "missing_identity": (
+        "counter",
+        "inbox_missing_identity",
+        "Messages without a usable identity, by reason (missing, invalid, unhashable) and "
+        "what was done (rejected, processed, broker_id)",
+        ("consumer", "reason", "outcome"),
+    ),
+    "transaction_retries": (
+        "counter",
+        "inbox_transaction_retries",
+        "Transactions rerun after a serialization failure or deadlock",
+        ("consumer",),
+    ),
+    "claim_in_progress": (
+        "counter",
+        "inbox_claim_in_progress",
+        "Claims that waited lock_timeout on a concurrent delivery and were handed back",
+        ("consumer",),
+    ),
+    "claim_seconds": (
+        "histogram",
+        "inbox_claim_seconds",
+        "Duration of the claim: the INSERT, including any wait on a concurrent delivery's "
+        "claim (lock wait), and the look-up of a duplicate or conflict",
+        ("consumer",),
+    ),
+    "commit_seconds": (
+        "histogram",
+        "inbox_commit_seconds",
+        "Duration of the inbox transaction's commit",
+        ("consumer",),
+    ),
+    "handler_failures": (
+        "counter",
+        "inbox_handler_failures",
+        "Handler failures by stable reason code (a transient one: its exception type)",
+        ("consumer", "reason_code"),
+    ),
+    "moved": (
+        "counter",
+        "inbox_moved",
+        "Messages moved to quarantine or poison instead of being processed",
+        ("consumer", "destination"),
+    ),
+    "recovered": (
+        "counter",
+        "inbox_recovered",
+        "Moved messages later processed successfully, by where they had been moved",
+        ("consumer", "source"),
+    ),
+    "expired": (
+        "counter",
+        "inbox_expired_redeliveries",
+        "First-seen messages older than the retention window, by what was done",
+        ("consumer", "outcome"),
+    ),
+    "outbox_attempts": (
+        "counter",
+        "inbox_outbox_attempts",
+        "Outbox delivery attempts recorded, by outcome (delivered, retry, failed, "
+        "released, lost_lease)",
+        ("destination", "outcome"),
+    ),
+}
 
 
 class _Bounded:
@@ -50,181 +165,224 @@ class _Bounded:
         return "other"
 
 
-class Metrics:
-    """The library's metrics. Use the module-level `metrics` instance."""
+class _Series:
+    """One labelled series in every enabled exporter: ``add``, ``observe`` or ``set`` it.
 
-    def __init__(self) -> None:
+    The methods are bound once, when the series is created: with Prometheus alone they
+    are the Prometheus child's own, so recording costs no extra call.
+    """
+
+    __slots__ = ("add", "last", "observe", "set")
+
+    def __init__(self, prom: Any, otel: Any, attributes: dict[str, str]) -> None:
+        self.last = 0.0  # when a gauge was last set (see `Metrics.decision`)
+        # A counter child has inc, a histogram's observe, a gauge's set: the others stay
+        # no-ops, never called for that kind.
+        self.add: Callable[[], None] = _fan_out(
+            getattr(prom, "inc", None), otel and (lambda: otel.add(1, attributes))
+        )
+        self.observe: Callable[[float], None] = _fan_out(
+            getattr(prom, "observe", None),
+            otel and (lambda value: otel.record(value, attributes)),
+        )
+        self.set: Callable[[float], None] = _fan_out(
+            getattr(prom, "set", None), otel and (lambda value: otel.set(value, attributes))
+        )
+
+
+def _fan_out(*calls: Any) -> Any:
+    wanted = [call for call in calls if call]
+    if len(wanted) == 1:
+        return wanted[0]
+
+    def both(*args: Any) -> None:
+        for call in wanted:
+            call(*args)
+
+    return both
+
+
+class Metrics:
+    """The library's metrics. Use the module-level `metrics` instance.
+
+    Parameters:
+      prometheus: export to prometheus-client's default registry; None: when it is
+        installed and ``INBOX_PROMETHEUS_METRICS`` is not ``0``.
+      meter: an OpenTelemetry ``Meter`` to mirror every metric to; None: the global
+        meter provider's when ``INBOX_OTEL_METRICS`` is ``1`` and the API is installed.
+
+    Every recording method is cheap when both are off (one attribute test), and a series
+    is looked up once per distinct label set, then reused.
+    """
+
+    def __init__(self, *, prometheus: bool | None = None, meter: Any = None) -> None:
+        if prometheus is None:
+            prometheus = _prometheus_wanted()
+        self._meter = meter if meter is not None else _global_meter()
+        self._want_prometheus = prometheus
         self._producers = _Bounded(MAX_LABEL_VALUES)
         self._reasons = _Bounded(MAX_LABEL_VALUES)
-        self._prom: dict[str, Any] = _prometheus()
-        self._otel: dict[str, Any] = _opentelemetry()
-        self.enabled = bool(self._prom or self._otel)
+        self._series: dict[tuple[str, tuple[str, ...]], _Series] = {}
+        self._prom: dict[str, Any] | None = None
+        self._otel: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self.enabled = bool(prometheus or self._meter is not None)
+        """False: every recording method returns at once. Tests and benchmarks may flip it."""
 
     # -- recording ------------------------------------------------------------------------
 
-    def decision(self, consumer: str, producer: str, decision: str) -> None:
-        """A claim decided: ``first``, ``duplicate`` or ``conflict``."""
-        if self.enabled:
-            producer = self._producers(consumer, producer)
-            self._count("messages", consumer=consumer, producer=producer, decision=decision)
-            self._set("identified", time.time(), consumer=consumer, producer=producer)
+    def decision(self, consumer: str, producer: str, decision: str, shadow: bool = False) -> None:
+        """A committed claim decision: ``first``, ``duplicate`` or ``conflict``; ``shadow``:
+        a duplicate or conflict that shadow mode processed instead of skipping."""
+        if not self.enabled:
+            return
+        producer = self._producers(consumer, producer)
+        self._get("messages", consumer, producer, decision).add()
+        identified = self._get("identified", consumer, producer)
+        now = time.time()
+        if now - identified.last >= 1.0:  # a time for alerts over minutes: once a second
+            identified.last = now
+            identified.set(now)
+        if shadow:
+            self._get("shadow", consumer, producer, decision).add()
 
-    def missing_identity(self, consumer: str, reason: str) -> None:
-        """A message without a usable identity; ``reason``: missing, invalid, unhashable."""
-        self._count("missing_identity", consumer=consumer, reason=reason)
+    def missing_identity(self, consumer: str, reason: str, outcome: str = "rejected") -> None:
+        """A message without a usable identity; ``reason``: missing, invalid, unhashable;
+        ``outcome``: rejected, processed (unprotected) or broker_id."""
+        if self.enabled:
+            self._get("missing_identity", consumer, reason, outcome).add()
 
     def transaction_retry(self, consumer: str) -> None:
-        self._count("transaction_retries", consumer=consumer)
+        if self.enabled:
+            self._get("transaction_retries", consumer).add()
 
     def claim_in_progress(self, consumer: str) -> None:
         """A claim gave up after lock_timeout; its message is retried later."""
-        self._count("claim_in_progress", consumer=consumer)
+        if self.enabled:
+            self._get("claim_in_progress", consumer).add()
 
     def claim_seconds(self, consumer: str, seconds: float) -> None:
-        """The claim statement's duration: long ones waited on a concurrent claim."""
-        self._observe("claim_seconds", seconds, consumer=consumer)
+        """The claim's duration: long ones waited on a concurrent claim."""
+        if self.enabled:
+            self._get("claim_seconds", consumer).observe(seconds)
 
     def commit_seconds(self, consumer: str, seconds: float) -> None:
-        self._observe("commit_seconds", seconds, consumer=consumer)
+        if self.enabled:
+            self._get("commit_seconds", consumer).observe(seconds)
 
     def handler_failure(self, consumer: str, reason_code: str) -> None:
         if self.enabled:
             reason_code = self._reasons(consumer, reason_code)
-            self._count("handler_failures", consumer=consumer, reason_code=reason_code)
+            self._get("handler_failures", consumer, reason_code).add()
 
     def moved(self, consumer: str, destination: str) -> None:
         """A message handed to ``quarantine``, ``poison`` or ``repair``: not a success."""
-        self._count("moved", consumer=consumer, destination=destination)
+        if self.enabled:
+            self._get("moved", consumer, destination).add()
 
     def recovered(self, consumer: str, source: str) -> None:
         """A redriven or accepted message later processed successfully."""
-        self._count("recovered", consumer=consumer, source=source)
+        if self.enabled:
+            self._get("recovered", consumer, source).add()
 
     def expired(self, consumer: str, outcome: str) -> None:
         """A first-seen message older than the retention window: ``rejected`` or
         ``processed`` per the expired-redelivery policy."""
-        self._count("expired", consumer=consumer, outcome=outcome)
+        if self.enabled:
+            self._get("expired", consumer, outcome).add()
 
     def outbox(self, destination: str, outcome: str) -> None:
-        """An outbox delivery attempt: ``delivered``, ``retry``, ``failed`` or ``lost_lease``."""
-        self._count("outbox_attempts", destination=destination, outcome=outcome)
+        """An outbox delivery attempt: ``delivered``, ``retry``, ``failed``, ``released``
+        (given back unattempted) or ``lost_lease``."""
+        if self.enabled:
+            self._get("outbox_attempts", destination, outcome).add()
 
     # -- plumbing -------------------------------------------------------------------------
 
-    def _count(self, name: str, **labels: str) -> None:
-        if name in self._prom:
-            self._prom[name].labels(**labels).inc()
-        if name in self._otel:
-            self._otel[name].add(1, labels)
+    def _get(self, name: str, *values: str) -> _Series:
+        key = (name, values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._create(name, values)
+        return series
 
-    def _observe(self, name: str, value: float, **labels: str) -> None:
-        if name in self._prom:
-            self._prom[name].labels(**labels).observe(value)
-        if name in self._otel:
-            self._otel[name].record(value, labels)
-
-    def _set(self, name: str, value: float, **labels: str) -> None:
-        if name in self._prom:
-            self._prom[name].labels(**labels).set(value)
-
-
-def _prometheus() -> dict[str, Any]:
-    try:
-        from prometheus_client import Counter, Gauge, Histogram
-    except ImportError:
-        return {}
-    return {
-        "messages": Counter(
-            "inbox_messages",
-            "Deliveries decided by the inbox, by decision",
-            ["consumer", "producer", "decision"],
-        ),
-        "identified": Gauge(
-            "inbox_producer_last_identified_timestamp_seconds",
-            "When a consumer last received an identified message from a producer",
-            ["consumer", "producer"],
-            multiprocess_mode="max",  # across worker processes, the latest time wins
-        ),
-        "missing_identity": Counter(
-            "inbox_missing_identity", "Messages without a usable identity", ["consumer", "reason"]
-        ),
-        "transaction_retries": Counter(
-            "inbox_transaction_retries",
-            "Transactions rerun after a serialization failure or deadlock",
-            ["consumer"],
-        ),
-        "claim_in_progress": Counter(
-            "inbox_claim_in_progress",
-            "Claims that waited lock_timeout on a concurrent delivery and were handed back",
-            ["consumer"],
-        ),
-        "claim_seconds": Histogram(
-            "inbox_claim_seconds",
-            "Duration of the claim statement, including any wait on a concurrent claim",
-            ["consumer"],
-            buckets=_LATENCY_BUCKETS,
-        ),
-        "commit_seconds": Histogram(
-            "inbox_commit_seconds",
-            "Duration of the inbox transaction's commit",
-            ["consumer"],
-            buckets=_LATENCY_BUCKETS,
-        ),
-        "handler_failures": Counter(
-            "inbox_handler_failures",
-            "Handler failures by stable reason code",
-            ["consumer", "reason_code"],
-        ),
-        "moved": Counter(
-            "inbox_moved",
-            "Messages moved to quarantine, poison or repair",
-            ["consumer", "destination"],
-        ),
-        "recovered": Counter(
-            "inbox_recovered",
-            "Moved messages later processed successfully",
-            ["consumer", "source"],
-        ),
-        "outbox_attempts": Counter(
-            "inbox_outbox_attempts",
-            "Outbox delivery attempts by outcome",
-            ["destination", "outcome"],
-        ),
-        "expired": Counter(
-            "inbox_expired_redeliveries",
-            "First-seen messages older than the retention window, by what was done",
-            ["consumer", "outcome"],
-        ),
-    }
+    def _create(self, name: str, values: tuple[str, ...]) -> _Series:
+        with self._lock:
+            if self._prom is None:
+                self._prom = _prometheus() if self._want_prometheus else {}
+                self._otel = _opentelemetry(self._meter) if self._meter is not None else {}
+            assert self._otel is not None
+            labels = _INSTRUMENTS[name][3]
+            prom = self._prom.get(name)
+            series = _Series(
+                prom.labels(*values) if prom is not None else None,
+                self._otel.get(name),
+                dict(zip(labels, values, strict=True)),
+            )
+            self._series[(name, values)] = series
+            return series
 
 
-def _opentelemetry() -> dict[str, Any]:
-    if os.environ.get("INBOX_OTEL_METRICS", "").lower() not in ("1", "true", "yes"):
-        return {}
+def _prometheus_wanted() -> bool:
+    if os.environ.get("INBOX_PROMETHEUS_METRICS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    return importlib.util.find_spec("prometheus_client") is not None
+
+
+def _global_meter() -> Any:
+    if os.environ.get("INBOX_OTEL_METRICS", "").lower() not in ("1", "true", "yes", "on"):
+        return None
     try:
         from opentelemetry import metrics as otel
     except ImportError:
-        return {}
-    meter = otel.get_meter("inbox_middleware")
-    counters = {
-        name: meter.create_counter(f"inbox.{name}")
-        for name in (
-            "messages",
-            "missing_identity",
-            "transaction_retries",
-            "claim_in_progress",
-            "handler_failures",
-            "moved",
-            "recovered",
-            "outbox_attempts",
-            "expired",
+        return None
+    return otel.get_meter("inbox_middleware")
+
+
+_PROMETHEUS: dict[str, Any] | None = None
+_PROMETHEUS_LOCK = threading.Lock()
+
+
+def _prometheus() -> dict[str, Any]:
+    """The Prometheus instruments, created once per process in the default registry."""
+    global _PROMETHEUS  # noqa: PLW0603 (the default registry is process-wide too)
+    with _PROMETHEUS_LOCK:
+        if _PROMETHEUS is None:
+            _PROMETHEUS = _create_prometheus()
+        return _PROMETHEUS
+
+
+def _create_prometheus() -> dict[str, Any]:
+    from prometheus_client import Counter, Gauge, Histogram, values
+
+    if os.environ.get(_MULTIPROC) and values.ValueClass is values.MutexValue:
+        logger.warning(
+            "%s is set, but prometheus_client was imported before it was: this process's "
+            "inbox metrics stay in the process and the multiprocess aggregate will not see "
+            "them. Set it in the environment before the worker starts.",
+            _MULTIPROC,
         )
-    }
-    histograms = {
-        name: meter.create_histogram(f"inbox.{name}", unit="s")
-        for name in ("claim_seconds", "commit_seconds")
-    }
-    return {**counters, **histograms}
+    made: dict[str, Any] = {}
+    for name, (kind, exported, text, labels) in _INSTRUMENTS.items():
+        if kind == "counter":
+            made[name] = Counter(exported, text, labels)
+        elif kind == "histogram":
+            made[name] = Histogram(exported, text, labels, buckets=LATENCY_BUCKETS)
+        else:  # across worker processes the latest time wins
+            made[name] = Gauge(exported, text, labels, multiprocess_mode="max")
+    return made
+
+
+def _opentelemetry(meter: Any) -> dict[str, Any]:
+    made: dict[str, Any] = {}
+    for name, (kind, _, text, _) in _INSTRUMENTS.items():
+        if kind == "counter":
+            made[name] = meter.create_counter(f"inbox.{name}", description=text)
+        elif kind == "histogram":
+            made[name] = meter.create_histogram(f"inbox.{name}", unit="s", description=text)
+        else:
+            made[name] = meter.create_gauge(f"inbox.{name}", unit="s", description=text)
+    return made
 
 
 metrics = Metrics()
@@ -240,3 +398,266 @@ def label_values() -> Iterator[tuple[str, dict[str, str]]]:
         if family.name.startswith("inbox_"):
             for sample in family.samples:
                 yield sample.name, dict(sample.labels)
+
+
+# -- serving ----------------------------------------------------------------------------
+
+
+class MetricsServer:
+    """A running metrics endpoint (see `serve`); `close` stops it."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (useful after ``serve(0)``)."""
+        port: int = self._httpd.server_port
+        return port
+
+    @property
+    def url(self) -> str:
+        host = self._httpd.server_address[0]
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(
+    port: int,
+    *,
+    addr: str = "127.0.0.1",
+    engine: Engine | str | None = None,
+    naming: InboxSchema | None = None,
+    cache_seconds: float = 30.0,
+    multiprocess_dir: str | None = None,
+) -> MetricsServer:
+    """Serve the inbox metrics over HTTP (``/metrics``) from a thread; return the server.
+
+    Parameters:
+      port: the TCP port; 0 picks a free one (see `MetricsServer.port`).
+      addr: the address to listen on; the default answers this host only.
+      engine: a synchronous `Engine` (or a database URL) to read the table gauges from:
+        inbox size, oldest claim, outbox backlog, quarantine and poison pending. None:
+        no table gauges.
+      naming: schema and table prefix of the inbox tables.
+      cache_seconds: how long the table gauges are reused, so a scrape storm does not
+        reach the database.
+      multiprocess_dir: the folder worker processes write their samples to; by default
+        ``PROMETHEUS_MULTIPROC_DIR``. With one, the endpoint serves the aggregate of every
+        worker process (run it beside the workers, as its own process or in one of
+        them); without, this process's own metrics.
+    """
+    from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    folder = multiprocess_dir or os.environ.get(_MULTIPROC)
+    if folder:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        MultiProcessCollector(registry, path=folder)  # type: ignore[no-untyped-call]
+    else:
+        registry.register(_Forward(REGISTRY.collect))
+    owned = None
+    if engine is not None:
+        if isinstance(engine, str):
+            from .cli import connect
+
+            engine = owned = connect(engine)
+        registry.register(TableCollector(engine, naming, cache_seconds=cache_seconds))
+    try:
+        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    except BaseException:
+        if owned is not None:
+            owned.dispose()
+        raise
+    server = MetricsServer(httpd, thread)
+    if owned is not None:
+        close = server.close
+
+        def close_and_dispose() -> None:
+            close()
+            owned.dispose()
+
+        server.close = close_and_dispose  # type: ignore[method-assign]
+    return server
+
+
+class TableCollector:
+    """The table gauges (`status.table_gauges`) as a Prometheus collector.
+
+    The tables are read at most once per ``cache_seconds`` (the scrape that finds the
+    figures older refreshes them; concurrent scrapes wait for it rather than query too),
+    each statement bounded by ``statement_timeout`` seconds. Ages are computed at every
+    scrape from the cached timestamps, so they keep growing between reads. When a read
+    fails the previous figures are served, and ``inbox_table_stats_up`` is 0.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        naming: InboxSchema | None = None,
+        *,
+        cache_seconds: float = 30.0,
+        statement_timeout: float = 5.0,
+    ) -> None:
+        from .storage.tables import InboxSchema
+
+        self.engine = engine
+        self.naming = naming or InboxSchema()
+        self.cache_seconds = cache_seconds
+        self.statement_timeout = statement_timeout
+        self.reads = 0
+        """How often the tables were read (for tests of the cache)."""
+        self._gauges: Any = None
+        self._read_at = -math.inf
+        self._up = False
+        self._lock = threading.Lock()
+
+    def describe(self) -> Iterable[Any]:
+        return []  # registering must not query the database
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        gauges, up = self._current()
+
+        def family(name: str, text: str, labels: Iterable[str] = ()) -> Any:
+            return GaugeMetricFamily(name, text, labels=list(labels))
+
+        yield _with(
+            family("inbox_table_stats_up", "1 if the last read of the tables succeeded"),
+            [((), float(up))],
+        )
+        if gauges is None:
+            return
+        now = time.time()
+        yield _with(
+            family("inbox_table_stats_age_seconds", "Age of the table figures served"),
+            [((), max(0.0, now - gauges.read_at.timestamp()))],
+        )
+        yield _with(
+            family(
+                "inbox_table_rows",
+                "Rows per library table: exact when small, else pg_class.reltuples",
+                ["table"],
+            ),
+            [((t.table,), float(t.rows)) for t in gauges.tables if t.rows is not None],
+        )
+        yield _with(
+            family("inbox_table_bytes", "Size of each library table, with indexes", ["table"]),
+            [((t.table,), float(t.bytes)) for t in gauges.tables if t.bytes is not None],
+        )
+        oldest = gauges.oldest_claim_at
+        yield _with(
+            family(
+                "inbox_oldest_claim_age_seconds",
+                "Age of the oldest claim still kept (how far back duplicates are caught)",
+            ),
+            [] if oldest is None else [((), max(0.0, now - oldest.timestamp()))],
+        )
+        labels = ("consumer", "kind")
+        yield _with(
+            family("inbox_repair_pending", "Quarantine and poison rows pending a decision", labels),
+            [((r.consumer, r.kind), float(r.pending)) for r in gauges.repairs],
+        )
+        yield _with(
+            family(
+                "inbox_repair_oldest_pending_age_seconds",
+                "Age of the oldest quarantine or poison row pending a decision",
+                labels,
+            ),
+            [
+                ((r.consumer, r.kind), max(0.0, now - r.oldest_pending_at.timestamp()))
+                for r in gauges.repairs
+                if r.oldest_pending_at is not None
+            ],
+        )
+        yield _with(
+            family(
+                "inbox_repair_awaiting_recovery",
+                "Redriven or accepted messages not yet processed successfully",
+                labels,
+            ),
+            [((r.consumer, r.kind), float(r.awaiting_recovery)) for r in gauges.repairs],
+        )
+        yield _with(
+            family(
+                "inbox_outbox_pending", "Outbox effects waiting to be delivered", ["destination"]
+            ),
+            [((b.destination,), float(b.pending)) for b in gauges.outbox],
+        )
+        yield _with(
+            family("inbox_outbox_failed", "Outbox effects that failed for good", ["destination"]),
+            [((b.destination,), float(b.failed)) for b in gauges.outbox],
+        )
+        yield _with(
+            family(
+                "inbox_outbox_oldest_pending_age_seconds",
+                "Age of the oldest outbox effect waiting to be delivered",
+                ["destination"],
+            ),
+            [
+                ((b.destination,), max(0.0, now - b.oldest_pending_at.timestamp()))
+                for b in gauges.outbox
+                if b.oldest_pending_at is not None
+            ],
+        )
+        yield _with(
+            family(
+                "inbox_retention_minimum_seconds",
+                "The recorded retention policy's minimum window, by consumer (* the default)",
+                ["consumer"],
+            ),
+            [((consumer,), float(seconds)) for consumer, seconds in gauges.retention.items()],
+        )
+
+    def _current(self) -> tuple[Any, bool]:
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.cache_seconds:
+                self._read_at = time.monotonic()
+                try:
+                    self._gauges = self._read()
+                    self._up = True
+                except Exception:
+                    logger.warning("could not read the inbox tables for metrics", exc_info=True)
+                    self._up = False
+            return self._gauges, self._up
+
+    def _read(self) -> Any:
+        from sqlalchemy import text
+
+        from .status import table_gauges
+
+        self.reads += 1
+        with self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                milliseconds = max(1, round(self.statement_timeout * 1000))
+                conn.execute(text(f"SET LOCAL statement_timeout = {milliseconds}"))
+            return table_gauges(conn, self.naming)
+
+
+def _with(family: Any, samples: Iterable[tuple[tuple[str, ...], float]]) -> Any:
+    for labels, value in samples:
+        family.add_metric(list(labels), value)
+    return family
+
+
+class _Forward:
+    """Serves another registry's samples (this process's own, without multiprocess mode)."""
+
+    def __init__(self, collect: Callable[[], Iterable[Any]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterable[Any]:
+        return self._collect()

@@ -93,6 +93,10 @@ class Delivery:
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     rehash: Callable[[str], str | None] | None = None
     """Hash this payload under an older scheme, or ``None`` when the scheme is unknown."""
+    shadow: bool = False
+    """Shadow mode (a consumer setting): claim and decide as usual, but skip nothing. A
+    would-be duplicate or conflict is counted and logged, and its handler runs; a conflict
+    writes no quarantine row. The claim row means what it means when enforcing."""
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -130,6 +134,13 @@ class Verdict:
     verified: bool = True
     """False when the stored hash used a scheme this version cannot recompute."""
     quarantine: QuarantineRecord | None = None
+    shadow: bool = False
+    """A duplicate or conflict decided in shadow mode: the handler runs all the same."""
+
+    @property
+    def runs_handler(self) -> bool:
+        """Whether the handler runs: first seen, or any decision in shadow mode."""
+        return self.decision is Decision.FIRST or self.shadow
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +214,7 @@ def claim_steps(delivery: Delivery) -> Generator[Step, Any, Verdict]:
         stored: StoredClaim | None = yield LookUp(delivery)
         if stored is None:
             continue
-        decision, verified = compare(stored, delivery)
-        record: QuarantineRecord | None = None
-        if decision is Decision.CONFLICT:
-            record = yield RecordConflict(delivery, stored)
-        return Verdict(decision, stored, verified, record)
+        return (yield from _decide(delivery, stored))
     raise TransactionConflict(
         "the claim kept conflicting with a row that then disappeared",
         consumer=delivery.consumer,
@@ -264,9 +271,12 @@ def claim_batch_steps(
 def _decide(delivery: Delivery, stored: StoredClaim) -> Generator[Step, Any, Verdict]:
     decision, verified = compare(stored, delivery)
     record: QuarantineRecord | None = None
-    if decision is Decision.CONFLICT:
+    if decision is Decision.CONFLICT and not delivery.shadow:
+        # In shadow mode a conflict is counted and logged, never written: its handler runs,
+        # so a pending quarantine row would invite a repair that processes it again, and
+        # the row would still be there, not pending, when enforcement meets the conflict.
         record = yield RecordConflict(delivery, stored)
-    return Verdict(decision, stored, verified, record)
+    return Verdict(decision, stored, verified, record, delivery.shadow)
 
 
 def _as_stored(delivery: Delivery) -> StoredClaim:

@@ -46,6 +46,22 @@ PUBLIC = {
     "inbox_middleware.outbox.destinations.http": {"RETRYABLE_STATUSES", "HttpDestination"},
     "inbox_middleware.outbox.destinations.dramatiq": {"DramatiqDestination"},
     "inbox_middleware.outbox.destinations.faststream": {"FastStreamDestination"},
+    "inbox_middleware.metrics": {
+        "MAX_LABEL_VALUES",
+        "Metrics",
+        "MetricsServer",
+        "TableCollector",
+        "label_values",
+        "metrics",
+        "serve",
+    },
+    "inbox_middleware.contract": {
+        "ContractViolation",
+        "ProducerContract",
+        "PublishedMessage",
+        "producer_contract",
+    },
+    "inbox_middleware.explain": {"FORMAT", "SCHEMA", "explain"},
 }
 
 

@@ -1,43 +1,104 @@
-"""Label cardinality stays bounded whatever producers and reason codes messages carry."""
+"""Label cardinality stays bounded whatever producers and reason codes messages carry; the
+OpenTelemetry mirror records what Prometheus does; a disabled recorder does nothing."""
 
-from inbox_middleware.metrics import MAX_LABEL_VALUES, label_values, metrics
+import uuid
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from inbox_middleware.metrics import MAX_LABEL_VALUES, Metrics, label_values, metrics
+
+ALLOWED_LABELS = {
+    "consumer",
+    "producer",
+    "decision",
+    "reason",
+    "reason_code",
+    "destination",
+    "source",
+    "outcome",
+    "kind",
+    "le",
+    "table",
+}
 
 
 def test_metrics__producer_and_reason_labels_are_bounded():
     # Given a consumer that sees thousands of distinct producers and reason codes
-    recorder = metrics
-    assert recorder.enabled
+    consumer = f"cardinality-{uuid.uuid4().hex[:8]}"
+    assert metrics.enabled
     for n in range(MAX_LABEL_VALUES * 4):
-        recorder.decision("cardinality-test", f"producer-{n}", "first")
-        recorder.handler_failure("cardinality-test", f"reason-{n}")
+        metrics.decision(consumer, f"producer-{n}", "first")
+        metrics.decision(consumer, f"producer-{n}", "duplicate", shadow=True)
+        metrics.handler_failure(consumer, f"reason-{n}")
     # Then each label keeps at most MAX_LABEL_VALUES values, plus "other"
     producers = {
         labels["producer"]
         for name, labels in label_values()
-        if labels.get("consumer") == "cardinality-test" and "producer" in labels
+        if labels.get("consumer") == consumer and "producer" in labels
     }
     reasons = {
         labels["reason_code"]
         for name, labels in label_values()
-        if labels.get("consumer") == "cardinality-test" and "reason_code" in labels
+        if labels.get("consumer") == consumer and "reason_code" in labels
     }
     assert len(producers) == MAX_LABEL_VALUES + 1
     assert len(reasons) == MAX_LABEL_VALUES + 1
     assert {"other"} <= producers & reasons
+    # And the series cache holds no more than the exported series
+    cached = [key for key in metrics._series if consumer in key[1]]
+    assert len(cached) == 5 * (
+        MAX_LABEL_VALUES + 1
+    )  # first, duplicate, identified, shadow, failures
 
 
 def test_metrics__no_label_carries_a_message_id():
-    allowed = {
-        "consumer",
-        "producer",
-        "decision",
-        "reason",
-        "reason_code",
-        "destination",
-        "source",
-        "outcome",
-        "le",
-        "table",
-    }
+    metrics.decision("no-id-test", "orders", "first")
+    metrics.missing_identity("no-id-test", "missing", "rejected")
+    metrics.claim_seconds("no-id-test", 0.01)
+    names = set()
     for name, labels in label_values():
-        assert set(labels) <= allowed, (name, labels)
+        names.add(name)
+        assert set(labels) <= ALLOWED_LABELS, (name, labels)
+        assert not any("ord-" in value for value in labels.values())
+    assert "inbox_messages_total" in names
+    assert "inbox_claim_seconds_bucket" in names
+
+
+def test_metrics__opentelemetry_mirror_records_the_same_samples():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        recorder = Metrics(prometheus=False, meter=provider.get_meter("test"))
+        recorder.decision("billing", "orders", "first")
+        recorder.decision("billing", "orders", "duplicate", shadow=True)
+        recorder.claim_seconds("billing", 0.25)
+        recorder.missing_identity("billing", "invalid", "rejected")
+        data = reader.get_metrics_data()
+    finally:
+        provider.shutdown()
+    points = {
+        metric.name: [(dict(p.attributes), p) for p in metric.data.data_points]
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    decisions = {attrs["decision"]: p.value for attrs, p in points["inbox.messages"]}
+    assert decisions == {"first": 1, "duplicate": 1}
+    assert [attrs for attrs, _ in points["inbox.shadow"]] == [
+        {"consumer": "billing", "producer": "orders", "decision": "duplicate"}
+    ]
+    ((_, claim),) = points["inbox.claim_seconds"]
+    assert (claim.count, claim.sum) == (1, pytest.approx(0.25))
+    ((attrs, _),) = points["inbox.missing_identity"]
+    assert attrs == {"consumer": "billing", "reason": "invalid", "outcome": "rejected"}
+    assert points["inbox.identified"][0][1].value > 1e9  # a Unix time
+
+
+def test_metrics__disabled_recorder_creates_nothing():
+    recorder = Metrics(prometheus=False, meter=None)
+    assert not recorder.enabled
+    recorder.decision("x", "y", "first")
+    recorder.commit_seconds("x", 1.0)
+    assert recorder._series == {}

@@ -29,7 +29,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -66,7 +66,11 @@ from ..repair import mark_recovered, parse_marker
 from ..retention import ExpiredPolicy, check_expired
 from ..storage import Inbox, InboxSchema, Outcome
 from ..storage.errors import as_transient
-from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..storage.executors import (
+    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_SERIALIZATION_RETRIES,
+    shadow_verdict,
+)
 from .payload import (
     BROKER_ID_PRODUCER,
     OPTION_MESSAGE_ID,
@@ -143,8 +147,11 @@ def identity(
     message_id: str,
     tenant: str | None = None,
     produced_at: datetime | str | None = None,
-) -> dict[str, str]:
+) -> dict[str, Any]:
     """Message options carrying a producer intent id; validated here, at the producer.
+
+    Typed ``dict[str, Any]`` so that ``**identity(...)`` type-checks next to
+    ``send_with_options``' other keyword arguments.
 
     >>> add_credit.send_with_options(args=(7, 10), **identity(producer="orders", message_id="o-42"))
     """
@@ -209,10 +216,17 @@ class InboxMiddleware(dramatiq.Middleware):
       expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
         reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: verify the schema and database settings when a worker boots.
+      shadow: shadow mode for every inbox actor (``inbox_shadow`` sets it per actor):
+        claims are recorded and decided as usual, but nothing is skipped; a would-be
+        duplicate or conflict runs the actor and is counted
+        (``inbox_shadow_would_skip_total``) and logged, a conflict writes no quarantine
+        row, and a message without a usable identity runs unprotected instead of being
+        dead-lettered. Switching it off needs no migration: the claims mean the same.
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
-    ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form`` and
-    ``inbox_quarantine_queue``, overriding the middleware's settings per actor.
+    ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form``,
+    ``inbox_quarantine_queue``, ``inbox_permanent_errors`` and ``inbox_shadow``, overriding
+    the middleware's settings per actor.
     """
 
     def __init__(
@@ -233,6 +247,7 @@ class InboxMiddleware(dramatiq.Middleware):
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
+        shadow: bool = False,
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
             if async_engine is not None:
@@ -261,6 +276,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self.retention_window = retention_window
         self.expired_redelivery = expired_redelivery
         self.check_database = check_database
+        self.shadow = shadow
         self.retries: Retries | None = None
         self._recorders: dict[str, FailureRecorder] = {}
         self._actors: dict[str, _InboxActor] = {}
@@ -276,6 +292,7 @@ class InboxMiddleware(dramatiq.Middleware):
             "inbox_canonical_form",
             "inbox_quarantine_queue",
             "inbox_permanent_errors",
+            "inbox_shadow",
         }
 
     # -- declaration ----------------------------------------------------------------------
@@ -322,25 +339,30 @@ class InboxMiddleware(dramatiq.Middleware):
             return
         try:
             self._pending.value = _Pending(message, bound.delivery(message))
-        except MissingIdentity as exc:
-            if bound.missing_identity == "process":
+        except (IdentityError, PayloadNotHashable) as exc:
+            reason = _identity_reason(exc)
+            missing = isinstance(exc, MissingIdentity)
+            if bound.shadow or (missing and bound.missing_identity == "process"):
+                metrics.missing_identity(bound.consumer, reason, "processed")
+                policy = "shadow mode" if bound.shadow else "missing_identity='process'"
                 logger.warning(
-                    "processing message %s for %s WITHOUT deduplication: %s "
-                    "(missing_identity='process')",
+                    "processing message %s for %s WITHOUT deduplication: %s (%s)",
                     message.message_id,
                     bound.consumer,
                     exc,
+                    policy,
+                    extra={
+                        "inbox_event": "unprotected",
+                        "inbox_consumer": bound.consumer,
+                        "inbox_identity": reason,
+                        "inbox_shadow": bound.shadow,
+                    },
                 )
                 self._pending.value = _Pending(message, None)
                 return
-            self._reject(
-                message,
-                bound,
-                exc,
-                hint="; send it with **identity(producer=..., message_id=...)",
-            )
-        except (IdentityError, PayloadNotHashable) as exc:
-            self._reject(message, bound, exc)
+            metrics.missing_identity(bound.consumer, reason, "rejected")
+            hint = "; send it with **identity(producer=..., message_id=...)" if missing else ""
+            self._reject(message, bound, exc, hint=hint)
         except Exception as exc:
             # The broker would log and swallow this and call the actor anyway; hand it to
             # the actor call instead, which raises it, so the message is retried.
@@ -387,6 +409,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 "inbox_event": "rejected",
                 "inbox_consumer": bound.consumer,
                 "inbox_reason": type(exc).__name__,
+                "inbox_identity": _identity_reason(exc),
             },
         )
         message.fail()
@@ -445,6 +468,7 @@ class _InboxActor:
             options.get("inbox_quarantine_queue", middleware.quarantine_queue)
         ).format(queue=q_name(actor.queue_name))
         self.permanent = tuple(options.get("inbox_permanent_errors", middleware.permanent_errors))
+        self.shadow = bool(options.get("inbox_shadow", middleware.shadow))
         throws = options.get("throws")
         if throws:  # Dramatiq never retries these: they fail permanently too
             self.permanent += tuple(throws) if isinstance(throws, tuple) else (throws,)
@@ -482,10 +506,12 @@ class _InboxActor:
         except MissingIdentity:
             if self.missing_identity != "broker_id":
                 raise
+            metrics.missing_identity(self.consumer, "missing", "broker_id")
             ident = MessageIdentity(BROKER_ID_PRODUCER, message.message_id)
-        return self.payload.delivery(
+        delivery = self.payload.delivery(
             message, ident, consumer=self.consumer, handler_version=self.handler_version
         )
+        return replace(delivery, shadow=True) if self.shadow else delivery
 
     # -- sync actors ----------------------------------------------------------------------
 
@@ -504,7 +530,7 @@ class _InboxActor:
         delivery = pending.delivery
 
         def body(session: Session) -> Any:
-            self._check_expired(delivery)
+            self._check_expired(delivery, session)
             result = self._body(session, args, kwargs)
             if marker is not None:  # a redriven or accepted message: recovered with this commit
                 mark_recovered(session.connection(), inbox.naming, marker)
@@ -576,7 +602,7 @@ class _InboxActor:
         delivery = pending.delivery
 
         async def repaired(session: AsyncSession) -> Any:
-            self._check_expired(delivery)
+            self._check_expired(delivery, session.sync_session)
             result = await body(session)
             if marker is not None:
                 await session.run_sync(
@@ -586,13 +612,13 @@ class _InboxActor:
 
         return await inbox.process(pending.delivery, repaired)
 
-    def _check_expired(self, delivery: Delivery) -> None:
-        check_expired(
-            delivery,
-            self.middleware.retention_window,
-            self.middleware.expired_redelivery,
-            consumer=self.consumer,
-        )
+    def _check_expired(self, delivery: Delivery, session: Session) -> None:
+        policy = self.middleware.expired_redelivery
+        if delivery.shadow:
+            if shadow_verdict(session) is not None:
+                return  # a would-be duplicate or conflict: its claim is there, not expired
+            policy = "process"  # shadow mode skips nothing: counted, then processed
+        check_expired(delivery, self.middleware.retention_window, policy, consumer=self.consumer)
 
     # -- failures -------------------------------------------------------------------------
 
@@ -714,7 +740,7 @@ class _InboxActor:
     # -- outcome --------------------------------------------------------------------------
 
     def _settle(self, pending: _Pending, outcome: Outcome[Any]) -> Any:
-        if outcome.decision is Decision.FIRST:
+        if outcome.verdict.runs_handler:  # first seen, or anything in shadow mode
             repaired = parse_marker(pending.message.options.get(OPTION_REPAIR))
             if repaired is not None:
                 metrics.recovered(self.consumer, repaired[0])
@@ -747,6 +773,7 @@ class _InboxActor:
         # The quarantine row is already committed; if this publish fails the actor fails,
         # the message is retried, and the retry records the conflict again (attempts + 1).
         publisher.publish(copy, self.quarantine_queue)
+        metrics.moved(self.consumer, "quarantine")
 
 
 def _option_name(actor: dramatiq.Actor[Any, Any], option: str) -> str:
@@ -754,6 +781,13 @@ def _option_name(actor: dramatiq.Actor[Any, Any], option: str) -> str:
         return validate_name(actor.options[option], option, max_length=MAX_NAME_LENGTH)
     except IdentityError as exc:
         raise ConfigurationError(f"actor {actor.actor_name!r}: {exc}") from None
+
+
+def _identity_reason(exc: Exception) -> str:
+    """The ``reason`` label of a message without a usable identity."""
+    if isinstance(exc, MissingIdentity):
+        return "missing"
+    return "unhashable" if isinstance(exc, PayloadNotHashable) else "invalid"
 
 
 def _check_policy(value: object) -> MissingIdentityPolicy:

@@ -49,6 +49,8 @@ class InboxConsumer:
     canonical_form: CanonicalForm | None = None
     quarantine: str | None = None
     dead_letter: str | _Unset | None = UNSET
+    shadow: bool | None = None
+    """Shadow mode for this subscriber; None: the inbox's setting."""
 
     def __call__(self) -> None:
         if current_attempt() is None:

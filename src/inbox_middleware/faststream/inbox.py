@@ -77,6 +77,13 @@ class FastStreamInbox:
       expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
         reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: check the schema and ``synchronous_commit`` at start-up.
+      shadow: shadow mode for every inbox subscriber (``inbox.consumer(..., shadow=)``
+        sets it per subscriber): claims are recorded and decided as usual, but nothing is
+        skipped; a would-be duplicate or conflict runs the handler and is counted
+        (``inbox_shadow_would_skip_total``) and logged, a conflict writes no quarantine
+        row, and a message without a usable identity runs unprotected instead of being
+        dead-lettered (a batch subscriber still rejects those). Switching it off needs no
+        migration: the claims mean the same.
 
     The consumer name and handler version come from ``inbox.consumer(...)``; the other
     settings can be overridden there per subscriber.
@@ -100,6 +107,7 @@ class FastStreamInbox:
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
+        shadow: bool = False,
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
@@ -120,6 +128,7 @@ class FastStreamInbox:
         self.retention_window = retention_window
         self.expired_redelivery = expired_redelivery
         self.check_database = check_database
+        self.shadow = shadow
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
         self._subscriptions: dict[int, Subscription | None] = {}
@@ -136,12 +145,24 @@ class FastStreamInbox:
         canonical_form: CanonicalForm | None = None,
         quarantine: str | None = None,
         dead_letter: str | _Unset | None = UNSET,
+        shadow: bool | None = None,
     ) -> Any:
         """A subscriber dependency naming the handler's inbox consumer::
 
             @broker.subscriber("orders", dependencies=[inbox.consumer("billing", "3")])
 
         One name per handler; the handler version is recorded with every claim.
+
+        Parameters:
+          name: the consumer's name in the inbox key; keep it when code moves.
+          handler_version: recorded with each claim, compared on replays and in
+            quarantine decisions.
+          missing_identity: overrides the inbox's setting for this subscriber.
+          canonical_form: overrides the inbox's setting for this subscriber.
+          quarantine: overrides the inbox's setting for this subscriber.
+          dead_letter: overrides the inbox's setting for this subscriber; None uses the
+            broker's own dead-letter path here.
+          shadow: overrides the inbox's setting for this subscriber.
         """
         try:
             validate_name(name, "consumer name", max_length=MAX_NAME_LENGTH)
@@ -157,6 +178,7 @@ class FastStreamInbox:
             canonical_form,
             quarantine,
             dead_letter,
+            shadow,
         )
         return Depends(declaration, cast=False)
 
@@ -235,6 +257,7 @@ class FastStreamInbox:
             redelivery_limit=self.redelivery_limit,
             retention_window=self.retention_window,
             expired_redelivery=self.expired_redelivery,
+            shadow=self.shadow,
         )
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:

@@ -29,6 +29,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -57,6 +58,7 @@ from ..protocol import Decision, Delivery, Verdict
 from ..repair import mark_recovered, parse_marker
 from ..retention import ExpiredPolicy, check_expired
 from ..storage.errors import as_transient
+from ..storage.executors import shadow_verdict
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, MissingIdentityPolicy, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
@@ -143,6 +145,7 @@ class Subscription:
         redelivery_limit: int | None = None,
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
+        shadow: bool = False,
     ) -> None:
         self.storage = storage
         self.permanent_errors = permanent_errors
@@ -162,6 +165,7 @@ class Subscription:
             chosen = dead_letter
         self.dead_letter = chosen.format(source=source) if chosen is not None else None
         self.backoff = backoff
+        self.shadow = consumer.shadow if consumer.shadow is not None else shadow
 
     @property
     def destinations(self) -> list[str]:
@@ -181,21 +185,21 @@ class Subscription:
         (item,) = self.adapter.items(message)
         try:
             claim = self.delivery(item)
-        except MissingIdentity as exc:
-            if self.missing_identity == "process":
-                return await self._unprotected(call_next, message, item, exc)
-            await self._reject(message, item, exc, hint=_SEND_IDENTITY)
         except (IdentityError, PayloadNotHashable) as exc:
-            await self._reject(message, item, exc)
+            reason = _identity_reason(exc)
+            missing = isinstance(exc, MissingIdentity)
+            if self.shadow or (missing and self.missing_identity == "process"):
+                metrics.missing_identity(self.consumer.name, reason, "processed")
+                return await self._unprotected(call_next, message, item, exc)
+            metrics.missing_identity(self.consumer.name, reason, "rejected")
+            await self._reject(message, item, exc, hint=_SEND_IDENTITY if missing else "")
 
         marker = item.headers.get(REPAIR_HEADER)
         if isinstance(marker, bytes | bytearray):
             marker = bytes(marker).decode("utf-8", "replace")
 
         async def body(session: AsyncSession) -> Any:
-            check_expired(
-                claim, self.retention_window, self.expired_redelivery, consumer=self.consumer.name
-            )
+            self._check_expired(claim, session)
             token = set_attempt(Attempt(session))
             try:
                 result = await call_next(message)
@@ -219,7 +223,7 @@ class Subscription:
         except Exception as exc:
             await self._failed(message, item, claim, exc)
         self.backoff.forget(claim.key)
-        if outcome.decision is Decision.FIRST:
+        if outcome.verdict.runs_handler:  # first seen, or anything in shadow mode
             await message.ack()
             if (repaired := parse_marker(marker)) is not None:
                 metrics.recovered(self.consumer.name, repaired[0])
@@ -241,8 +245,9 @@ class Subscription:
         except MissingIdentity:
             if self.missing_identity != "broker_id" or item.broker_id is None:
                 raise
+            metrics.missing_identity(self.consumer.name, "missing", "broker_id")
             identity = MessageIdentity(*item.broker_id)
-        return delivery(
+        claim = delivery(
             consumer=self.consumer.name,
             identity=identity,
             body=item.body,
@@ -252,15 +257,30 @@ class Subscription:
             canonical=self.canonical_form,
             content_type=item.content_type,
         )
+        return replace(claim, shadow=True) if self.shadow else claim
+
+    def _check_expired(self, claim: Delivery, session: AsyncSession) -> None:
+        policy = self.expired_redelivery
+        if claim.shadow:
+            if shadow_verdict(session.sync_session) is not None:
+                return  # a would-be duplicate or conflict: its claim is there, not expired
+            policy = "process"  # shadow mode skips nothing: counted, then processed
+        check_expired(claim, self.retention_window, policy, consumer=self.consumer.name)
 
     async def _unprotected(
-        self, call_next: CallNext, message: Any, item: Item, missing: MissingIdentity
+        self, call_next: CallNext, message: Any, item: Item, missing: InboxError
     ) -> Any:
         logger.warning(
-            "processing a message for inbox consumer %s WITHOUT deduplication: %s "
-            "(missing_identity='process')",
+            "processing a message for inbox consumer %s WITHOUT deduplication: %s (%s)",
             self.consumer.name,
             missing,
+            "shadow mode" if self.shadow else "missing_identity='process'",
+            extra={
+                "inbox_event": "unprotected",
+                "inbox_consumer": self.consumer.name,
+                "inbox_identity": _identity_reason(missing),
+                "inbox_shadow": self.shadow,
+            },
         )
 
         async def body(session: AsyncSession) -> Any:
@@ -289,12 +309,13 @@ class Subscription:
             try:
                 claims.append((index, self.delivery(item)))
             except (IdentityError, PayloadNotHashable) as exc:
+                metrics.missing_identity(self.consumer.name, _identity_reason(exc), "rejected")
                 rejected[index] = exc
         key = ("batch", claims[0][1].key if claims else bytes(items[0].body[:64]))
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
             decided = {index: verdict for (index, _), verdict in zip(claims, verdicts, strict=True)}
-            first = [index for index, _ in claims if decided[index].decision is Decision.FIRST]
+            first = [index for index, _ in claims if decided[index].runs_handler]
             token = set_attempt(Attempt(session, _batch_items(items, claims, decided, rejected)))
             try:
                 return await call_next(await _view(message, first))
@@ -317,14 +338,14 @@ class Subscription:
         verdicts = outcome.verdicts if outcome is not None else ()
         try:
             for (index, claim), verdict in zip(claims, verdicts, strict=True):
-                if verdict.decision is Decision.CONFLICT:
+                if verdict.decision is Decision.CONFLICT and not verdict.shadow:
                     await self._quarantine(items[index], claim, verdict)
             for index, error in rejected.items():
                 await self._dead_letter(message, items[index], error, index)
         except Exception as exc:
             await self._hand_back(message, key, exc)
         await message.ack()
-        if outcome is not None and Decision.FIRST in outcome.decisions:
+        if outcome is not None and any(verdict.runs_handler for verdict in verdicts):
             return outcome.result
         raise Skipped(
             f"batch of {len(items)} for inbox consumer {self.consumer.name!r}: nothing first seen"
@@ -362,6 +383,7 @@ class Subscription:
         }
         headers = {**item.headers, CONFLICT_HEADER: json.dumps(conflict)}
         await self.adapter.publish(self.quarantine, item, headers)
+        metrics.moved(self.consumer.name, "quarantine")
 
     async def _reject(self, message: Any, item: Item, exc: InboxError, hint: str = "") -> NoReturn:
         try:
@@ -382,7 +404,16 @@ class Subscription:
             where,
             exc,
             hint,
-            extra={"inbox_consumer": self.consumer.name, "inbox_reason": str(exc)},
+            extra={
+                "inbox_event": "rejected",
+                "inbox_consumer": self.consumer.name,
+                "inbox_reason": str(exc),
+                "inbox_identity": (
+                    _identity_reason(exc)
+                    if isinstance(exc, IdentityError | PayloadNotHashable)
+                    else None
+                ),
+            },
         )
         if self.dead_letter is None:
             await self.adapter.reject(message, None if index is None else [index])
@@ -493,6 +524,13 @@ class Subscription:
         if isinstance(exc, TransientError):  # the inbox's own, logged above
             raise HandedBack(f"{type(exc).__name__}: {exc}") from exc
         raise exc  # the handler's: FastStream logs it with its traceback
+
+
+def _identity_reason(exc: InboxError) -> str:
+    """The ``reason`` label of a message without a usable identity."""
+    if isinstance(exc, MissingIdentity):
+        return "missing"
+    return "unhashable" if isinstance(exc, PayloadNotHashable) else "invalid"
 
 
 class _Rejected(InboxError):

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 
 from ..exceptions import ConfigurationError
+from ..metrics import metrics
 from ..storage.tables import InboxSchema
 from .destination import Destination, Destinations, Effect
 from .errors import PermanentDeliveryError, database_error
@@ -79,6 +80,8 @@ class Backoff:
             raise ConfigurationError("backoff jitter is a share between 0 and 1")
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1 for the first);
+        ``rng`` makes the random share reproducible."""
         exponent = min(max(attempt - 1, 0), 64)  # beyond this the cap applies anyway
         ceiling = min(self.cap, self.base * self.factor**exponent)
         spread = ceiling * self.jitter
@@ -428,6 +431,7 @@ class Dispatcher:
             recorded = set(conn.scalars(self._statements.settle, params))
         stats = self.stats
         for outcome in outcomes:
+            metrics.outbox(outcome["destination"], _counted(outcome, recorded))
             if outcome["effect_id"] not in recorded:
                 stats.leases_lost += 1
                 logger.warning(
@@ -472,6 +476,7 @@ def _outcome(
 ) -> dict[str, Any]:
     return {
         "effect_id": effect.effect_id,
+        "destination": effect.destination,  # for the metrics; not written
         "status": status,
         "result": result,
         "error": None if error is None else error[:_MAX_ERROR],
@@ -479,6 +484,17 @@ def _outcome(
         "after_lease": after_lease,
         "uncount": uncount,
     }
+
+
+def _counted(outcome: dict[str, Any], recorded: set[str]) -> str:
+    """The ``outcome`` label of an attempt in ``inbox_outbox_attempts_total``."""
+    if outcome["effect_id"] not in recorded:
+        return "lost_lease"
+    if outcome["uncount"]:
+        return "released"
+    if outcome["status"] == DISPATCHED:
+        return "delivered"
+    return "failed" if outcome["status"] == FAILED else "retry"
 
 
 def _released(effect: Effect) -> dict[str, Any]:

@@ -15,6 +15,11 @@ the same `_Attempts`; they differ only in whether a call is awaited. One attempt
 An interruption that is not an `Exception` (a time limit, a task cancellation) can land
 in the middle of a driver call; the connection is then invalidated, never reused.
 
+Each attempt is measured where it happens: the claim's duration (the INSERT, including any
+wait on a concurrent claim of the same message, and the look-up of a duplicate), the
+commit's, and after the commit the decision, by consumer and producer (`metrics`). In
+shadow mode (`Delivery.shadow`) the handler runs whatever the decision.
+
 `process_batch` runs a batch the same way, with `protocol.claim_batch_steps`: one claim
 statement for every key, one lookup for the keys already claimed, one commit; the handler
 sees each delivery's verdict and runs once when at least one of them is first seen.
@@ -25,12 +30,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Dialect, Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..exceptions import ConfigurationError, PrerequisiteError
+from ..exceptions import ClaimInProgress, ConfigurationError, PrerequisiteError
+from ..metrics import metrics
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
 from .errors import Failure, classify, from_driver, transient_error
 from .migrate import check_schema
@@ -38,7 +45,7 @@ from .session import InboxSession
 from .statements import ClaimStatements
 from .tables import InboxSchema
 
-__all__ = ["BatchOutcome", "Inbox", "Outcome", "current_delivery"]
+__all__ = ["BatchOutcome", "Inbox", "Outcome", "current_delivery", "shadow_verdict"]
 
 R = TypeVar("R")
 V = TypeVar("V")
@@ -49,6 +56,7 @@ DEFAULT_SERIALIZATION_RETRIES = 3
 _READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
 DELIVERY_KEY = "inbox_middleware.delivery"
 BATCH_KEY = "inbox_middleware.batch"
+SHADOW_KEY = "inbox_middleware.shadow_verdict"
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -58,6 +66,15 @@ def current_delivery(session: Session) -> Delivery | None:
     """
     delivery = session.info.get(DELIVERY_KEY)
     return delivery if isinstance(delivery, Delivery) else None
+
+
+def shadow_verdict(session: Session) -> Verdict | None:
+    """In shadow mode, the would-be duplicate or conflict verdict of the delivery whose
+    handler runs in ``session``'s transaction; None when the delivery was first seen (or
+    outside shadow mode). For an `AsyncSession`, pass its ``sync_session``.
+    """
+    verdict = session.info.get(SHADOW_KEY)
+    return verdict if isinstance(verdict, Verdict) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +161,7 @@ class _Attempts(Generic[V]):
         self.number = 0
         self.claimed = False
         self.in_handler = False
+        self.clock = 0.0  # perf_counter() when the claim, then the commit, started
 
     def start(self) -> None:
         self.number += 1
@@ -156,15 +174,23 @@ class _Attempts(Generic[V]):
         Returns False for an error that is the handler's own, which the caller re-raises.
         """
         failure = classify(exc, from_handler=self.in_handler)
+        consumer = self.delivery.consumer
         if failure is Failure.SERIALIZATION and self.number <= self.retries:
+            metrics.transaction_retry(consumer)
             _log(
                 logging.INFO,
-                "retrying after a serialization failure",
+                "retrying",
                 self.delivery,
+                "retrying after a serialization failure",
                 attempt=self.number,
             )
             return True
         mapped = transient_error(exc, failure, self.delivery, claimed=self.claimed)
+        if isinstance(mapped, ClaimInProgress):
+            # The claim waited lock_timeout on a concurrent delivery: the longest lock
+            # waits are these, so they belong in the claim histogram too.
+            metrics.claim_seconds(consumer, perf_counter() - self.clock)
+            metrics.claim_in_progress(consumer)
         if mapped is not None:
             raise mapped from exc
         return False
@@ -172,11 +198,17 @@ class _Attempts(Generic[V]):
     def steps(self) -> Generator[Step, Any, V]:
         raise NotImplementedError
 
-    def bind(self, session: Session) -> None:
+    def bind(self, session: Session, verdict: V) -> None:
         """Make the claim visible to the handler's session (`current_delivery`)."""
 
+    def claim_took(self) -> None:
+        """Record the claim's duration, from ``clock``; ``clock`` then times the commit."""
+        now = perf_counter()
+        metrics.claim_seconds(self.delivery.consumer, now - self.clock)
+        self.clock = now
+
     def committed(self, verdict: V) -> None:
-        """Log the commit."""
+        """Record and log the commit (``clock`` was set just before it)."""
 
 
 class _Single(_Attempts[Verdict]):
@@ -186,11 +218,18 @@ class _Single(_Attempts[Verdict]):
         _log_verdict(self.delivery, verdict)
         return verdict
 
-    def bind(self, session: Session) -> None:
+    def bind(self, session: Session, verdict: Verdict) -> None:
         session.info[DELIVERY_KEY] = self.delivery
+        if verdict.shadow:
+            session.info[SHADOW_KEY] = verdict
 
     def committed(self, verdict: Verdict) -> None:
-        _log(logging.DEBUG, "committed", self.delivery, decision=verdict.decision)
+        delivery = self.delivery
+        metrics.commit_seconds(delivery.consumer, perf_counter() - self.clock)
+        metrics.decision(
+            delivery.consumer, delivery.identity.producer, verdict.decision, verdict.shadow
+        )
+        _log(logging.DEBUG, "committed", delivery, decision=verdict.decision)
 
 
 class _Batch(_Attempts[tuple[Verdict, ...]]):
@@ -209,15 +248,21 @@ class _Batch(_Attempts[tuple[Verdict, ...]]):
             _log_verdict(delivery, verdict)
         return verdicts
 
-    def bind(self, session: Session) -> None:
+    def bind(self, session: Session, verdict: tuple[Verdict, ...]) -> None:
         session.info[BATCH_KEY] = self.deliveries
 
     def committed(self, verdict: tuple[Verdict, ...]) -> None:
+        metrics.commit_seconds(self.delivery.consumer, perf_counter() - self.clock)
+        for delivery, decided in zip(self.deliveries, verdict, strict=True):
+            metrics.decision(
+                delivery.consumer, delivery.identity.producer, decided.decision, decided.shadow
+            )
         _log(logging.DEBUG, "committed", self.delivery, batch=len(self.deliveries))
 
 
 def _any_first(verdicts: Sequence[Verdict]) -> bool:
-    return any(verdict.decision is Decision.FIRST for verdict in verdicts)
+    """Whether the batch's handler runs: a delivery first seen, or any in shadow mode."""
+    return any(verdict.runs_handler for verdict in verdicts)
 
 
 class Inbox(_Base):
@@ -261,7 +306,7 @@ class Inbox(_Base):
         transaction; commit. Raises when the attempt rolled back: do not ack then."""
 
         def body(session: Session, verdict: Verdict) -> R | None:
-            return handler(session) if verdict.decision is Decision.FIRST else None
+            return handler(session) if verdict.runs_handler else None
 
         verdict, result, number = self._run(_Single(delivery, self.serialization_retries), body)
         return Outcome(verdict, result, number)
@@ -292,11 +337,14 @@ class Inbox(_Base):
                 conn = session.connection(execution_options=self._connection_options)
                 if not self._isolation_known:
                     self._learn_isolation(conn.dialect, self.engine.get_execution_options())
+                attempts.clock = perf_counter()
                 verdict = _drive(attempts.steps(), conn, self.statements)
-                attempts.bind(session)
+                attempts.claim_took()
+                attempts.bind(session, verdict)
                 attempts.in_handler = True
                 result = body(session, verdict)
                 attempts.in_handler = False
+                attempts.clock = perf_counter()
                 Session.commit(session)
                 attempts.committed(verdict)
                 return verdict, result, attempts.number
@@ -372,7 +420,7 @@ def _on_driver(conn: Connection, dbapi: Any, sql: str, step: Step, params: Any) 
 def _abandon(session: Session, exc: BaseException, delivery: Delivery | None) -> None:
     """Roll back; invalidate instead when the attempt was interrupted mid-call."""
     if delivery is not None:
-        _log(logging.INFO, "rolled back", delivery, error=type(exc).__name__)
+        _log(logging.INFO, "rolled_back", delivery, "rolled back", error=type(exc).__name__)
     if not isinstance(exc, Exception):
         session.invalidate()
         return
@@ -390,21 +438,41 @@ def _synchronous_commit(conn: Connection) -> str | None:
 
 
 def _log_verdict(delivery: Delivery, verdict: Verdict) -> None:
-    if verdict.decision is Decision.FIRST:
-        _log(logging.DEBUG, "claimed", delivery, decision=verdict.decision)
-    elif verdict.decision is Decision.DUPLICATE:
+    decision = verdict.decision
+    if decision is Decision.FIRST:
+        _log(logging.DEBUG, "claimed", delivery, decision=decision)
+        return
+    if not logger.isEnabledFor(logging.INFO if decision is Decision.DUPLICATE else logging.WARNING):
+        return
+    stored = verdict.stored
+    fields: dict[str, object] = {
+        "decision": decision,
+        "shadow": verdict.shadow,
+        "payload_sha256": delivery.payload_hash.sha256,
+        "stored_sha256": stored.payload_sha256 if stored else None,
+        "claimed_at": stored.processed_at.isoformat() if stored and stored.processed_at else None,
+    }
+    # Shadow mode: the same record as when enforcing, saying the handler runs anyway.
+    shadow = " (shadow mode: processed anyway)" if verdict.shadow else ""
+    if decision is Decision.DUPLICATE:
         note = "" if verdict.verified else " (stored hash scheme unknown, payload not compared)"
-        _log(logging.INFO, "duplicate delivery skipped" + note, delivery, decision=verdict.decision)
+        text = ("duplicate delivery" if shadow else "duplicate delivery skipped") + note + shadow
+        _log(logging.INFO, "duplicate", delivery, text, verified=verdict.verified, **fields)
     else:
-        _log(
-            logging.WARNING,
-            "identity conflict: same message id, different payload",
-            delivery,
-            decision=verdict.decision,
-        )
+        if verdict.quarantine is not None:
+            fields["quarantine_id"] = verdict.quarantine.id
+        text = "identity conflict: same message id, different payload" + shadow
+        _log(logging.WARNING, "conflict", delivery, text, **fields)
 
 
-def _log(level: int, event: str, delivery: Delivery, **fields: object) -> None:
+def _log(
+    level: int, event: str, delivery: Delivery, text: str | None = None, **fields: object
+) -> None:
+    """One structured line: ``inbox_event`` (a stable code), the identity, ``fields``.
+
+    Every field is in the record's ``extra`` under an ``inbox_`` name, so a JSON formatter
+    (or any handler reading record attributes) gets them as values, not only as text.
+    """
     if not logger.isEnabledFor(level):
         return
     extra: dict[str, object] = {
@@ -418,7 +486,7 @@ def _log(level: int, event: str, delivery: Delivery, **fields: object) -> None:
     logger.log(
         level,
         "%s: consumer=%s producer=%s message_id=%s",
-        event,
+        text or event,
         delivery.consumer,
         delivery.identity.producer,
         delivery.identity.message_id,
