@@ -23,7 +23,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from json.encoder import encode_basestring
 from typing import Any
@@ -109,6 +109,12 @@ def parse_timestamp(value: object, field: str) -> datetime | None:
         )
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidIdentity(f"{field} has no time zone", field=field)
+    try:
+        value.astimezone(UTC)  # a driver converts it; year 1 at +14:00 is year 0 in UTC
+    except OverflowError:
+        raise InvalidIdentity(
+            f"{field} is out of range once converted to UTC: {value.isoformat()}", field=field
+        ) from None
     return value
 
 
@@ -376,12 +382,23 @@ def _place_point(digits: str, point: int) -> str:
 
 
 def jsonable(value: object) -> object:
-    """``value`` if it has a JSON form, else its ``repr``: for storing headers as JSON."""
+    """``value`` if it has a JSON form that can be stored, else its ``repr``: for storing
+    headers as JSON. PostgreSQL's jsonb refuses text holding NUL, which JSON allows."""
     try:
         canonical_json(value)
     except PayloadNotHashable:
         return repr(value)
-    return value
+    return repr(value) if _holds_nul(value) else value
+
+
+def _holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_nul(item) for item in value)
+    return False
 
 
 CanonicalForm = Callable[[Any], object]

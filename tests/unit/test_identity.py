@@ -9,6 +9,7 @@ from inbox_middleware.identity import (
     MessageIdentity,
     canonical_json,
     hash_json,
+    jsonable,
 )
 
 
@@ -70,6 +71,19 @@ RFC8785_OUTPUT = (
     '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],'
     '"string":"\u20ac$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
 )
+
+
+def test_parse__produced_at_that_leaves_the_calendar_in_utc_is_refused():
+    with pytest.raises(InvalidIdentity, match="out of range once converted to UTC") as info:
+        MessageIdentity.parse(producer="p", message_id="m", produced_at="0001-01-01T00:00:00+14:00")
+    assert info.value.field == "produced_at"
+
+
+def test_jsonable__text_holding_nul_is_stored_as_its_repr():
+    # JSON allows U+0000 in a string; PostgreSQL's jsonb does not.
+    assert jsonable({"h": "a\x00b"}) == repr({"h": "a\x00b"})
+    assert jsonable({"h": ["ok", 1]}) == {"h": ["ok", 1]}
+    assert jsonable(object()).startswith("<object")
 
 
 def test_canonical_json__matches_rfc8785_example():

@@ -1,0 +1,67 @@
+"""Run the chaos alone, at any size, on any broker an adapter supports::
+
+    python -m tests.chaos --adapter dramatiq --broker rabbitmq --messages 100000
+    python -m tests.chaos --adapter faststream --broker nats --messages 100000
+
+It runs on a database of its own (cloned from the tests' template, dropped at the end),
+prints progress and the one-line summary, and exits 1 when the invariant does not hold,
+or (from 50,000 messages) when the never-killed worker's RSS grew by 10% or more over
+the second half of the run. Restarts the machine's PostgreSQL once, and RabbitMQ once
+when it is the broker; Redis and NATS are servers the run starts itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from ..support import database, services
+from .run import Config, run
+from .targets import BROKERS
+
+LONG_RUN = 50_000  # from this size on, memory growth is checked
+RSS_LIMIT = 0.10
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
+    parser.add_argument("--adapter", choices=sorted(BROKERS), default="dramatiq")
+    parser.add_argument("--broker", choices=["rabbitmq", "redis", "nats"], default="rabbitmq")
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the logs folder")
+    args = parser.parse_args(argv)
+    if args.broker not in BROKERS[args.adapter]:
+        parser.error(f"{args.adapter} runs on {', '.join(BROKERS[args.adapter])}")
+    config = Config(args.adapter, args.broker, args.messages, workers=args.workers, seed=args.seed)
+    folder = Path(tempfile.mkdtemp(prefix="inbox-chaos-"))
+    name = database.create_run_database()
+    print(f"chaos {args.adapter}/{args.broker}, {args.messages} messages; logs in {folder}")
+    ok = False
+    try:
+        report = run(config, services.with_database(services.POSTGRES, name), folder)
+        print(report.summary())
+        for problem in report.problems:
+            print(f"  problem: {problem}")
+        ok = not report.problems
+        growth = report.rss_growth
+        if args.messages >= LONG_RUN:
+            if growth is None:
+                print("  problem: the never-killed worker's memory could not be followed")
+                ok = False
+            elif growth >= RSS_LIMIT:
+                print(f"  problem: RSS grew {growth:.1%} over the second half")
+                ok = False
+    finally:
+        database.drop_database(name)
+        if ok and not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The chaos run at CI size: 10,000 messages through three worker processes, with
+SIGKILLs every few seconds, a PostgreSQL restart, a broker restart and database
+connections cut mid-transaction; then the ledger must match what was sent, exactly.
+
+The 100,000-message runs, and the other brokers, are run alone: ``python -m tests.chaos``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .run import Config, run
+
+CI_MESSAGES = 10_000
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "broker"), [("dramatiq", "rabbitmq"), ("faststream", "rabbitmq")]
+)
+def test_chaos__every_intent_applied_once_through_kills_restarts_and_cuts(
+    adapter: str, broker: str, pg_url: str, pg_engine_session, tmp_path: Path, capsys
+) -> None:
+    lines: list[str] = []
+    try:
+        report = run(Config(adapter, broker, CI_MESSAGES), pg_url, tmp_path, lines.append)
+    finally:
+        # The restart ended the pooled sessions of the suite's shared engine.
+        pg_engine_session.dispose()
+    with capsys.disabled():
+        print("\n" + "\n".join(lines) + "\n" + report.summary())
+    assert report.problems == []
+    # The chaos did happen: processes killed, both servers restarted, transactions cut.
+    events = report.events
+    assert events.kills >= 3
+    assert (len(events.postgres_restarts), len(events.broker_restarts)) == (1, 1)
+    assert events.cut_links >= 1
+    assert report.outcomes["DatabaseUnavailable"] >= 1
+    assert report.ledger.applied == len(report.plan.applied)

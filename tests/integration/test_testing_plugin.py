@@ -1,0 +1,176 @@
+"""`inbox_middleware.testing`, the users' pytest plugin: what it reports and refuses.
+
+The examples' tests (``examples/*/test_*.py``) show it passing on a protected handler;
+here it must fail, with an explanation, on a handler the inbox does not protect (shadow
+mode runs every duplicate), on deliveries that never raced, on a reused intent, and refuse
+the concurrent scenario on SQLite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+import pytest
+from faststream.rabbit import RabbitBroker, TestRabbitBroker
+from sqlalchemy import text
+
+from inbox_middleware.dramatiq import InboxMiddleware, current_session
+from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.testing import ScenarioResult
+
+from ..apps.domain import apply_credit, apply_credit_async, effects
+
+
+def counter(engine: Any):
+    def count() -> int:
+        with engine.connect() as conn:
+            return effects(conn)
+
+    return count
+
+
+@pytest.fixture
+def credit_actor(stub_broker, queue):
+    def declare(engine: Any, **options: Any) -> Any:
+        stub_broker.add_middleware(InboxMiddleware(engine, **options))
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+        def add_credit(account_id: int, delta: int) -> None:
+            apply_credit(current_session(), "billing", account_id, delta)
+
+        return add_credit
+
+    return declare
+
+
+def test_plugin__protected_actor_passes_every_scenario_and_says_what_happened(
+    inbox_check, credit_actor, pg_engine
+):
+    check = inbox_check.dramatiq(credit_actor(pg_engine), effect=counter(pg_engine))
+    first = check.redelivered(check.message(7, 10, producer="p", message_id="m-1"), times=4)
+    assert first.assert_one_effect() is first
+    assert (first.deliveries, first.processed, first.duplicates, first.claims) == (4, 1, 3, 1)
+    racing = check.concurrent_duplicates(check.message(7, 10, producer="p", message_id="m-2"))
+    assert racing.assert_one_effect().overlapped >= 2
+    assert racing.summary().startswith("concurrent duplicates (8 deliveries of p/m-2): effect +1")
+
+
+def test_plugin__shadow_mode_runs_duplicates_and_the_check_fails_saying_why(
+    inbox_check, credit_actor, pg_engine
+):
+    check = inbox_check.dramatiq(credit_actor(pg_engine, shadow=True), effect=counter(pg_engine))
+    result = check.crash_between_commit_and_ack(check.message(7, 10, producer="p", message_id="m"))
+    assert (result.processed, result.effect) == (2, 2)
+    with pytest.raises(AssertionError, match="committed 2 times: is the actor or subscriber"):
+        result.assert_one_effect()
+
+
+def test_plugin__deliveries_that_never_overlapped_are_no_race(inbox_check, credit_actor, pg_engine):
+    check = inbox_check.dramatiq(credit_actor(pg_engine), effect=counter(pg_engine), threads=1)
+    result = check.concurrent_duplicates(check.message(7, 10, producer="p", message_id="m"))
+    with pytest.raises(AssertionError, match="as many threads as copies"):
+        result.assert_one_effect()
+
+
+def test_plugin__an_intent_processed_before_the_scenario_is_refused(
+    inbox_check, credit_actor, pg_engine
+):
+    check = inbox_check.dramatiq(credit_actor(pg_engine), effect=counter(pg_engine))
+    message = check.message(7, 10, producer="p", message_id="m")
+    check.redelivered(message).assert_one_effect()
+    with pytest.raises(AssertionError, match="give each scenario a message id of its own"):
+        check.crash_between_commit_and_ack(message)
+
+
+def test_plugin__sqlite_runs_the_sequential_scenarios_and_refuses_the_race(
+    inbox_check, credit_actor, sqlite_engine
+):
+    check = inbox_check.dramatiq(credit_actor(sqlite_engine), effect=counter(sqlite_engine))
+    check.redelivered(check.message(7, 10, producer="p", message_id="m-1")).assert_one_effect()
+    check.crash_between_commit_and_ack(
+        check.message(7, 10, producer="p", message_id="m-2")
+    ).assert_one_effect()
+    with pytest.raises(ConfigurationError, match="concurrent duplicates need PostgreSQL"):
+        check.concurrent_duplicates(check.message(7, 10, producer="p", message_id="m-3"))
+
+
+def test_plugin__an_actor_without_the_inbox_is_refused(inbox_check, stub_broker, queue):
+    @dramatiq.actor(queue_name=queue)
+    def add_credit(account_id: int, delta: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="has no InboxMiddleware"):
+        inbox_check.dramatiq(add_credit, effect=lambda: 0)
+
+
+def test_plugin__failed_attempts_are_reported_with_the_effect(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+    attempts: list[int] = []
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10, max_backoff=20)
+    def flaky(account_id: int, delta: int) -> None:
+        attempts.append(1)
+        apply_credit(current_session(), "billing", account_id, delta)
+        if len(attempts) == 1:
+            raise ConnectionError("the ledger service timed out")
+
+    check = inbox_check.dramatiq(flaky, effect=counter(pg_engine))
+    result = check.redelivered(check.message(7, 10, producer="p", message_id="m"), times=2)
+    assert result.failures == ("ConnectionError",)
+    assert result.assert_one_effect().processed == 1
+
+
+async def test_plugin__faststream_shadow_subscriber_fails_the_check(
+    inbox_check, pg_async_engine, pg_engine
+):
+    inbox = FastStreamInbox(pg_async_engine, shadow=True)
+    broker = RabbitBroker(middlewares=[inbox.middleware])
+
+    @broker.subscriber("orders", dependencies=[inbox.consumer("billing")])
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    async with TestRabbitBroker(broker):
+        check = inbox_check.faststream(broker, effect=counter(pg_engine))
+        order = check.message(
+            {"account": 7, "delta": 10}, producer="p", message_id="m", queue="orders"
+        )
+        result = await check.concurrent_duplicates(order, copies=4)
+    assert (result.processed, result.effect, result.overlapped) == (4, 4, 4)
+    with pytest.raises(AssertionError, match="the effect grew by 4, not 1"):
+        result.assert_one_effect()
+    with pg_engine.connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 1
+
+
+def test_result__explains_every_problem_at_once():
+    result = ScenarioResult(
+        scenario="concurrent duplicates",
+        intent="p/m",
+        deliveries=4,
+        processed=0,
+        duplicates=1,
+        conflicts=2,
+        poison=0,
+        failures=("DatabaseUnavailable",),
+        claims=0,
+        effect=0,
+        overlapped=1,
+        unsettled=1,
+    )
+    with pytest.raises(AssertionError) as raised:
+        result.assert_one_effect()
+    message = str(raised.value)
+    for part in (
+        "failed attempts: DatabaseUnavailable",
+        "the effect grew by 0, not 1",
+        "it never committed",
+        "1 of the 3 later deliveries were skipped as duplicates",
+        "the payload's canonical form changes between sends",
+        "no race to check",
+        "1 deliveries were never settled",
+    ):
+        assert part in message

@@ -1,0 +1,304 @@
+"""Hostile identity headers and bodies through the FastStream adapter on real RabbitMQ.
+
+Each example publishes a batch of messages whose identity headers hold values drawn from
+`strategies` (text that is empty, huge, with control characters, SQL metacharacters; and
+other AMQP types: bytes, invalid UTF-8, numbers, booleans, void, arrays, tables) and whose
+body is hostile too (empty, huge, not UTF-8, not JSON, NaN, nested JSON, SQL), through one
+subscriber that handles one message at a time. A header that tags each message lets the
+test follow it. Then every message must have exactly one fate, the one the rules say
+(applied once, skipped as a duplicate, quarantined, or dead-lettered with a reason naming
+the header), and be where that fate puts it; no message lost, none failing unhandled.
+
+The rules read the headers as the subscriber received them, after AMQP's encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import pytest
+from faststream import BaseMiddleware
+from faststream.exceptions import AckMessage
+from faststream.rabbit import RabbitBroker, RabbitQueue
+from faststream.rabbit.annotations import RabbitMessage
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.faststream.payload import builtin_hash
+from inbox_middleware.headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
+
+from ..support import services
+from ..support.faststream_brokers import eventually
+from . import strategies as s
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+    ],
+)
+TAG = "x-fuzz-seq"
+LIMITS = {PRODUCER: s.NAME_LIMIT, MESSAGE_ID: s.MESSAGE_ID_LIMIT, TENANT: s.NAME_LIMIT}
+INT64 = 2**63 - 1
+
+# The types AMQP headers carry; text may also come as a byte array (here: not UTF-8, or
+# UTF-8). RabbitMQ closes the connection on an infinite float: not sent.
+amqp_value = st.one_of(
+    st.binary(max_size=12).map(bytearray),
+    st.sampled_from([b"\xff\xfe not utf-8", "caf\u00e9".encode(), b""]).map(bytearray),
+    st.integers(-INT64, INT64),
+    st.booleans(),
+    st.none(),
+    st.floats(width=32, allow_nan=False, allow_infinity=False),  # pamqp packs 32 bits
+    st.lists(st.text(max_size=3), max_size=2),
+    st.dictionaries(st.text(min_size=1, max_size=3), st.integers(0, 9), max_size=2),
+)
+
+
+def hostile(limit: int) -> st.SearchStrategy[Any]:
+    text_only = s.identity_value(limit).filter(
+        lambda v: isinstance(v, str) and "\udc80" not in v  # AMQP text is UTF-8
+    )
+    return st.one_of(text_only, amqp_value)
+
+
+def body() -> st.SearchStrategy[bytes]:
+    """Bodies as bytes on the wire: JSON (small, nested, huge, NaN), text, not UTF-8."""
+    return st.one_of(
+        st.sampled_from([b'{"delta":1}', b'{"delta": 1.0}', b'{"delta":2}', b'{"Delta":1}']),
+        st.sampled_from([b"", b"\xff\xfe\xfd", b"NaN", b'{"a":NaN}', b'{"k":1,"k":2}', b"[]"]),
+        st.sampled_from(s.SQL).map(str.encode),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+            ),
+            max_leaves=10,
+        ).map(lambda value: json.dumps(value).encode()),
+        st.integers(50_000, 400_000).map(lambda n: b'{"blob":"' + b"z" * n + b'"}'),
+        st.binary(max_size=64),
+    )
+
+
+@st.composite
+def messages(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
+    fault = draw(st.sampled_from(s.FAULTS))
+    headers: dict[str, Any] = {
+        PRODUCER: draw(hostile(s.NAME_LIMIT) if fault == "producer" else s.usable_producer()),
+        MESSAGE_ID: draw(hostile(s.MESSAGE_ID_LIMIT) if fault == "message_id" else s.usable_id()),
+    }
+    if fault == "missing":
+        del headers[draw(st.sampled_from([PRODUCER, MESSAGE_ID]))]
+    if fault == "tenant":
+        headers[TENANT] = draw(hostile(s.NAME_LIMIT))
+    elif draw(st.integers(0, 3)) == 0:
+        headers[TENANT] = draw(st.sampled_from(["", "acme"]))
+    if fault == "produced_at":
+        headers[PRODUCED_AT] = draw(s.produced_at())
+    if fault == "extra":  # kept with a quarantined or rejected message's headers
+        headers["x-note"] = draw(hostile(64))
+    raw = draw(body() if fault == "payload" else st.sampled_from([b'{"delta":1}', b'{"delta":2}']))
+    return headers, raw
+
+
+def usable(received: dict[str, Any]) -> bool:
+    """The rules, on the headers as received."""
+    for name, limit in LIMITS.items():
+        value = received.get(name)
+        if isinstance(value, bytes | bytearray):
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                return False
+        if value is None:
+            if name != TENANT:
+                return False
+        elif not s.usable_name(value, limit, allow_empty=name == TENANT):
+            return False
+    produced_at = received.get(PRODUCED_AT)
+    if isinstance(produced_at, bytes | bytearray):
+        return False
+    return s.usable_timestamp(produced_at)
+
+
+def intent(received: dict[str, Any]) -> tuple[str, str, str]:
+    def text_of(value: Any) -> str:
+        return bytes(value).decode() if isinstance(value, bytes | bytearray) else value or ""
+
+    return text_of(received[PRODUCER]), text_of(received.get(TENANT)), text_of(received[MESSAGE_ID])
+
+
+class Follow:
+    """Outside the inbox: each tagged delivery's received headers and outcome."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, dict[str, Any]] = {}
+        self.outcomes: dict[str, list[str]] = {}
+
+    def middleware(self) -> Any:
+        follow = self
+
+        class Recorder(BaseMiddleware):
+            async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+                tag = (msg.headers or {}).get(TAG)
+                if tag is None:
+                    return await call_next(msg)
+                follow.received[tag] = dict(msg.headers)
+                try:
+                    result = await call_next(msg)
+                except AckMessage as exc:
+                    follow.outcomes.setdefault(tag, []).append(f"skipped: {exc}")
+                    raise
+                except BaseException as exc:
+                    follow.outcomes.setdefault(tag, []).append(f"failed: {exc!r}")
+                    raise
+                follow.outcomes.setdefault(tag, []).append("processed")
+                return result
+
+        return Recorder
+
+
+def test_fuzz_faststream__every_message_is_applied_skipped_quarantined_or_dead_lettered(
+    pg_async_url, pg_engine
+):
+    services.require(services.RABBITMQ, "RabbitMQ")
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE IF NOT EXISTS fuzz_effects (message_id text, intent text)"
+        )
+    loop = asyncio.new_event_loop()
+    engine = create_async_engine(pg_async_url, pool_size=4)
+    inbox = FastStreamInbox(engine, retry_backoff=(0.05, 0.2))
+    follow = Follow()
+    broker = RabbitBroker(services.RABBITMQ, middlewares=[follow.middleware(), inbox.middleware])
+    source = f"fuzz{id(follow):x}"
+    numbers = itertools.count()
+
+    @broker.subscriber(RabbitQueue(source, durable=True), dependencies=[inbox.consumer("fuzz")])
+    async def record(payload: Any, session: InboxSession, message: RabbitMessage) -> None:
+        await session.execute(
+            text("INSERT INTO fuzz_effects VALUES (:t, :i)"),
+            {"t": message.headers[TAG], "i": str(message.headers.get(MESSAGE_ID))},
+        )
+
+    async def start() -> None:
+        await inbox.check(broker)
+        await broker.start()
+
+    async def publish_batch(batch: list[tuple[dict[str, Any], bytes]]) -> list[str]:
+        tags = []
+        for headers, raw in batch:
+            tag = str(next(numbers))
+            tags.append(tag)
+            await broker.publish(raw, source, headers={**headers, TAG: tag}, persist=True)
+        await eventually(
+            lambda: all(t in follow.outcomes for t in tags), timeout=30, what="every outcome"
+        )
+        return tags
+
+    loop.run_until_complete(start())
+    try:
+
+        @SETTINGS
+        @given(batch=st.lists(messages(), min_size=1, max_size=16))
+        @example(
+            batch=[
+                ({PRODUCER: "orders", MESSAGE_ID: "o-1"}, b'{"delta":1}'),
+                (
+                    {PRODUCER: "orders", MESSAGE_ID: "o-1", "x-note": "nul\x00inside"},
+                    b'{"delta":2}',
+                ),
+            ]
+        )
+        def check(batch: list[tuple[dict[str, Any], bytes]]) -> None:
+            with pg_engine.begin() as conn:
+                conn.exec_driver_sql(
+                    "TRUNCATE consumer_inbox, inbox_quarantine, inbox_attempts, inbox_poison, "
+                    "fuzz_effects"
+                )
+            tags = loop.run_until_complete(publish_batch(batch))
+            dead, quarantined = loop.run_until_complete(_destinations(broker, source))
+            _check_fates(tags, batch, follow, pg_engine, dead, quarantined)
+
+        check()
+    finally:
+
+        async def stop() -> None:
+            await broker.stop()
+            await _delete(source)
+            await engine.dispose()
+
+        loop.run_until_complete(stop())
+        loop.close()
+
+
+async def _destinations(broker: Any, source: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """What reached the dead-letter and quarantine queues, by tag (consumed)."""
+    found = []
+    for name in (f"{source}.dead-letter", f"{source}.quarantine"):
+        queue = await broker.declare_queue(RabbitQueue(name, durable=True))
+        messages = {}
+        while (message := await queue.get(no_ack=True, fail=False)) is not None:
+            messages[message.headers[TAG]] = dict(message.headers)
+        found.append(messages)
+    return found[0], found[1]
+
+
+async def _delete(source: str) -> None:
+    import aio_pika
+
+    connection = await aio_pika.connect(services.RABBITMQ)
+    async with connection:
+        channel = await connection.channel()
+        for name in (source, f"{source}.quarantine", f"{source}.dead-letter"):
+            await channel.queue_delete(name)
+
+
+def _check_fates(tags, batch, follow, pg_engine, dead, quarantined) -> None:
+    with pg_engine.connect() as conn:
+        applied = [tag for (tag,) in conn.execute(text("SELECT message_id FROM fuzz_effects"))]
+        rows = conn.execute(text("SELECT message_id FROM inbox_quarantine")).all()
+    assert len(applied) == len(set(applied)), "a message was applied twice"
+    first: dict[tuple[str, str, str], str] = {}
+    conflicts: set[tuple[tuple[str, str, str], str]] = set()
+    for tag, (sent, raw) in zip(tags, batch, strict=True):
+        outcomes = follow.outcomes[tag]
+        assert len(outcomes) == 1, f"{sent!r}: delivered {len(outcomes)} times: {outcomes}"
+        (outcome,) = outcomes
+        assert not outcome.startswith("failed"), f"{sent!r}: {outcome}"
+        received = follow.received[tag]
+        if not usable(received):
+            assert outcome.startswith("skipped: rejected"), f"{received!r}: {outcome}"
+            assert tag in dead, f"{received!r} was rejected but is not in the dead letters"
+            reason = json.loads(dead[tag]["x-inbox-rejected"])
+            assert any(name in reason["detail"] for name in (*LIMITS, PRODUCED_AT)), reason
+            continue
+        key, form = intent(received), builtin_hash(raw).sha256
+        if key not in first:
+            first[key] = form
+            expected = "processed"
+        elif first[key] == form:
+            expected = "skipped: duplicate"
+        else:
+            expected = "skipped: conflict"
+            conflicts.add((key, form))
+        assert outcome.startswith(expected), f"{received!r} {raw[:40]!r}: {outcome}"
+        assert (tag in applied) == (expected == "processed")
+        assert (tag in quarantined) == (expected == "skipped: conflict")
+        assert tag not in dead
+    assert len(rows) == len(conflicts)

@@ -1,0 +1,56 @@
+"""A database proxy that cuts the connections PostgreSQL reports as mid-transaction.
+
+`Proxy` cuts every live connection; a chaos run wants the interesting ones: those whose
+server session has a transaction open (a claim taken, the handler's writes done or under
+way, the commit not yet sent). PostgreSQL names each session's client port, which is the
+local port of the proxy's upstream socket, so the two can be matched exactly.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import psycopg
+
+from .proxy import Proxy, _reset
+
+__all__ = ["CuttingProxy"]
+
+MID_TRANSACTION = """
+    SELECT client_port FROM pg_stat_activity
+    WHERE application_name = ANY(%s) AND xact_start IS NOT NULL
+      AND state IN ('active', 'idle in transaction')
+"""
+
+
+class CuttingProxy(Proxy):
+    def cut_ports(self, ports: set[int]) -> int:
+        """Reset the links whose upstream socket uses one of ``ports``; how many."""
+        cut: list[tuple[socket.socket, socket.socket]] = []
+        with self._lock:
+            kept: list[socket.socket] = []
+            for client, server in zip(self._links[0::2], self._links[1::2], strict=True):
+                try:
+                    port = server.getsockname()[1]
+                except OSError:
+                    continue  # closed already: forget it
+                if port in ports:
+                    cut.append((client, server))
+                else:
+                    kept += [client, server]
+            self._links = kept
+        for client, server in cut:
+            _reset(client)
+            _reset(server)
+        return len(cut)
+
+    def cut_mid_transaction(self, admin: psycopg.Connection, applications: list[str]) -> int:
+        """Cut every connection of sessions named one of ``applications`` that has a
+        transaction open right now (asked on ``admin``, a connection that does not pass
+        through here)."""
+        rows = admin.execute(MID_TRANSACTION, (applications,)).fetchall()
+        return self.cut_ports({int(port) for (port,) in rows if port is not None})
+
+    def links(self) -> int:
+        with self._lock:
+            return len(self._links) // 2
