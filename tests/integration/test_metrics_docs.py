@@ -159,3 +159,16 @@ async def test_shadow_snippet__faststream_subscriber_processes_a_duplicate(
             await eventually(lambda: credited() == 20, what="both deliveries processed")
     finally:
         await h.cleanup()
+
+
+def test_metrics_reference__names_every_exported_metric_and_nothing_else(
+    pg_engine, tmp_path, monkeypatch
+):
+    names = exported_names(pg_engine, tmp_path, monkeypatch)
+    histograms = {n.removesuffix("_bucket") for n in names if n.endswith("_bucket")}
+    series = {f"{h}{suffix}" for h in histograms for suffix in ("_bucket", "_sum", "_count")}
+    exported = (names - series) | histograms
+    page = (ROOT / "docs" / "reference" / "metrics.md").read_text()
+    rows = [line.split("|")[1] for line in page.splitlines() if line.startswith("| `")]
+    documented = set().union(*(re.findall(r"`(inbox_[a-z_]+)`", row) for row in rows))
+    assert documented == exported, (documented - exported, exported - documented)

@@ -1,0 +1,288 @@
+"""The documentation's rules, and the snippets of its smaller guides, run.
+
+Rules: every Python block in the docs is an include of a file the tests run (never code
+typed into the page), every include names a file and section that exist, every page is
+in the navigation, and the README's links lead to pages that exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import dramatiq
+import yaml
+from sqlalchemy import Engine, select, text
+
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+from inbox_middleware.storage import InboxSchema, migrate
+
+from ..apps.domain import balance
+from ..support.dramatiq_worker import drain, running_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+SNIPPETS = DOCS / "snippets"
+PAGES = sorted(path for path in DOCS.rglob("*.md") if SNIPPETS not in path.parents)
+PYTHON = {"python", "py", "python3", "pycon", "{.python"}
+INCLUDE = re.compile(r'--8<-- "(?P<path>[^":]+)(?::(?P<section>[a-z][-_0-9a-z]*))?"')
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    language: str
+    lines: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def code_blocks(page: Path) -> Iterator[Block]:
+    """The fenced code blocks of a Markdown page (indented ones in lists included)."""
+    lines = page.read_text().splitlines()
+    number = 0
+    while number < len(lines):
+        opening = FENCE.match(lines[number])
+        number += 1
+        if opening is None:
+            continue
+        fence, info = opening["fence"], opening["info"].strip()
+        start, body = number, []
+        while number < len(lines) and lines[number].strip() != fence:
+            body.append(lines[number].strip())
+            number += 1
+        number += 1
+        language = info.split()[0].lower() if info else ""
+        yield Block(page, start, language, tuple(body))
+
+
+def python_blocks() -> list[Block]:
+    return [b for page in PAGES for b in code_blocks(page) if b.language in PYTHON]
+
+
+# -- the rules ----------------------------------------------------------------------------
+
+
+def test_docs__every_python_block_is_an_include_of_tested_code():
+    # Given every ```python block of every page
+    blocks = python_blocks()
+    assert len(blocks) > 20, "the block scanner found too few Python blocks"
+    # Then each holds include lines only: code typed into a page is run by nothing
+    typed = [
+        f"{block}: {line!r}"
+        for block in blocks
+        for line in block.lines
+        if line and not INCLUDE.fullmatch(line)
+    ]
+    assert not typed, (
+        "Python code written into the docs; move it into docs/snippets/ (or an examples/ "
+        "section) that a test runs, and include it with --8<--:\n  " + "\n  ".join(typed)
+    )
+
+
+def includes() -> list[tuple[Block, re.Match[str]]]:
+    found = []
+    for page in PAGES:
+        for block in code_blocks(page):
+            for line in block.lines:
+                if match := INCLUDE.fullmatch(line):
+                    found.append((block, match))
+    return found
+
+
+def test_docs__every_include_names_a_file_and_section_that_exist():
+    missing = []
+    for block, match in includes():
+        path = ROOT / match["path"]
+        if not path.is_file():
+            missing.append(f"{block}: no file {match['path']}")
+            continue
+        if block.language in PYTHON and not match["path"].startswith(
+            ("examples/", "docs/snippets/")
+        ):
+            missing.append(f"{block}: Python is included from examples/ or docs/snippets/ only")
+        if section := match["section"]:
+            source = path.read_text()
+            for marker in (f"[start:{section}]", f"[end:{section}]"):
+                if f"--8<-- {marker}" not in source:
+                    missing.append(f"{block}: {match['path']} has no {marker}")
+    assert not missing, "\n".join(missing)
+
+
+def test_docs__every_page_is_in_the_navigation():
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_IgnoreTags)
+
+    def pages(entry: Any) -> Iterator[str]:
+        if isinstance(entry, str):
+            yield entry
+        elif isinstance(entry, list):
+            for item in entry:
+                yield from pages(item)
+        elif isinstance(entry, dict):
+            for value in entry.values():
+                yield from pages(value)
+
+    in_nav = set(pages(config["nav"]))
+    written = {str(page.relative_to(DOCS)) for page in PAGES}
+    assert written - in_nav == set(), "pages missing from mkdocs.yml's nav"
+    assert in_nav - written == set(), "nav entries without a page"
+
+
+class _IgnoreTags(yaml.SafeLoader):
+    """mkdocs.yml uses !!python/name tags; the navigation does not need them resolved."""
+
+
+_IgnoreTags.add_multi_constructor("tag:yaml.org,2002:python/", lambda *_: None)
+
+
+def test_readme__links_to_documentation_pages_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", readme)
+    assert len(links) >= 10, "the README should send readers to the documentation"
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+
+
+def test_readme__its_code_is_taken_from_a_tested_snippet():
+    # The README cannot include files; each of its code lines must be one of the snippet's.
+    readme = ROOT / "README.md"
+    snippet = {line.strip() for line in (SNIPPETS / "add_to_dramatiq.py").read_text().splitlines()}
+    blocks = [block for block in code_blocks(readme) if block.language in PYTHON]
+    assert blocks, "the README shows how the middleware is added"
+    lines = [line for block in blocks for line in block.lines if line]
+    assert [line for line in lines if line not in snippet] == []
+
+
+# -- the smaller guides' snippets ---------------------------------------------------------
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docs_snippet_{name}", SNIPPETS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_send_identities_snippet__copies_with_another_trace_id_are_duplicates(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    # Given the guide's actor, whose payload hash leaves out the per-send trace id
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+    snippet = load("send_identities")
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
+    created = datetime(2026, 11, 1, 9, 30, tzinfo=UTC)
+    order = snippet.Order("o-1", "shop-3", account_id=7, amount=10, created_at=created)
+    # When the order is sent three times with three trace ids, then reused for 11
+    with running_worker(stub_broker, threads=1) as worker:
+        for trace in ("t-1", "t-2", "t-3"):
+            snippet.send_credit(order, trace_id=trace)
+        snippet.send_credit(snippet.Order("o-1", "shop-3", 7, 11, created), trace_id="t-4")
+        drain(stub_broker, "default", worker)
+    # Then it is credited once, under the shop's tenant, and the reuse is a conflict
+    tables = InboxSchema().tables
+    with pg_engine.connect() as conn:
+        claim = conn.execute(select(tables.inbox)).one()
+        conflicts = conn.scalar(select(tables.quarantine.c.attempts))
+        assert balance(conn, 7) == 10
+    assert (claim.producer_name, claim.tenant, claim.message_id) == ("orders", "shop-3", "o-1")
+    assert claim.hash_scheme == "custom:credit-without-trace.v1"
+    assert claim.produced_at == created
+    assert conflicts == 1
+
+
+def test_table_naming_snippet__the_claims_land_in_the_named_schema(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    snippet = load("table_naming")
+    try:
+        # Given the tables created under the guide's naming, and the middleware given it
+        migrate(pg_engine, snippet.NAMING)
+        snippet.add_inbox(stub_broker, pg_engine)
+
+        @dramatiq.actor(inbox_consumer="billing")
+        def touch(n: int) -> None:
+            current_session().execute(text("SELECT :n"), {"n": n})
+
+        # When a message is processed
+        with running_worker(stub_broker, threads=1) as worker:
+            touch.send_with_options(args=(1,), **identity(producer="p", message_id="m-1"))
+            drain(stub_broker, "default", worker)
+        # Then its claim is in inbox.billing_consumer_inbox
+        with pg_engine.connect() as conn:
+            claims = conn.scalar(text('SELECT count(*) FROM "inbox"."billing_consumer_inbox"'))
+            default = conn.scalar(text("SELECT count(*) FROM consumer_inbox"))
+        assert (claims, default) == (1, 0)
+    finally:
+        with pg_engine.begin() as conn:
+            conn.exec_driver_sql('DROP SCHEMA IF EXISTS "inbox" CASCADE')
+
+
+def test_permanent_failure_snippet__unknown_account_is_kept_as_poison_not_retried(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+    snippet = load("permanent_failure")
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
+
+    with running_worker(stub_broker, threads=1) as worker:
+        for account, message_id in ((7, "o-7"), (99, "o-99")):
+            snippet.add_credit.send_with_options(
+                args=(account, 10), **identity(producer="orders", message_id=message_id)
+            )
+        drain(stub_broker, "default", worker)
+
+    poison = InboxSchema().tables.poison
+    with pg_engine.connect() as conn:
+        kept = conn.execute(select(poison)).one()
+        assert balance(conn, 7) == 10
+    assert (kept.message_id, kept.reason_code, kept.attempts) == ("o-99", "unknown_account", 1)
+    assert kept.decision == "pending"
+    assert kept.payload  # the message itself, for a redrive
+    assert [m.options["inbox_message_id"] for m in stub_broker.dead_letters] == ["o-99"]
+
+
+def test_expired_copies_snippet__a_copy_older_than_the_window_is_not_applied(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    snippet = load("expired_copies")
+    snippet.add_inbox(stub_broker, pg_engine)
+
+    @dramatiq.actor(inbox_consumer="billing")
+    def add_credit(account_id: int, amount: int) -> None:
+        current_session().execute(
+            text("INSERT INTO accounts VALUES (:id, :amount)"), {"id": account_id, "amount": amount}
+        )
+
+    now = datetime.now(UTC)
+    with running_worker(stub_broker, threads=1) as worker:
+        for account, age in ((7, timedelta(days=1)), (8, timedelta(days=40))):
+            add_credit.send_with_options(
+                args=(account, 10),
+                **identity(producer="orders", message_id=f"o-{account}", produced_at=now - age),
+            )
+        drain(stub_broker, "default", worker)
+
+    poison = InboxSchema().tables.poison
+    with pg_engine.connect() as conn:
+        kept = conn.execute(select(poison.c.message_id, poison.c.reason_code)).all()
+        assert (balance(conn, 7), balance(conn, 8)) == (10, 0)
+    assert [tuple(row) for row in kept] == [("o-8", "expired_redelivery")]
+
+
+async def test_expired_copies_snippet__faststream_inbox_gets_the_same_window(pg_async_engine):
+    inbox = load("expired_copies").faststream_inbox(pg_async_engine)
+    assert (inbox.retention_window, inbox.expired_redelivery) == (timedelta(days=30), "reject")
