@@ -25,7 +25,6 @@ from .executors import (
     _Attempts,
     _Base,
     _Batch,
-    _drive,
     _log,
     _Single,
     _synchronous_commit,
@@ -128,16 +127,6 @@ class AsyncInbox(_Base):
             finally:
                 if not closed:
                     await session.run_sync(Session.close)
-
-    def _claim(self, session: Session, attempts: _Attempts[V]) -> V:
-        conn = session.connection(execution_options=self._connection_options)
-        if not self._isolation_known:
-            self._learn_isolation(conn.dialect, self.engine.get_execution_options())
-        attempts.clock = perf_counter()
-        verdict = _drive(attempts.steps(), conn, self.statements)
-        attempts.claim_took()
-        attempts.bind(session, verdict)
-        return verdict
 
     async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
         """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""

@@ -143,6 +143,17 @@ class _Base:
         if levels <= {None, "READ COMMITTED"} and dialect.default_isolation_level:
             self._connection_options = {}
 
+    def _claim(self, session: Session, attempts: _Attempts[V]) -> V:
+        """Claim in ``session``'s transaction (the same for both executors)."""
+        conn = session.connection(execution_options=self._connection_options)
+        if not self._isolation_known:
+            self._learn_isolation(conn.dialect, conn.engine.get_execution_options())
+        attempts.clock = perf_counter()
+        verdict = _drive(attempts.steps(), conn, self.statements)
+        attempts.claim_took()
+        attempts.bind(session, verdict)
+        return verdict
+
     def _check_settings(self, synchronous_commit: str | None) -> None:
         if synchronous_commit == "off":
             raise PrerequisiteError(
@@ -334,13 +345,7 @@ class Inbox(_Base):
             attempts.start()
             session = self._sessions()
             try:
-                conn = session.connection(execution_options=self._connection_options)
-                if not self._isolation_known:
-                    self._learn_isolation(conn.dialect, self.engine.get_execution_options())
-                attempts.clock = perf_counter()
-                verdict = _drive(attempts.steps(), conn, self.statements)
-                attempts.claim_took()
-                attempts.bind(session, verdict)
+                verdict = self._claim(session, attempts)
                 attempts.in_handler = True
                 result = body(session, verdict)
                 attempts.in_handler = False
