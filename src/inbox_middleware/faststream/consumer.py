@@ -52,7 +52,7 @@ class InboxConsumer:
     shadow: bool | None = None
     """Shadow mode for this subscriber; None: the inbox's setting."""
 
-    def __call__(self) -> None:
+    async def __call__(self) -> None:  # async: a sync one would run in a worker thread
         if current_attempt() is None:
             raise ConfigurationError(
                 f"inbox consumer {self.name!r} is not running under the inbox middleware: "

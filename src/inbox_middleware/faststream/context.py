@@ -66,14 +66,15 @@ _OUTSIDE = (
 )
 
 
-def _session() -> AsyncSession:
+async def _session() -> AsyncSession:
+    # async: FastStream's dependency resolver runs a sync dependency in a worker thread
     attempt = _attempt.get()
     if attempt is None:
         raise ConfigurationError(_OUTSIDE.format(what="InboxSession"))
     return attempt.session
 
 
-def _batch() -> tuple[BatchItem, ...]:
+async def _batch() -> tuple[BatchItem, ...]:
     attempt = _attempt.get()
     if attempt is None:
         raise ConfigurationError(_OUTSIDE.format(what="InboxBatch"))

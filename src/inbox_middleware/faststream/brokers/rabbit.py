@@ -18,8 +18,10 @@ class RabbitAdapter(BrokerAdapter):
 
     @property
     def source(self) -> str:
+        # The name queue.add_prefix() gives, without the deep copy of the queue it makes
+        # (read for every message).
         queue: RabbitQueue = self.subscriber.queue
-        return str(queue.add_prefix(self.subscriber._outer_config.prefix).name)
+        return f"{self.subscriber._outer_config.prefix}{queue.name}"
 
     async def prepare(self, destinations: Iterable[str]) -> None:
         # Durable, like the queues a repair tool would declare to read them back.
