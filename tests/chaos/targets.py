@@ -111,6 +111,31 @@ class Target:
         raise NotImplementedError
 
 
+class OwnedServer(Target):
+    """A target whose broker is a server the run starts itself (``owned``), on a folder
+    of its own: started before the target, stopped at the end, restarted by the chaos."""
+
+    owned: type[servers._Owned]
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.server = self.owned(folder / self.broker)
+
+    def start(self) -> None:
+        self.server.start()
+        super().start()
+
+    def close(self) -> None:
+        self.server.close()
+
+    @property
+    def broker_url(self) -> str:
+        return self.server.url
+
+    def restart_broker(self) -> float:
+        return self.server.restart()
+
+
 # -- Dramatiq ---------------------------------------------------------------------------
 
 
@@ -229,30 +254,15 @@ def _rabbitmq_delete(queues: list[str]) -> None:
         connection.close()
 
 
-class DramatiqRedis(DramatiqTarget):
+class DramatiqRedis(OwnedServer, DramatiqTarget):
     broker = "redis"
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.server = servers.OwnedRedis(folder / "redis")
-
-    def start(self) -> None:
-        self.server.start()
-
-    def close(self) -> None:
-        self.server.close()
-
-    @property
-    def broker_url(self) -> str:
-        return self.server.url
+    owned = servers.OwnedRedis
 
     def _dramatiq_broker(self) -> Any:
         from dramatiq.brokers.redis import RedisBroker
 
         return RedisBroker(url=self.broker_url, namespace=self.source)
-
-    def restart_broker(self) -> float:
-        return self.server.restart()
 
     def _client(self) -> Any:
         import redis
@@ -417,24 +427,11 @@ def _rabbitmq_drain_with_headers(queue: str) -> list[tuple[bytes, dict[str, Any]
         connection.close()
 
 
-class FastStreamRedis(FastStreamTarget):
+class FastStreamRedis(OwnedServer, FastStreamTarget):
     broker = "redis"
     group = "ledger"
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.server = servers.OwnedRedis(folder / "redis")
-
-    def start(self) -> None:
-        self.server.start()
-        super().start()
-
-    def close(self) -> None:
-        self.server.close()
-
-    @property
-    def broker_url(self) -> str:
-        return self.server.url
+    owned = servers.OwnedRedis
 
     def _client(self) -> Any:
         from redis.asyncio import Redis
@@ -455,9 +452,6 @@ class FastStreamRedis(FastStreamTarget):
 
     async def publish(self, broker: Any, body: Any, headers: dict[str, str]) -> None:
         await broker.publish(body, stream=self.source, headers=headers)
-
-    def restart_broker(self) -> float:
-        return self.server.restart()
 
     async def _leftover(self) -> int:
         client = self._client()
@@ -486,27 +480,14 @@ class FastStreamRedis(FastStreamTarget):
             await client.aclose()
 
 
-class FastStreamNats(FastStreamTarget):
+class FastStreamNats(OwnedServer, FastStreamTarget):
     broker = "nats"
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.server = servers.OwnedNats(folder / "nats")
+    owned = servers.OwnedNats
 
     @property
     def stream(self) -> str:
         return self.source.upper()
-
-    def start(self) -> None:
-        self.server.start()
-        super().start()
-
-    def close(self) -> None:
-        self.server.close()
-
-    @property
-    def broker_url(self) -> str:
-        return self.server.url
 
     async def prepare(self) -> None:
         import nats
@@ -525,9 +506,6 @@ class FastStreamNats(FastStreamTarget):
     async def publish(self, broker: Any, body: Any, headers: dict[str, str]) -> None:
         # With stream=: JetStream acknowledges that it stored the message.
         await broker.publish(body, self.source, headers=headers, stream=self.stream)
-
-    def restart_broker(self) -> float:
-        return self.server.restart()
 
     async def _leftover(self) -> int:
         import nats
