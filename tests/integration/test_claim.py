@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import create_engine, select, text
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from inbox_middleware.exceptions import (
@@ -474,6 +475,57 @@ async def test_async_claim__cancellation_mid_transaction_invalidates_connection(
     assert outcome.decision is Decision.FIRST
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+async def test_async_claim__lock_timeout_hands_the_message_back(pg_async_engine, pg_engine):
+    # Given a handler holding the claim for 2 s, on asyncpg (whose claim goes straight to
+    # the driver's cursor, and must be mapped as SQLAlchemy's path would map it)
+    inbox = AsyncInbox(pg_async_engine, lock_timeout=0.3)
+    holding = asyncio.Event()
+
+    async def long_handler(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        holding.set()
+        await asyncio.sleep(2)
+
+    first = asyncio.create_task(inbox.process(delivery(), long_handler))
+    await asyncio.wait_for(holding.wait(), 10)
+    # When its duplicate arrives, it waits at most lock_timeout, then gives up
+    started = time.monotonic()
+    with pytest.raises(ClaimInProgress) as info:
+        await inbox.process(delivery(), long_handler)
+    assert 0.25 <= time.monotonic() - started < 1.5
+    assert (info.value.consumer, info.value.message_id) == ("billing", "m-1")
+    assert (await first).decision is Decision.FIRST
+    # And retried later, it is skipped
+    assert (await inbox.process(delivery(), long_handler)).decision is Decision.DUPLICATE
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+async def test_async_claim__database_down_at_claim_time_is_transient(pg_async_url, pg_engine):
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_async_engine(pg_async_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    inbox = AsyncInbox(engine)
+
+    async def handler(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+
+    try:
+        await inbox.process(delivery("warm-up"), handler)
+        # When the connection is cut before the claim's statement
+        proxy.cut()
+        with pytest.raises(DatabaseUnavailable) as info:
+            await inbox.process(delivery(), handler)
+        assert info.value.message_id == "m-1"
+        # Then nothing was recorded, and the next attempt takes a fresh connection
+        assert (await inbox.process(delivery(), handler)).decision is Decision.FIRST
+        assert (await inbox.process(delivery(), handler)).decision is Decision.DUPLICATE
+    finally:
+        await engine.dispose()
+        proxy.close()
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 2
 
 
 def test_claim__handler_os_error_stays_the_handlers_error(engine):

@@ -9,6 +9,7 @@ per delivery), and SQLAlchemy caches each size's compiled form.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -42,9 +43,25 @@ from ..protocol import (
 )
 from .tables import InboxSchema
 
-__all__ = ["ClaimStatements"]
+__all__ = ["ClaimStatements", "DriverStatement"]
 
 _TIMESTAMP = DateTime(timezone=True)
+
+
+@dataclass(frozen=True, slots=True)
+class DriverStatement:
+    """A step's statement compiled for one driver: its SQL, the values of its constant
+    parameters and, for a positional paramstyle (asyncpg's ``$1``), the parameters'
+    order."""
+
+    sql: str
+    constants: dict[str, Any]
+    order: tuple[str, ...] | None
+
+    def parameters(self, params: dict[str, Any]) -> Any:
+        """The step's parameters as the driver takes them: a mapping, or a sequence."""
+        merged = self.constants | params
+        return merged if self.order is None else [merged[name] for name in self.order]
 
 
 class ClaimStatements:
@@ -226,9 +243,8 @@ class ClaimStatements:
         return QuarantineRecord(*row)
 
     @functools.cache  # noqa: B019  (one entry per dialect; statements live as long as inboxes)
-    def driver_sql(self, dialect: Dialect) -> dict[type[Any], tuple[str, dict[str, Any]]]:
-        """The claim and look-up compiled once for ``dialect``, to run on its driver, with
-        the values of their constant parameters.
+    def driver_sql(self, dialect: Dialect) -> dict[type[Any], DriverStatement]:
+        """The claim and look-up compiled once for ``dialect``, to run on its driver.
 
         The hot path sends these two statements straight to the driver connection: the
         same SQL SQLAlchemy would send, without its per-execution work (see `executors`).
@@ -238,7 +254,11 @@ class ClaimStatements:
             LookUp: self._compile(self.look_up, dialect),
         }
         return {
-            step: (str(c), {k: v for k, v in c.params.items() if v is not None})
+            step: DriverStatement(
+                str(c),
+                {k: v for k, v in c.params.items() if v is not None},
+                tuple(c.positiontup) if dialect.positional and c.positiontup else None,
+            )
             for step, c in compiled.items()
         }
 
