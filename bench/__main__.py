@@ -165,9 +165,19 @@ def compute_ratios(report: Report) -> None:
     ratio("faststream inbox / bare", ("faststream", "inbox"), ("faststream", "bare"))
     ratio("faststream inbox / empty handler", ("faststream", "inbox"), ("faststream", "empty"))
     ratio(
+        "faststream inbox / asyncpg ceiling (8)",
+        ("faststream", "inbox"),
+        ("ceiling", "asyncpg, 8 connections"),
+    )
+    ratio(
         "faststream batch / per-message inbox",
         ("faststream", "inbox, batch"),
         ("faststream", "inbox, per message, same broker"),
+    )
+    ratio(
+        "faststream batch / asyncpg ceiling (1)",
+        ("faststream", "inbox, batch"),
+        ("ceiling", "asyncpg, 1 connection"),
     )
     ratio(
         "faststream batch / asyncpg ceiling (8)",
