@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     groups = ["dramatiq"] if args.quick else args.only.split(",")
-    messages = 800 if args.quick else args.messages
+    messages = 3000 if args.quick else args.messages
 
     prepare_database()
     report = Report(machine(), {"messages": messages, "reps": args.reps, "groups": groups})
