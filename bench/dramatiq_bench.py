@@ -39,6 +39,12 @@ broker.close()
 """
 
 
+def worker_arguments(processes: int = 1, threads: int = 8) -> list[str]:
+    """The benchmark's Dramatiq worker, as arguments to the Python interpreter."""
+    counts = ["--processes", str(processes), "--threads", str(threads)]
+    return ["-m", "dramatiq", "bench.dramatiq_worker", *counts]
+
+
 class Worker:
     def __init__(self, mode: str, queue: str, processes: int = 1, threads: int = 8) -> None:
         self.latency_dir = Path(tempfile.mkdtemp(prefix="bench-latency-"))
@@ -49,16 +55,7 @@ class Worker:
             "BENCH_POOL": str(threads + 2),
         }
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dramatiq",
-                "bench.dramatiq_worker",
-                "--processes",
-                str(processes),
-                "--threads",
-                str(threads),
-            ],
+            [sys.executable, *worker_arguments(processes, threads)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,

@@ -20,6 +20,8 @@ from bench.common import NATS, RABBITMQ, ROOT, reset_database, wait_applied
 
 RABBIT_MODES = ["bare", "inbox", "empty"]
 BATCH_MODES = ["inbox, per message, same broker", "inbox, batch"]
+WORKER_ARGUMENTS = ("-m", "faststream", "run", "bench.faststream_worker:app")
+"""The benchmark's FastStream worker, as arguments to the Python interpreter."""
 
 
 def run(report: Any, messages: int, reps: int, measure: Any) -> None:
@@ -41,7 +43,7 @@ def throughput(mode: str, messages: int) -> float:
     asyncio.run(_prepare(mode, queue, messages))
     env = os.environ | {"BENCH_MODE": mode, "BENCH_QUEUE": queue}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "faststream", "run", "bench.faststream_worker:app"],
+        [sys.executable, *WORKER_ARGUMENTS],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import ROOT, prepare_database, reset_database, wait_applied
@@ -58,18 +59,18 @@ def _record(adapter: str, mode: str, messages: int, rate: int, output: Path) -> 
     queue = f"profile_{adapter}_{mode}"
     reset_database()
     env = os.environ | {"BENCH_MODE": mode, "BENCH_QUEUE": queue}
+    command: Sequence[str]
     if adapter == "dramatiq":
-        from bench.dramatiq_bench import _purge, send
+        from bench.dramatiq_bench import _purge, send, worker_arguments
 
         _purge(queue)
         send(mode, queue, messages, messages)
-        command = ["-m", "dramatiq", "bench.dramatiq_worker", "--processes", "1"]
-        command += ["--threads", "8"]
+        command = worker_arguments()
     else:
-        from bench.faststream_bench import _cleanup, _prepare
+        from bench.faststream_bench import WORKER_ARGUMENTS, _cleanup, _prepare
 
         asyncio.run(_prepare(mode, queue, messages))
-        command = ["-m", "faststream", "run", "bench.faststream_worker:app"]
+        command = WORKER_ARGUMENTS
     spy = subprocess.Popen(
         [*_PY_SPY, "-r", str(rate), "-o", str(output), "--", sys.executable, *command],
         cwd=ROOT,
