@@ -36,11 +36,12 @@ POINTS = (
     "dead_letter_publish",
 )
 
-hook: Callable[[str], None] | None = None
-"""Called with the point's name at each point; set only by the test suite's workers."""
+hook: Callable[[str, str | None], None] | None = None
+"""Called with the point's name and the delivery's message id (None where no identity is
+known yet, or for a batch); set only by the test suite's workers."""
 
 
-def at(point: str) -> None:
+def at(point: str, message_id: str | None = None) -> None:
     """Mark ``point``; the hook, when set, may raise, block or kill the process."""
     if hook is not None:
-        hook(point)
+        hook(point, message_id)
