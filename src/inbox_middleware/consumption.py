@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeVar
 
 from .exceptions import (
+    DatabaseUnavailable,
     IdentityError,
     InboxError,
     MissingIdentity,
@@ -69,6 +70,7 @@ __all__ = [
     "Rules",
     "RunUnprotected",
     "Settlement",
+    "Unfit",
     "describe",
     "drive",
     "drive_async",
@@ -193,9 +195,11 @@ class CountFailure:
 @dataclass(frozen=True, slots=True)
 class CountHandBack:
     """Best effort, in a short transaction of its own: count one hand-back, so the
-    redelivery it causes is not taken for a crash. Answers nothing."""
+    redelivery it causes is not taken for a crash. Answers nothing. With ``unreachable``
+    (the database is the trouble) it is only remembered in this process."""
 
     delivery: Delivery
+    unreachable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +244,14 @@ class HandBackRequested(Exception):
         super().__init__("the handler asked for a redelivery")
         self.delay = delay
         self.cause = cause
+
+
+class Unfit(InboxError):
+    """The message's body does not fit the handler (it fails the handler's validation).
+
+    Retrying cannot help, so it goes where messages with an unusable identity go, with
+    the validation error as its reason.
+    """
 
 
 class RejectRequested(Exception):
@@ -457,13 +469,16 @@ def _reject(settlement: DeadLettered, delivery: Delivery | None) -> Generator[Op
 
 
 def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, Settlement]:
+    record = poisoned.record
     details = {
-        "reason": poisoned.reason,
-        "detail": poisoned.error,
+        "reason": "Poisoned",
+        "reason_code": poisoned.reason,
+        "detail": f"poison message #{record.id} after {record.attempts} attempts "
+        f"({poisoned.error}); kept in the poison table with its payload",
         "consumer": delivery.consumer,
         "source": delivery.source,
-        "poison_id": poisoned.record.id,
-        "attempts": poisoned.record.attempts,
+        "poison_id": record.id,
+        "attempts": record.attempts,
     }
     try:
         yield Publish(Route.DEAD_LETTER, details)
@@ -508,9 +523,11 @@ def _failed(
         exc, arrival.interrupts + arrival.shutdowns
     ):
         raise exc  # the process is going down (KeyboardInterrupt, cancellation): unacked
+    if isinstance(exc, Unfit):
+        return (yield from _reject(DeadLettered("unfit", exc), delivery))
     if _transient(exc, arrival):
-        with contextlib.suppress(Exception):  # best effort: the database is the likely trouble
-            yield CountHandBack(delivery)
+        with contextlib.suppress(Exception):  # best effort
+            yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
         return HandedBack(exc, counted=False)
     code = reason_code(exc, rules.permanent_errors)
     error = describe(exc)

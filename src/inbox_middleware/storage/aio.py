@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from .. import faults
-from ..consumption import Op
+from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
 from ..protocol import Delivery, Verdict
 from .executors import (
@@ -33,6 +33,7 @@ from .executors import (
     _synchronous_commit,
     track_aborts,
 )
+from .errors import as_transient
 from .failures import mark_recovered
 from .migrate import check_schema
 from .session import InboxSession
@@ -159,12 +160,17 @@ class AsyncInbox(_Base):
 
     async def bookkeep(self, op: Op) -> Any:
         """Perform a bookkeeping operation of the consumption core in its own transaction."""
+        if isinstance(op, CountHandBack) and op.unreachable:
+            return self._unrecorded_hand_back(op)
         try:
             async with self.engine.begin() as conn:
                 return await conn.run_sync(self._bookkeep, op)
-        except Exception:
+        except Exception as exc:
             self._unrecorded_hand_back(op)
-            raise
+            delivery = getattr(op, "delivery", None)
+            if delivery is None:
+                raise
+            raise as_transient(exc, delivery) from exc
 
     async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
         """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""

@@ -54,7 +54,7 @@ from ..exceptions import (
 )
 from ..metrics import metrics
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .errors import Failure, classify, from_driver, sqlstate, transient_error
+from .errors import Failure, as_transient, classify, from_driver, sqlstate, transient_error
 from .failures import FailureRecorder, mark_recovered
 from .migrate import check_schema
 from .session import InboxSession
@@ -462,12 +462,17 @@ class Inbox(_Base):
 
     def bookkeep(self, op: Op) -> Any:
         """Perform a bookkeeping operation of the consumption core in its own transaction."""
+        if isinstance(op, CountHandBack) and op.unreachable:
+            return self._unrecorded_hand_back(op)
         try:
             with self.engine.begin() as conn:
                 return self._bookkeep(conn, op)
-        except Exception:
+        except Exception as exc:
             self._unrecorded_hand_back(op)
-            raise
+            delivery = getattr(op, "delivery", None)
+            if delivery is None:
+                raise
+            raise as_transient(exc, delivery) from exc
 
     def transaction(self, handler: Callable[[Session], R]) -> R:
         """Run ``handler`` in a transaction of the same kind, without any claim.
