@@ -381,7 +381,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     try:
         poisoned = yield from _limit_redeliveries(arrival, delivery, rules)
     except Exception as exc:  # the database's trouble: the same as at the claim
-        return HandedBack(exc, counted=False)
+        return (yield from _hand_back(exc, delivery))
     if poisoned is not None:
         return (yield from _dead_letter(poisoned, delivery))
 
@@ -432,7 +432,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         # conflict again (attempts + 1) and publishes again.
         yield Publish(Route.QUARANTINE, details)
     except Exception as exc:
-        return HandedBack(exc, counted=False)
+        return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
 
 
@@ -484,7 +484,7 @@ def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, S
         yield Publish(Route.DEAD_LETTER, details)
     except Exception as exc:
         # The poison row is committed: a redelivery is recorded again, then published.
-        return HandedBack(exc, counted=False)
+        return (yield from _hand_back(exc, delivery))
     return poisoned
 
 
@@ -526,9 +526,7 @@ def _failed(
     if isinstance(exc, Unfit):
         return (yield from _reject(DeadLettered("unfit", exc), delivery))
     if _transient(exc, arrival):
-        with contextlib.suppress(Exception):  # best effort
-            yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
-        return HandedBack(exc, counted=False)
+        return (yield from _hand_back(exc, delivery))
     code = reason_code(exc, rules.permanent_errors)
     error = describe(exc)
     try:
@@ -542,11 +540,21 @@ def _failed(
         if code is None:
             return HandedBack(exc, counted=True, delay=_requested_delay(exc))
         record = yield RecordPoison(delivery, code, error, attempts)
-    except Exception:
+    except Exception as trouble:
         # Not recorded (the database may be down): the message must not be dropped, so
         # it is handed back whatever kind of failure this was, counted against nothing.
+        yield from _hand_back(trouble, delivery)
         return HandedBack(exc, counted=False)
     return (yield from _dead_letter(Poisoned(code, record, error), delivery))
+
+
+def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:
+    """Hand back for no fault of the message: count the hand-back where it can be counted
+    (in the attempts row; in this process when the database is the trouble), so that the
+    redelivery it causes is not taken for a crash."""
+    with contextlib.suppress(Exception):  # best effort
+        yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
+    return HandedBack(exc, counted=False)
 
 
 def _requested_delay(exc: BaseException) -> float | None:

@@ -30,9 +30,12 @@ __all__ = ["report"]
 logger = logging.getLogger("inbox_middleware")
 
 
-def report(arrival: Arrival, settlement: Settlement, *, consumer: str, where: str) -> None:
+def report(
+    arrival: Arrival, settlement: Settlement, *, consumer: str, where: str, message: object = None
+) -> None:
     """Log and count ``settlement`` of ``arrival`` for ``consumer``; ``where`` names the
-    dead-letter path (``the dead-letter queue``, ``orders.dead-letter``)."""
+    dead-letter path (``the dead-letter queue``, ``orders.dead-letter``), ``message`` the
+    broker's id of the message (for a message without a usable identity of its own)."""
     delivery = arrival.delivery
     fields = {
         "inbox_consumer": consumer,
@@ -72,10 +75,11 @@ def report(arrival: Arrival, settlement: Settlement, *, consumer: str, where: st
             if isinstance(error, IdentityError | PayloadNotHashable):
                 metrics.missing_identity(consumer, reason, "rejected")
             logger.error(
-                "rejecting a message for inbox consumer %s to %s: %s",
+                "rejecting a message for inbox consumer %s to %s: %s (message %s)",
                 consumer,
                 where,
                 error,
+                message,
                 extra=fields | {"inbox_event": "rejected", "inbox_reason": reason},
             )
         case Poisoned(reason=reason, record=record, error=error):

@@ -202,6 +202,14 @@ class InboxMiddleware(dramatiq.Middleware):
         self._pending = threading.local()
         self._quiet = _QuietSkips()
 
+    # The consumer settings, read from the policy (set them when creating the middleware).
+    missing_identity = property(lambda self: self.policy.missing_identity)
+    permanent_errors = property(lambda self: self.policy.permanent_errors)
+    redelivery_limit = property(lambda self: self.policy.redelivery_limit)
+    retention_window = property(lambda self: self.policy.retention_window)
+    expired_redelivery = property(lambda self: self.policy.expired_redelivery)
+    shadow = property(lambda self: self.policy.shadow)
+
     @property
     def actor_options(self) -> set[str]:
         return {
@@ -293,7 +301,13 @@ class InboxMiddleware(dramatiq.Middleware):
         """Tell Dramatiq what ``settlement`` means: the one place that does."""
         assert pending.arrival is not None
         message = pending.message
-        report(pending.arrival, settlement, consumer=bound.consumer, where="the dead-letter queue")
+        report(
+            pending.arrival,
+            settlement,
+            consumer=bound.consumer,
+            where="the dead-letter queue",
+            message=message.message_id,
+        )
         delivery = pending.arrival.delivery
         faults.at("settle", delivery.identity.message_id if delivery else None)
         match settlement:

@@ -141,6 +141,15 @@ class FastStreamInbox:
         self._lock = asyncio.Lock()
         self._database_checked = False
 
+    # The consumer settings, read from the policy (set them when creating the inbox).
+    missing_identity = property(lambda self: self.policy.missing_identity)
+    permanent_errors = property(lambda self: self.policy.permanent_errors)
+    max_attempts = property(lambda self: self.policy.max_attempts)
+    redelivery_limit = property(lambda self: self.policy.redelivery_limit)
+    retention_window = property(lambda self: self.policy.retention_window)
+    expired_redelivery = property(lambda self: self.policy.expired_redelivery)
+    shadow = property(lambda self: self.policy.shadow)
+
     def consumer(
         self,
         name: str,

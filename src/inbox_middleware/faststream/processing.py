@@ -287,7 +287,13 @@ class Subscription:
     ) -> Any:
         """Tell the broker what ``settlement`` means: the one place that does."""
         where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
-        report(arrival, settlement, consumer=self.consumer.name, where=where)
+        report(
+            arrival,
+            settlement,
+            consumer=self.consumer.name,
+            where=where,
+            message=getattr(message, "message_id", None),
+        )
         claim = arrival.delivery
         key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
         faults.at("settle", _message_id(item))
