@@ -96,11 +96,14 @@ class Browser:
 
     # -- the protocol ---------------------------------------------------------------------
 
-    def send(self, method: str, params: dict[str, Any] | None = None, *, session: str = "") -> Any:
-        """Send one command (to the page's session by default) and return its result."""
+    def send(
+        self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None
+    ) -> Any:
+        """Send one command and return its result: to the page's session by default, to
+        the browser itself with session="" (and before a tab is open)."""
         self._next_id += 1
         message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
-        target = session or self._session
+        target = self._session if session is None else session
         if target:
             message["sessionId"] = target
         os.write(self._commands, json.dumps(message).encode() + b"\0")
@@ -160,10 +163,9 @@ class Browser:
     # -- pages ----------------------------------------------------------------------------
 
     def open_tab(self) -> None:
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self._session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
-            "sessionId"
-        ]
+        target = self.send("Target.createTarget", {"url": "about:blank"}, session="")["targetId"]
+        attached = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})
+        self._session = attached["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable")
         self.send(
@@ -269,7 +271,7 @@ def chromium() -> Iterator[Browser]:
             yield browser
         finally:
             with contextlib.suppress(BrowserError, OSError):
-                browser.send("Browser.close")
+                browser.send("Browser.close", session="")
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
