@@ -198,7 +198,7 @@ def test_send_identities_snippet__copies_with_another_trace_id_are_duplicates(
         conflicts = conn.scalar(select(tables.quarantine.c.attempts))
         assert balance(conn, 7) == 10
     assert (claim.producer_name, claim.tenant, claim.message_id) == ("orders", "shop-3", "o-1")
-    assert claim.hash_scheme == "custom:credit-without-trace.v1"
+    assert claim.hash_scheme == "custom.v2:credit-without-trace.v1"
     assert claim.produced_at == created
     assert conflicts == 1
 
