@@ -39,13 +39,19 @@ def _double(hex_bits: str) -> str:
 
 
 CASES: list[tuple[str, str]] = [
-    ("rfc8785-3.2.2", '{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, '
-     '0.000000000000000000000000001], "string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022'
-     '\\u005c\\\\\\"\\/", "literals": [null, true, false]}'),
-    ("rfc8785-3.2.3-key-order", '{"\\u20ac": "Euro Sign", "\\r": "Carriage Return", '
-     '"\\ufb33": "Hebrew Letter Dalet With Dagesh", "1": "One", "\\ud83d\\ude00": '
-     '"Emoji: Grinning Face", "\\u0080": "Control", "\\u00f6": "Latin Small Letter O With '
-     'Diaeresis"}'),
+    (
+        "rfc8785-3.2.2",
+        '{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, '
+        '0.000000000000000000000000001], "string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022'
+        '\\u005c\\\\\\"\\/", "literals": [null, true, false]}',
+    ),
+    (
+        "rfc8785-3.2.3-key-order",
+        '{"\\u20ac": "Euro Sign", "\\r": "Carriage Return", '
+        '"\\ufb33": "Hebrew Letter Dalet With Dagesh", "1": "One", "\\ud83d\\ude00": '
+        '"Emoji: Grinning Face", "\\u0080": "Control", "\\u00f6": "Latin Small Letter O With '
+        'Diaeresis"}',
+    ),
     ("key-order-is-not-sorted-by-code-point", '{"\\ufb00": 1, "\\ud83d\\ude00": 2}'),
     ("white-space-and-key-order", '{ "b" : 2 ,\n  "a" : [ 1 , 2 ] }'),
     ("empty-containers", '{"a": {}, "b": [], "c": ""}'),
@@ -61,9 +67,12 @@ CASES: list[tuple[str, str]] = [
     ("escapes", '"\\u0000\\u0001\\b\\t\\n\\u000b\\f\\r\\u001f \\" \\\\ / \\u007f \\u2028"'),
     ("non-ascii-as-utf-8", '{"name": "Zoë Smith", "city": "Zürich", "emoji": "😀"}'),
     ("dramatiq-actor-form", '{"actor": "add_credit", "args": {"account_id": 7, "amount": 10}}'),
-    ("order-event", '{"order_id": "ord-42", "customer": {"id": 1234, "email": '
-     '"z@example.com"}, "lines": [{"sku": "A-1", "qty": 2, "price": 9.99}, {"sku": "B-7", '
-     '"qty": 1, "price": 120.5}], "total": "140.48", "currency": "EUR"}'),
+    (
+        "order-event",
+        '{"order_id": "ord-42", "customer": {"id": 1234, "email": '
+        '"z@example.com"}, "lines": [{"sku": "A-1", "qty": 2, "price": 9.99}, {"sku": "B-7", '
+        '"qty": 1, "price": 120.5}], "total": "140.48", "currency": "EUR"}',
+    ),
     ("deep-nesting", "[" * 40 + '{"x": 1}' + "]" * 40),
     *((f"rfc8785-appendix-b-{bits}", _double(bits)) for bits in APPENDIX_B),
 ]
