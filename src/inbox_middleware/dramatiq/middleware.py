@@ -74,12 +74,13 @@ from ..storage.executors import (
 from .payload import (
     BROKER_ID_PRODUCER,
     OPTION_MESSAGE_ID,
+    OPTION_MESSAGE_ID_FROM,
     OPTION_PRODUCED_AT,
     OPTION_PRODUCER,
     OPTION_TENANT,
     ActorPayload,
     CanonicalForm,
-    identity_options,
+    actor_identity,
 )
 from .repair import OPTION_REPAIR
 from .routing import QuarantinePublisher, publisher_for
@@ -293,6 +294,8 @@ class InboxMiddleware(dramatiq.Middleware):
             "inbox_quarantine_queue",
             "inbox_permanent_errors",
             "inbox_shadow",
+            OPTION_PRODUCER,  # with OPTION_MESSAGE_ID_FROM: the identity is an argument
+            OPTION_MESSAGE_ID_FROM,
         }
 
     # -- declaration ----------------------------------------------------------------------
@@ -478,6 +481,7 @@ class _InboxActor:
             actor.actor_name,
             self.target,
             options.get("inbox_canonical_form", middleware.canonical_form),
+            actor_identity(actor.actor_name, self.target, options),
         )
         if inspect.iscoroutinefunction(self.target):
             if middleware.async_inbox is None:
@@ -502,7 +506,7 @@ class _InboxActor:
 
     def delivery(self, message: MessageProxy) -> Delivery:
         try:
-            ident = identity_options(message.options)
+            ident = self.payload.message_identity(message)
         except MissingIdentity:
             if self.missing_identity != "broker_id":
                 raise
