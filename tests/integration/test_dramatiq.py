@@ -116,7 +116,7 @@ def test_dramatiq__sequential_duplicate_has_one_effect(broker, queue, pg_engine,
         "orders",
         "ord-1",
     )
-    assert (row["handler_version"], row["hash_scheme"]) == ("3", "dramatiq.v1")
+    assert (row["handler_version"], row["hash_scheme"]) == ("3", "dramatiq.v2")
     assert dead_letters(broker, queue) == 0
 
 

@@ -41,7 +41,7 @@ from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..protocol import Delivery
 from .context import session_var
-from .payload import BROKER_ID_PRODUCER, ActorPayload, identity_options
+from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class InboxActor:
             actor.actor_name,
             self.target,
             options.get("inbox_canonical_form", middleware.canonical_form),
+            actor_identity(actor.actor_name, self.target, options),
         )
         self.is_async = inspect.iscoroutinefunction(self.target)
         engine = middleware.async_inbox if self.is_async else middleware.inbox
@@ -141,7 +142,7 @@ class InboxActor:
 
     def delivery(self, message: MessageProxy) -> Delivery:
         try:
-            ident = identity_options(message.options)
+            ident = self.payload.message_identity(message)
         except MissingIdentity:
             if self.policy.missing_identity != "broker_id":
                 raise

@@ -59,7 +59,7 @@ from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .actor import SKIPPED, InboxActor, Pending
 from .context import current_async_session, current_session, identity
-from .payload import CanonicalForm
+from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
 
 if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
@@ -136,7 +136,9 @@ class InboxMiddleware(dramatiq.Middleware):
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
     ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form``,
     ``inbox_quarantine_queue``, ``inbox_permanent_errors`` and ``inbox_shadow``, overriding
-    the middleware's settings per actor.
+    the middleware's settings per actor; ``inbox_producer`` with ``inbox_message_id_from``
+    (the name of the argument that is the message id) for messages sent without identity
+    options.
 
     Inside an inbox actor, Dramatiq's own instructions mean: ``raise SkipMessage`` "done"
     (the work commits, then the message is skipped); ``raise Retry`` a failed attempt
@@ -220,6 +222,8 @@ class InboxMiddleware(dramatiq.Middleware):
             "inbox_quarantine_queue",
             "inbox_permanent_errors",
             "inbox_shadow",
+            OPTION_PRODUCER,  # with OPTION_MESSAGE_ID_FROM: the identity is an argument
+            OPTION_MESSAGE_ID_FROM,
         }
 
     # -- declaration ------------------------------------------------------------------------
