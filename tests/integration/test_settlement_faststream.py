@@ -353,3 +353,42 @@ async def test_settlement__claim_in_progress_hand_backs_are_not_crashes(
             await eventually(lambda: seen.count("Skipped") == 1, timeout=20, what="the skip")
     assert poison_rows(pg_engine) == []
     assert applied(pg_engine) == 1
+
+
+async def test_settlement__hand_backs_spend_no_quorum_delivery_limit(pg_async_url, pg_engine, seen):
+    # Given a RabbitMQ quorum queue whose delivery limit is 2, and a database that is down
+    # for many more hand-backs than that
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_async_engine(
+        pg_async_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
+    )
+    inbox = FastStreamInbox(engine, retry_backoff=(0.05, 0.1))
+    try:
+        async with harness("rabbit", inbox, seen) as h:
+            queue = RabbitQueue(
+                h.name,
+                durable=True,
+                queue_type=QueueType.QUORUM,
+                arguments={"x-delivery-limit": 2},
+            )
+
+            @h.broker.subscriber(queue, dependencies=[inbox.consumer("billing")])
+            async def handle(body: dict[str, Any], session: InboxSession) -> None:
+                await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+            async with h.broker:
+                await h.broker.start()
+                proxy.down()
+                await h.publish(ORDER, ident())
+                # When it is handed back six times
+                await eventually(lambda: seen.count("HandedBack") >= 6, what="six hand-backs")
+                # Then the queue still holds it, and once the database is back it is applied
+                proxy.up()
+                await eventually(lambda: applied(pg_engine) == 1, timeout=20, what="the effect")
+                assert await h.leftover() == 0
+    finally:
+        await engine.dispose()
+        proxy.close()
+    assert poison_rows(pg_engine) == []

@@ -18,6 +18,7 @@ from .. import faults
 from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
 from ..protocol import Delivery, Verdict
+from .errors import as_transient
 from .executors import (
     _ABORTED,
     DEFAULT_LOCK_TIMEOUT,
@@ -33,7 +34,6 @@ from .executors import (
     _synchronous_commit,
     track_aborts,
 )
-from .errors import as_transient
 from .failures import mark_recovered
 from .migrate import check_schema
 from .session import InboxSession
