@@ -71,11 +71,13 @@ __all__ = [
     "RunUnprotected",
     "Settlement",
     "Unfit",
+    "conflict_details",
     "describe",
     "drive",
     "drive_async",
     "expired",
     "reason_code",
+    "rejection_details",
     "settle_steps",
 ]
 
@@ -412,20 +414,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     if verdict.decision is Decision.DUPLICATE:
         return Duplicate(verdict)
     assert verdict.quarantine is not None
-    assert verdict.stored is not None
-    details = {
-        "reason": "identity_conflict",
-        "consumer": delivery.consumer,
-        "producer": delivery.identity.producer,
-        "tenant": delivery.identity.tenant,
-        "message_id": delivery.identity.message_id,
-        "quarantine_id": verdict.quarantine.id,
-        "attempts": verdict.quarantine.attempts,
-        "stored_sha256": verdict.stored.payload_sha256,
-        "conflicting_sha256": delivery.payload_hash.sha256,
-        "hash_scheme": delivery.payload_hash.scheme,
-        "source": delivery.source,
-    }
+    details = conflict_details(delivery, verdict)
     try:
         # The quarantine row is committed already (the table is the source of truth); if
         # this publish fails, the message is handed back, and its redelivery records the
@@ -454,13 +443,43 @@ def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Sett
     return (yield from _reject(DeadLettered(identity_reason(problem), problem), None))
 
 
-def _reject(settlement: DeadLettered, delivery: Delivery | None) -> Generator[Op, Any, Settlement]:
-    details = {
-        "reason": type(settlement.error).__name__,
-        "detail": str(settlement.error),
-        "consumer": delivery.consumer if delivery else None,
-        "source": delivery.source if delivery else None,
+def conflict_details(delivery: Delivery, verdict: Verdict) -> dict[str, Any]:
+    """What a quarantined message carries with it (the repair tools read it)."""
+    assert verdict.stored is not None
+    assert verdict.quarantine is not None
+    return {
+        "reason": "identity_conflict",
+        "consumer": delivery.consumer,
+        "producer": delivery.identity.producer,
+        "tenant": delivery.identity.tenant,
+        "message_id": delivery.identity.message_id,
+        "quarantine_id": verdict.quarantine.id,
+        "attempts": verdict.quarantine.attempts,
+        "stored_sha256": verdict.stored.payload_sha256,
+        "conflicting_sha256": delivery.payload_hash.sha256,
+        "hash_scheme": delivery.payload_hash.scheme,
+        "source": delivery.source,
     }
+
+
+def rejection_details(
+    error: InboxError, consumer: str | None, source: str | None
+) -> dict[str, Any]:
+    """What a dead-lettered message carries with it: why it was rejected."""
+    return {
+        "reason": type(error).__name__,
+        "detail": str(error),
+        "consumer": consumer,
+        "source": source,
+    }
+
+
+def _reject(settlement: DeadLettered, delivery: Delivery | None) -> Generator[Op, Any, Settlement]:
+    details = rejection_details(
+        settlement.error,
+        delivery.consumer if delivery else None,
+        delivery.source if delivery else None,
+    )
     try:
         yield Publish(Route.DEAD_LETTER, details)
     except Exception as exc:

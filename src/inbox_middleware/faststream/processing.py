@@ -420,21 +420,7 @@ class Subscription:
         raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
 
     async def _quarantine(self, item: Item, claim: Delivery, verdict: Verdict) -> None:
-        assert verdict.stored is not None
-        assert verdict.quarantine is not None
-        details = {
-            "reason": "identity_conflict",
-            "consumer": claim.consumer,
-            "producer": claim.identity.producer,
-            "tenant": claim.identity.tenant,
-            "message_id": claim.identity.message_id,
-            "quarantine_id": verdict.quarantine.id,
-            "attempts": verdict.quarantine.attempts,
-            "stored_sha256": verdict.stored.payload_sha256,
-            "conflicting_sha256": claim.payload_hash.sha256,
-            "hash_scheme": claim.payload_hash.scheme,
-            "source": claim.source,
-        }
+        details = core.conflict_details(claim, verdict)
         faults.at("quarantine_publish", claim.identity.message_id)
         headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
         await self.adapter.publish(self.quarantine, item, headers)
@@ -448,12 +434,7 @@ class Subscription:
             error,
             extra={"inbox_event": "rejected", "inbox_consumer": self.consumer.name},
         )
-        details = {
-            "reason": type(error).__name__,
-            "detail": str(error),
-            "consumer": self.consumer.name,
-            "source": self.adapter.source,
-        }
+        details = core.rejection_details(error, self.consumer.name, self.adapter.source)
         faults.at("dead_letter_publish", _message_id(item))
         if self.dead_letter is None:
             await self.adapter.reject(message, [index])
