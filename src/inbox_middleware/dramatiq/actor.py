@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,6 +28,7 @@ from .. import faults
 from ..consumption import (
     Arrival,
     HandBackRequested,
+    HandedBack,
     Op,
     Process,
     Publish,
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["SKIPPED", "InboxActor", "Pending"]
 
 R = TypeVar("R")
+logger = logging.getLogger("inbox_middleware.dramatiq")
 
 
 class _Skipped:
@@ -162,8 +165,12 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        steps = settle_steps(pending.arrival, self.policy)
-        settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+        try:
+            steps = settle_steps(pending.arrival, self.policy)
+            settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+        except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer)
+            settlement = HandedBack(exc, counted=True)
         return self.middleware.settle(self, pending, settlement)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

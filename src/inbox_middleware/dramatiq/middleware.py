@@ -305,15 +305,18 @@ class InboxMiddleware(dramatiq.Middleware):
         """Tell Dramatiq what ``settlement`` means: the one place that does."""
         assert pending.arrival is not None
         message = pending.message
-        report(
-            pending.arrival,
-            settlement,
-            consumer=bound.consumer,
-            where="the dead-letter queue",
-            message=message.message_id,
-        )
         delivery = pending.arrival.delivery
-        faults.at("settle", delivery.identity.message_id if delivery else None)
+        try:  # whatever happens here, the broker is still told
+            report(
+                pending.arrival,
+                settlement,
+                consumer=bound.consumer,
+                where="the dead-letter queue",
+                message=message.message_id,
+            )
+            faults.at("settle", delivery.identity.message_id if delivery else None)
+        except Exception:
+            logger.exception("could not report a settlement of %s", bound.consumer)
         match settlement:
             case Processed(result=result) if result is SKIPPED:
                 self._quiet.mark(message)

@@ -287,16 +287,19 @@ class Subscription:
     ) -> Any:
         """Tell the broker what ``settlement`` means: the one place that does."""
         where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
-        report(
-            arrival,
-            settlement,
-            consumer=self.consumer.name,
-            where=where,
-            message=getattr(message, "message_id", None),
-        )
+        try:  # whatever happens here, the broker is still told
+            report(
+                arrival,
+                settlement,
+                consumer=self.consumer.name,
+                where=where,
+                message=getattr(message, "message_id", None),
+            )
+            faults.at("settle", _message_id(item))
+        except Exception:
+            logger.exception("could not report a settlement of %s", self.consumer.name)
         claim = arrival.delivery
         key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
-        faults.at("settle", _message_id(item))
         name = self.consumer.name
         match settlement:
             case Processed(result=result):
