@@ -286,12 +286,21 @@ def purge(
     return total
 
 
+def purgeable(
+    conn: Connection, naming: InboxSchema, older_than: timedelta, *, consumer: str | None = None
+) -> int:
+    """How many claims `purge` would delete now (through the processed_at index)."""
+    statement = _purge_statements(naming, conn.dialect.name)[2]
+    params = {"seconds": older_than.total_seconds(), "consumer": consumer}
+    return int(conn.execute(statement, params).scalar_one())
+
+
 class RetentionRefused(ConfigurationError):
     """The purge window is shorter than the recorded retention policy allows."""
 
 
 @cache
-def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any]:
+def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any]:
     inbox, attempts = naming.tables.inbox, naming.tables.attempts
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
@@ -317,7 +326,8 @@ def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any]:
         attempts.c.last_failure_at < cutoff,
         or_(consumer.is_(None), attempts.c.consumer_name == consumer),
     )
-    return batch, failures
+    count = select(func.count()).select_from(inbox).where(old)
+    return batch, failures, count
 
 
 # -- redeliveries older than the window ---------------------------------------------------

@@ -10,10 +10,12 @@ from typing import Any
 
 import click
 
-from . import retention
-from .retention import ALL_CONSUMERS, RetentionPolicy, format_duration, parse_duration
+from .. import retention
+from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration, parse_duration
+from .options import connect, database, database_options
+from .output import progress, table
 
-__all__ = ["purge", "retention_group"]
+__all__ = ["purge_command", "retention_group"]
 
 _SCENARIOS = {
     "broker_retention": "how long the broker keeps, and may redeliver, a message",
@@ -47,17 +49,24 @@ def _policy(values: dict[str, Any]) -> RetentionPolicy:
     )
 
 
-def _describe(policy: RetentionPolicy) -> str:
+def _describe(policy: RetentionPolicy) -> None:
     window, dominant = retention.minimum_window(policy)
-    lines = [f"{'scenario':22s} {'a copy can arrive up to':>24s}"]
-    for scenario in policy.scenarios():
-        mark = "  <- dominant" if scenario is dominant or scenario == dominant else ""
-        lines.append(f"{scenario.name:22s} {format_duration(scenario.window):>24s}{mark}")
-    lines.append(
+    table(
+        "failure scenarios",
+        ["scenario", "a copy can arrive up to", ""],
+        [
+            [
+                scenario.name,
+                format_duration(scenario.window) or "0s",
+                "<- dominant" if scenario is dominant or scenario == dominant else "",
+            ]
+            for scenario in policy.scenarios()
+        ],
+    )
+    click.echo(
         f"minimum retention window: {format_duration(window)} "
         f"({dominant.name} plus a {policy.margin:.0%} margin)"
     )
-    return "\n".join(lines)
 
 
 @click.group("retention")
@@ -69,113 +78,112 @@ def retention_group() -> None:
 @_scenario_options
 def calculate_command(**values: Any) -> None:
     """Print the minimum safe window and the scenario that dominates it."""
-    click.echo(_describe(_policy(values)))
+    _describe(_policy(values))
 
 
 def _who(by: str | None) -> str:
     return by or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
-def _register() -> click.Command:
-    # The shared options live in `cli`, which imports this module once they exist.
-    from .cli import connect, database_options, naming_from
+@retention_group.command("set")
+@database_options
+@click.option(
+    "--consumer",
+    default=ALL_CONSUMERS,
+    show_default=True,
+    help="The consumer it applies to; * for every consumer without its own.",
+)
+@click.option("--by", default=None, help="Who records it (default: user@host).")
+@_scenario_options
+def set_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    consumer: str,
+    by: str | None,
+    **values: Any,
+) -> None:
+    """Record the failure scenarios; every purge is checked against their minimum."""
+    policy = _policy(values)
+    with database(database_url, schema, prefix, write=True) as (conn, naming):
+        retention.record_policy(conn, naming, policy, consumer=consumer, by=_who(by))
+    _describe(policy)
+    click.echo(f"recorded for consumer {consumer}")
 
-    @retention_group.command("set")
-    @database_options
-    @click.option(
-        "--consumer",
-        default=ALL_CONSUMERS,
-        show_default=True,
-        help="The consumer it applies to; * for every consumer without its own.",
-    )
-    @click.option("--by", default=None, help="Who records it (default: user@host).")
-    @_scenario_options
-    def set_command(
-        database_url: str,
-        schema: str | None,
-        prefix: str,
-        consumer: str,
-        by: str | None,
-        **values: Any,
-    ) -> None:
-        """Record the failure scenarios; every purge is checked against their minimum."""
-        policy = _policy(values)
-        engine = connect(database_url)
-        try:
-            with engine.begin() as conn:
-                retention.record_policy(
-                    conn, naming_from(schema, prefix), policy, consumer=consumer, by=_who(by)
-                )
-        finally:
-            engine.dispose()
-        click.echo(_describe(policy))
-        click.echo(f"recorded for consumer {consumer}")
 
-    @retention_group.command("show")
-    @database_options
-    @click.option("--consumer", default=None, help="The policy that applies to this consumer.")
-    def show_command(
-        database_url: str, schema: str | None, prefix: str, consumer: str | None
-    ) -> None:
-        """Print the recorded policy that applies (the consumer's own, else the default)."""
-        engine = connect(database_url)
-        try:
-            with engine.connect() as conn:
-                recorded = retention.recorded_policy(conn, naming_from(schema, prefix), consumer)
-        finally:
-            engine.dispose()
-        if recorded is None:
-            raise click.ClickException("no retention policy is recorded")
-        click.echo(f"policy recorded for consumer {recorded.consumer}:")
-        click.echo(_describe(recorded.policy))
-
-    @click.command("purge")
-    @database_options
-    @click.option("--older-than", required=True, help="Delete claims processed before this (30d).")
-    @click.option("--consumer", default=None, help="Only this consumer's claims.")
-    @click.option("--batch-size", default=5000, show_default=True)
-    @click.option("--pause", default=0.0, show_default=True, help="Seconds between batches.")
-    @click.option(
-        "--force",
-        is_flag=True,
-        help="Purge even without a recorded policy, or below its minimum window.",
-    )
-    def purge_command(
-        database_url: str,
-        schema: str | None,
-        prefix: str,
-        older_than: str,
-        consumer: str | None,
-        batch_size: int,
-        pause: float,
-        force: bool,
-    ) -> None:
-        """Delete processed claims older than the window, in small batches that never block
-        live claims. Refused below the recorded retention policy's minimum."""
-        window = parse_duration(older_than)
-        naming = naming_from(schema, prefix)
-        engine = connect(database_url)
-        try:
-            with engine.connect() as conn:
-                recorded = retention.check_window(
-                    conn, naming, window, consumer=consumer, force=force
-                )
-            if force and (recorded is None or window < recorded.minimum):
-                click.echo(
-                    "warning: purging below the recorded retention policy (--force)", err=True
-                )
-            started = time.monotonic()
-            deleted = retention.purge(
-                engine, naming, window, consumer=consumer, batch_size=batch_size, pause=pause
-            )
-        finally:
-            engine.dispose()
-        click.echo(
-            f"deleted {deleted} claims processed more than {format_duration(window)} ago "
-            f"in {time.monotonic() - started:.1f}s"
+@retention_group.command("show")
+@database_options
+@click.option("--consumer", default=None, help="The policy that applies to this consumer.")
+def show_command(database_url: str, schema: str | None, prefix: str, consumer: str | None) -> None:
+    """Print the recorded policy that applies (the consumer's own, else the default)."""
+    with database(database_url, schema, prefix) as (conn, naming):
+        recorded = retention.recorded_policy(conn, naming, consumer)
+    if recorded is None:
+        raise click.ClickException(
+            "no retention policy is recorded; record one with `inbox-middleware retention set`"
         )
+    click.echo(f"policy recorded for consumer {recorded.consumer}:")
+    _describe(recorded.policy)
 
-    return purge_command
 
-
-purge = _register()
+@click.command("purge")
+@database_options
+@click.option("--older-than", required=True, help="Delete claims processed before this (30d).")
+@click.option("--consumer", default=None, help="Only this consumer's claims.")
+@click.option("--batch-size", type=click.IntRange(1), default=5000, show_default=True)
+@click.option("--pause", default=0.0, show_default=True, help="Seconds between batches.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Purge even without a recorded policy, or below its minimum window.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+def purge_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    older_than: str,
+    consumer: str | None,
+    batch_size: int,
+    pause: float,
+    force: bool,
+    dry_run: bool,
+) -> None:
+    """Delete processed claims older than the window, in small batches that never block
+    live claims. Refused below the recorded retention policy's minimum."""
+    window = parse_duration(older_than)
+    age = format_duration(window)
+    with database(database_url, schema, prefix) as (conn, naming):
+        recorded = retention.check_window(conn, naming, window, consumer=consumer, force=force)
+        doomed = retention.purgeable(conn, naming, window, consumer=consumer)
+        conn.commit()
+    if force and recorded is None:
+        click.echo("warning: no retention policy is recorded; purging anyway (--force)", err=True)
+    elif force and recorded is not None and window < recorded.minimum:
+        click.echo(
+            f"warning: purging below the recorded retention policy's minimum of "
+            f"{format_duration(recorded.minimum)} (--force)",
+            err=True,
+        )
+    if dry_run:
+        click.echo(f"would delete {doomed} claims processed more than {age} ago (--dry-run)")
+        return
+    engine = connect(database_url)
+    try:
+        started = time.monotonic()
+        with progress("purging claims", total=doomed) as advance:
+            deleted = retention.purge(
+                engine,
+                naming,
+                window,
+                consumer=consumer,
+                batch_size=batch_size,
+                pause=pause,
+                on_batch=advance,
+            )
+    finally:
+        engine.dispose()
+    click.echo(
+        f"deleted {deleted} claims processed more than {age} ago "
+        f"in {time.monotonic() - started:.1f}s"
+    )
