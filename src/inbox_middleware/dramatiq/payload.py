@@ -8,6 +8,7 @@ signature: ``add_credit(7, 10)`` and ``add_credit(account_id=7, delta=10)`` hash
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -121,12 +122,22 @@ class ActorPayload:
             payload_hash=payload_hash,
             handler_version=handler_version,
             source=message.queue_name,
-            payload=message.encode,  # encoded only if a conflict or a failure keeps it
+            payload=lambda: _kept(message),  # encoded only if a conflict or a failure keeps it
             payload_format="dramatiq",
             headers=_Options(message.options),
             received_at=datetime.now(UTC),
             rehash=rehash,
         )
+
+
+def _kept(message: Message[Any] | MessageProxy) -> bytes:
+    """The message as a row keeps it: without the options that describe one delivery
+    (Dramatiq's Retries middleware adds the last failure's whole traceback)."""
+    inner: Message[Any] = getattr(message, "_message", message)
+    options = {
+        name: value for name, value in inner.options.items() if name not in _VOLATILE_OPTIONS
+    }
+    return dataclasses.replace(inner, options=options).encode()
 
 
 def identity_options(options: Mapping[str, Any]) -> MessageIdentity:
