@@ -133,7 +133,7 @@ class ActorPayload:
 def _kept(message: Message[Any] | MessageProxy) -> bytes:
     """The message as a row keeps it: without the options that describe one delivery
     (Dramatiq's Retries middleware adds the last failure's whole traceback)."""
-    inner: Message[Any] = getattr(message, "_message", message)
+    inner = message._message if isinstance(message, MessageProxy) else message
     options = {
         name: value for name, value in inner.options.items() if name not in _VOLATILE_OPTIONS
     }
