@@ -56,4 +56,4 @@ def test_missing_integration_names_the_extra():
         "except ImportError as exc:\n    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert "pip install inbox-middleware[dramatiq]" in result.stdout
+    assert "run `pip install 'inbox-middleware[dramatiq]'`" in result.stdout
