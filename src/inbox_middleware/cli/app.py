@@ -35,7 +35,9 @@ class InboxCommands(click.Group):
     ) -> Any:
         extra.pop("standalone_mode", None)
         try:
-            return super().main(args, prog_name, standalone_mode=False, **extra)
+            return super().main(
+                args, prog_name or "inbox-middleware", standalone_mode=False, **extra
+            )
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.Abort:

@@ -173,7 +173,7 @@ def list_command(
 ) -> None:
     """Effects, newest first, after a count per status."""
     with _database(database_url, schema, prefix) as (conn, statements):
-        counts: dict[str, int] = dict(conn.execute(statements.counts).tuples().all())
+        counts = {row[0]: row[1] for row in conn.execute(statements.counts)}
         rows = [
             dict(row)
             for row in conn.execute(statements.listing(status, destination, limit)).mappings()
