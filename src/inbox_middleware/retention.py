@@ -50,7 +50,7 @@ from .exceptions import ConfigurationError, PermanentError
 from .metrics import metrics
 from .poison import EXPIRED_REDELIVERY
 from .protocol import Delivery
-from .storage.tables import InboxSchema
+from .storage.tables import ALL_CONSUMERS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
 
@@ -155,9 +155,6 @@ def minimum_window(policy: RetentionPolicy) -> tuple[timedelta, Scenario]:
 # against their minimum. The purge works in small batches, each its own transaction, taking
 # rows with FOR UPDATE SKIP LOCKED: a live claim never waits for it, and several purgers
 # never wait for each other.
-
-ALL_CONSUMERS = "*"
-
 
 @dataclass(frozen=True, slots=True)
 class RecordedPolicy:

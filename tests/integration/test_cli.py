@@ -162,3 +162,34 @@ def test_cli__every_database_command_reads_the_url_from_the_environment(command)
     # (no database needed: click reports what is missing before connecting)
     shown = CliRunner().invoke(main, [command, "--help"]).output
     assert "INBOX_DATABASE_URL" in shown
+
+
+def test_engines__an_asyncpg_only_engine_works_under_run_sync_from_any_thread(
+    pg_async_url, monkeypatch
+):
+    # As with inbox-middleware[faststream-rabbit]: asyncpg is the only driver
+    import threading
+
+    from inbox_middleware.metrics import TableCollector
+    from inbox_middleware.storage import engines
+
+    monkeypatch.setattr(engines, "_installed", lambda module: module == "asyncpg")
+    engine = engines.sync_engine(pg_async_url)
+    try:
+        assert engine.dialect.driver == "asyncpg"
+        assert engines.run_sync(lambda: engine.connect().close()) is None
+        # The metrics server reads the table gauges from its own threads
+        collector = TableCollector(engine, NAMING, cache_seconds=0)
+        families: list[Any] = []
+        reader = threading.Thread(target=lambda: families.extend(collector.collect()))
+        reader.start()
+        reader.join(30)
+        assert collector.reads == 1 and families
+        assert all(
+            sample.value == 1
+            for f in families
+            if f.name == "inbox_tables_up"
+            for sample in f.samples
+        )
+    finally:
+        engine.dispose()

@@ -2,12 +2,14 @@
 one place where errors become a line on standard error.
 
 Every error ends a command with one line that names the fix (``error: ...``) and a
-non-zero exit status, never a traceback: 1 for a library or database error, 2 for a
-usage error (a missing option, a URL that is not one).
+non-zero exit status, never a traceback: 1 for a library, database or broker error, 2
+for a usage error (a missing option, a URL that is not one). ``INBOX_DEBUG=1`` lets an
+unexpected error through with its traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +53,10 @@ class InboxCommands(click.Group):
             _fail(str(exc), 1)
         except DBAPIError as exc:
             _fail(_database_error(exc), 1)
+        except Exception as exc:  # a broker or an import that failed: still one line
+            if os.environ.get("INBOX_DEBUG"):
+                raise
+            _fail(f"{type(exc).__name__}: {exc} (INBOX_DEBUG=1 shows the traceback)", 1)
 
 
 def _fail(message: str, status: int) -> None:
