@@ -156,6 +156,7 @@ def minimum_window(policy: RetentionPolicy) -> tuple[timedelta, Scenario]:
 # rows with FOR UPDATE SKIP LOCKED: a live claim never waits for it, and several purgers
 # never wait for each other.
 
+
 @dataclass(frozen=True, slots=True)
 class RecordedPolicy:
     consumer: str
