@@ -60,6 +60,7 @@ class Harness:
         self.name = f"t{uuid.uuid4().hex[:10]}"
         self.stream = self.name.upper()  # NATS JetStream stream
         self.group = f"g{self.name}"  # Kafka consumer group
+        self.partition: int | None = None  # Kafka: publish to this partition (None: any)
         if kind == "rabbit":
             from faststream.rabbit import RabbitBroker
 
@@ -168,7 +169,7 @@ class Harness:
         elif self.kind == "redis":
             await self.broker.publish(body, stream=self.name, headers=headers)
         elif self.kind == "kafka":
-            await self.broker.publish(body, self.name, headers=headers)
+            await self.broker.publish(body, self.name, headers=headers, partition=self.partition)
         else:
             await self.broker.publish(body, self.name, headers=headers, stream=self.stream)
 

@@ -29,6 +29,7 @@ topic's partition count, and refuses to start when it cannot.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ from .base import BrokerAdapter, Item, Peer, text_headers
 
 __all__ = ["KafkaAdapter"]
 
+# What Kafka accepts as a topic name (some Kafka-protocol brokers accept more).
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 _ACK = (
     "Pass ack_policy=AckPolicy.ACK (the inbox then commits the offset after its "
     "transaction, and seeks back to retry)"
@@ -88,6 +91,12 @@ class KafkaAdapter(BrokerAdapter):
         from aiokafka.admin import NewTopic
 
         wanted = list(destinations)
+        if bad := [name for name in wanted if not _TOPIC_NAME.fullmatch(name)]:
+            raise ConfigurationError(
+                f"the inbox cannot create the Kafka topics {', '.join(map(repr, bad))} for "
+                f"{self.source!r}: a topic name is 1 to 249 characters of letters, digits, "
+                "'.', '_' and '-'; choose another quarantine= or dead_letter="
+            )
         admin = self.broker.config.admin.admin_client
         if admin is None:  # TestKafkaBroker connects no clients, and keeps no topics
             return
