@@ -20,7 +20,10 @@ _PUBLISH_OPTIONS = [
         "--broker-url",
         envvar="INBOX_BROKER_URL",
         required=True,
-        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port (INBOX_BROKER_URL).",
+        help=(
+            "Broker to publish to: amqp://, redis://, nats:// or kafka://host:port "
+            "(INBOX_BROKER_URL)."
+        ),
     ),
     click.option(
         "--redis-namespace",

@@ -503,9 +503,7 @@ class Restarts:
 
     def broker(self) -> None:
         if self.target.restartable:
-            self._start(
-                self.config.broker, self.target.restart_broker, self.events.broker_restarts
-            )
+            self._start(self.config.broker, self.target.restart_broker, self.events.broker_restarts)
 
     @property
     def done(self) -> bool:

@@ -1,6 +1,7 @@
-"""Kafka, experimental: there is no Kafka server here, so these run on FastStream's
-TestKafkaBroker (in memory) with the real PostgreSQL. They show the inbox's decisions and
-the guard; redelivery itself (a seek back after a nack) is the test broker's, not Kafka's."""
+"""Kafka on FastStream's TestKafkaBroker (in memory) with the real PostgreSQL: unit-level
+checks of the inbox's decisions and the guard, as an app's own tests would run them. The
+proof on a real broker (tansu) is in test_faststream_kafka_broker.py and the tests shared
+with the other brokers."""
 
 from __future__ import annotations
 

@@ -115,7 +115,11 @@ async def test_kafka__concurrent_duplicates_on_two_members_have_one_effect(h, in
                 for p in (0, 1)
             )
         )
-        await eventually(lambda: len(seen.outcomes) == 2, timeout=30, what=f"two outcomes {seen} {assignment(first)} {assignment(second)}")
+        await eventually(
+            lambda: len(seen.outcomes) == 2,
+            timeout=30,
+            what=f"two outcomes {seen} {assignment(first)} {assignment(second)}",
+        )
     # Then both members held it at once, one applied it, the other skipped it
     assert abs(seen.arrivals[0] - seen.arrivals[1]) < 1, "the deliveries should overlap"
     assert sorted(seen.outcomes) == ["Skipped", "processed"]

@@ -103,6 +103,12 @@ class BrokerAdapter:
         outcome (its consumer died or lost the connection). False when it cannot tell."""
         return False
 
+    async def ack(self, message: Any) -> None:
+        """Acknowledge ``message`` once the inbox has settled it (committed, skipped,
+        quarantined or dead-lettered). Raise only when the broker may still redeliver it
+        as if nothing had happened and that matters; the default is the message's ack."""
+        await message.ack()
+
     async def retry_later(self, message: Any, delay: float) -> None:
         """Hand ``message`` back for redelivery no sooner than about ``delay`` seconds.
 

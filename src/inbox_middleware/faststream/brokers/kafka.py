@@ -18,8 +18,8 @@ commit never reaches past a message still in its transaction::
 A rebalance can take a partition from a member while one of its messages is in its
 transaction: the inbox commits or rolls back as usual, and the new owner reads from the
 last committed offset, so it gets that message again, as a duplicate (the commit won) or
-as a retry (it rolled back). The old member's offset commit then fails, which FastStream
-logs; the database commit stands.
+as a retry (it rolled back). The old member's offset commit then fails; `ack` logs it,
+and the database commit stands (no rollback, no seek).
 
 There is no dead-letter path in Kafka (a reject commits the offset), so rejected messages
 are published to ``<topic>.dead-letter``, confirmed, and then committed. `prepare` creates
@@ -29,17 +29,22 @@ topic's partition count, and refuses to start when it cannot.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from aiokafka.errors import IllegalStateError, KafkaError
 from faststream.kafka.subscriber.usecase import BatchSubscriber
+from faststream.message import AckStatus
 from faststream.middlewares import AckPolicy
 
 from ...exceptions import ConfigurationError
-from .base import BrokerAdapter, Item, Peer, text_headers
+from .base import BrokerAdapter, Item, Peer, _wait_then, text_headers
 
 __all__ = ["KafkaAdapter"]
+
+logger = logging.getLogger("inbox_middleware.faststream")
 
 # What Kafka accepts as a topic name (some Kafka-protocol brokers accept more).
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
@@ -78,7 +83,10 @@ class KafkaAdapter(BrokerAdapter):
             )
         if subscriber.pattern is not None:
             return "an inbox Kafka subscriber reads one named topic, not a pattern"
-        if len({*(t.name for t in subscriber.topics), *(p.topic for p in subscriber.partitions)}) > 1:
+        if (
+            len({*(t.name for t in subscriber.topics), *(p.topic for p in subscriber.partitions)})
+            > 1
+        ):
             return "an inbox Kafka subscriber reads one topic (quarantine topics are per topic)"
         if subscriber._outer_config.consumer_only:
             return (
@@ -161,6 +169,31 @@ class KafkaAdapter(BrokerAdapter):
             )
             for record, headers in zip(message.raw_message, message.batch_headers, strict=True)
         ]
+
+    async def ack(self, message: Any) -> None:
+        # The database has committed: a failed offset commit (the group rebalanced, the
+        # partition moved) only means the next owner reads the message again, and skips
+        # it as a duplicate. Logged, and the message counted as settled, so that nothing
+        # downstream turns it into a rollback or a seek.
+        try:
+            await message.ack()
+        except KafkaError as exc:
+            message.committed = AckStatus.ACKED
+            logger.warning(
+                "the offset commit after the inbox committed failed (%s: %s); the message "
+                "will come again to the partition's next owner, as a duplicate",
+                type(exc).__name__,
+                exc,
+                extra={"inbox_event": "offset_commit_failed", "inbox_source": self.source},
+            )
+
+    async def retry_later(self, message: Any, delay: float) -> None:
+        try:
+            await _wait_then(message.nack(), delay)
+        except IllegalStateError:
+            # The partition was revoked meanwhile: its next owner reads the message again
+            # from the last committed offset, which is what a hand-back wants.
+            message.committed = AckStatus.NACKED
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
         # topic, partition and offset name one record for good.
