@@ -54,11 +54,14 @@ def member(
     seen: Seen,
     handler: Handler,
     *middlewares: Any,
+    client_id: str = "faststream",
     **options: Any,
 ) -> KafkaBroker:
     """One member of the test's consumer group: a broker of its own, guarded."""
     broker = KafkaBroker(
-        services.KAFKA, middlewares=[*middlewares, recorder(seen), inbox.middleware]
+        services.KAFKA,
+        client_id=client_id,
+        middlewares=[*middlewares, recorder(seen), inbox.middleware],
     )
     settings = {"ack_policy": AckPolicy.ACK, **kafka.GROUP_OPTIONS} | options
     topics = () if "partitions" in settings else (h.name,)  # manual assignment: no topic
@@ -278,6 +281,57 @@ async def test_kafka__failed_offset_commit_after_the_database_commit_is_logged_n
     assert claims(pg_engine) == 2
 
 
+# -- rebalances ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["commits", "rolls back"])
+async def test_kafka__partition_revoked_mid_transaction_goes_to_the_new_owner(
+    h, inbox, pg_engine, outcome
+):
+    # Given member "z" alone, holding message m-1 of partition 0 in its transaction
+    await kafka.create_topic(h.name, 2)
+    release, seen = asyncio.Event(), Seen()
+    attempts: list[str] = []
+
+    def handler(name: str) -> Handler:
+        async def handle(body: dict[str, int], session: InboxSession) -> None:
+            attempts.append(name)
+            await apply_credit_async(session, "billing", body["account"], 1)
+            if name == "z":
+                await release.wait()
+                if outcome == "rolls back":
+                    raise RuntimeError("the old owner's transaction fails")
+
+        return handle
+
+    old = member(h, inbox, seen, handler("z"), client_id="member-z")
+    # Roundrobin deals partitions in member-id order: "member-a" gets partition 0.
+    new = member(h, inbox, seen, handler("a"), client_id="member-a")
+    async with old, new:
+        await old.start()
+        await old.publish({"account": 1}, h.name, partition=0, headers=ident("m-1"))
+        await eventually(lambda: attempts == ["z"], timeout=30, what="m-1 in its transaction")
+        # When member "a" joins and the rebalance moves partition 0 to it
+        await new.start()
+        await eventually(lambda: assignment(new) == {0}, timeout=30, what="partition 0 moved")
+        await eventually(lambda: assignment(old) == {1}, timeout=30, what="the old owner's")
+        # ... and then the old owner's transaction ends
+        release.set()
+        await eventually(lambda: _committed_is(h, {0: 1}), timeout=30, what="m-1's offset")
+        await eventually(lambda: len(seen.outcomes) == 2, timeout=30, what="both outcomes")
+    # Then the new owner got m-1 again: a duplicate if the old commit won, a retry if not
+    with pg_engine.connect() as conn:
+        assert effects(conn, 1) == 1
+    if outcome == "commits":
+        assert seen.outcomes[0] == "processed"  # the old owner's commit stands
+        assert seen.outcomes[1] == "Skipped"
+    else:
+        assert seen.outcomes[0] in ("RuntimeError", "HandedBack")
+        assert seen.outcomes[1] == "processed"
+        assert attempts == ["z", "a"]
+    assert claims(pg_engine) == 1
+
+
 # -- rebalances under load -------------------------------------------------------------------
 
 
@@ -348,9 +402,9 @@ async def test_kafka__guard_creates_the_destination_topics_with_the_source_parti
     )
     async def handle(body: dict[str, int], session: InboxSession) -> None: ...
 
-    # When the guarded broker starts
-    async with inbox.guard(broker):
-        await broker.start()
+    # When the start-up check runs (what the guarded broker's start runs first)
+    async with broker:
+        await inbox.check(broker)
         # Then both destination topics exist, partitioned like the source
         for suffix in (".quarantine", ".dead-letter"):
             assert await kafka.partitions(f"{h.name}{suffix}") == (existing or 5)
