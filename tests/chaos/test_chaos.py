@@ -16,7 +16,7 @@ import pytest
 from .run import Config, run
 
 CI_MESSAGES = 10_000
-KAFKA_CI_MESSAGES = 700
+KAFKA_CI_MESSAGES = 1000
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 
