@@ -105,8 +105,9 @@ class BrokerAdapter:
 
     async def ack(self, message: Any) -> None:
         """Acknowledge ``message`` once the inbox has settled it (committed, skipped,
-        quarantined or dead-lettered). Raise only when the broker may still redeliver it
-        as if nothing had happened and that matters; the default is the message's ack."""
+        quarantined or dead-lettered): the message's own ack. An adapter may absorb, and
+        log, a failure that cannot lose the message (Kafka: an offset commit refused
+        after a rebalance, which only makes the next owner see a duplicate)."""
         await message.ack()
 
     async def retry_later(self, message: Any, delay: float) -> None:

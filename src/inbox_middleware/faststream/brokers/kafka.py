@@ -18,7 +18,7 @@ commit never reaches past a message still in its transaction::
 A rebalance can take a partition from a member while one of its messages is in its
 transaction: the inbox commits or rolls back as usual, and the new owner reads from the
 last committed offset, so it gets that message again, as a duplicate (the commit won) or
-as a retry (it rolled back). The old member's offset commit then fails; `ack` logs it,
+as a retry (it rolled back). The old member's offset commit may then fail; `ack` logs it,
 and the database commit stands (no rollback, no seek).
 
 There is no dead-letter path in Kafka (a reject commits the offset), so rejected messages
