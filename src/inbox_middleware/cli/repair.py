@@ -33,7 +33,7 @@ _PUBLISH_OPTIONS = [
         envvar="INBOX_BROKER_URL",
         show_envvar=True,
         required=True,
-        help="Broker to publish to: amqp://, redis:// or nats://.",
+        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port.",
     ),
     click.option(
         "--redis-namespace",

@@ -304,24 +304,24 @@ class Subscription:
         match settlement:
             case Processed(result=result):
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 if result is _ACKED:
                     raise Skipped(f"acknowledged by the handler of inbox consumer {name!r}")
                 return result
             case Duplicate():
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 raise Skipped(f"duplicate delivery for inbox consumer {name!r}: already processed")
             case Quarantined():
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 raise Skipped(f"conflict delivery for inbox consumer {name!r}: quarantined")
             case DeadLettered(error=error) | Poisoned(error=error):
                 self.backoff.forget(key)
                 if self.dead_letter is None:
                     await self.adapter.reject(message)
                 else:
-                    await message.ack()
+                    await self.adapter.ack(message)
                 raise Skipped(f"rejected for inbox consumer {name!r}: {error}")
             case core.HandedBack(error=error, delay=delay):
                 wait = delay if delay is not None else self.backoff.next(key)
@@ -417,7 +417,7 @@ class Subscription:
                 raise HandedBack(f"{type(error).__name__}: {error}") from error
             raise error
         self.backoff.forget(key)
-        await message.ack()
+        await self.adapter.ack(message)
         if ran and result is not _ACKED:
             return result
         raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
