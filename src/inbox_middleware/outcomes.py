@@ -114,7 +114,7 @@ def report(
                 consumer,
                 type(error).__name__,
                 error,
-                extra=fields | {"inbox_event": "handed_back"},
+                extra=fields | {"inbox_event": "handed_back", "inbox_error": type(error).__name__},
             )
 
 
