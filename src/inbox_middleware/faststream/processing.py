@@ -326,14 +326,6 @@ class Subscription:
             case core.HandedBack(error=error, delay=delay):
                 wait = delay if delay is not None else self.backoff.next(key)
                 await self.adapter.retry_later(message, wait)
-                logger.warning(
-                    "inbox consumer %s rolled back (%s: %s); the message is handed back in %.1fs",
-                    name,
-                    type(error).__name__,
-                    error,
-                    wait,
-                    extra={"inbox_consumer": name, "inbox_retry_in": wait},
-                )
                 if isinstance(error, HandBackRequested) and error.cause is not None:
                     raise error.cause  # the handler's NackMessage: the message is nacked
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
