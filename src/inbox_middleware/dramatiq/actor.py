@@ -8,10 +8,11 @@ the settlement to the middleware, which tells Dramatiq.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -223,17 +224,9 @@ class InboxActor:
         self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Callable[[Session], Any]:
         def body(session: Session) -> Any:
-            token = session_var.set(session)
-            try:
-                result = self.target(*args, **kwargs)
-            except SkipMessage:
-                return SKIPPED
-            except dramatiq.Retry as exc:
-                raise _hand_back(exc) from exc
-            finally:
-                session_var.reset(token)
-            _check_failed(pending)
-            return result
+            with _instructions(session, pending) as outcome:
+                outcome.result = self.target(*args, **kwargs)
+            return outcome.result
 
         return body
 
@@ -241,17 +234,9 @@ class InboxActor:
         self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            token = session_var.set(session)
-            try:
-                result = await self.target(*args, **kwargs)
-            except SkipMessage:
-                return SKIPPED
-            except dramatiq.Retry as exc:
-                raise _hand_back(exc) from exc
-            finally:
-                session_var.reset(token)
-            _check_failed(pending)
-            return result
+            with _instructions(session, pending) as outcome:
+                outcome.result = await self.target(*args, **kwargs)
+            return outcome.result
 
         return body
 
@@ -275,6 +260,29 @@ class InboxActor:
                 f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
             )
         return loop_thread.run_coroutine(work)
+
+
+class _Outcome:
+    result: Any = None
+
+
+@contextlib.contextmanager
+def _instructions(session: Session | AsyncSession, pending: Pending | None) -> Iterator[_Outcome]:
+    """Run the actor's body with its session, and turn Dramatiq's own instructions into
+    the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
+    ``message.fail()`` a rejection."""
+    outcome = _Outcome()
+    token = session_var.set(session)
+    try:
+        yield outcome
+    except SkipMessage:
+        outcome.result = SKIPPED
+        return
+    except dramatiq.Retry as exc:
+        raise _hand_back(exc) from exc
+    finally:
+        session_var.reset(token)
+    _check_failed(pending)
 
 
 def _hand_back(exc: dramatiq.Retry) -> HandBackRequested:
