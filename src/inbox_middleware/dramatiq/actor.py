@@ -40,6 +40,7 @@ from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, Pay
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..protocol import Delivery
+from ..tracing import TRACE_OPTION
 from .context import session_var
 from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
@@ -162,9 +163,12 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        steps = settle_steps(pending.arrival, self.policy)
-        settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
-        return self.middleware.settle(self, pending, settlement)
+        carrier = pending.message.options.get(TRACE_OPTION)
+        with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
+            steps = trace.steps(settle_steps(pending.arrival, self.policy))
+            settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+            trace.settled(settlement)
+            return self.middleware.settle(self, pending, settlement)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
