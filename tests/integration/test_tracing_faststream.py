@@ -3,14 +3,17 @@ and the producer's trace joined, from the headers or under FastStream's own midd
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import jsonschema
 import pytest
 from opentelemetry import propagate
 from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.exposition import generate_latest
 
+from inbox_middleware import explain as explaining
 from inbox_middleware.exceptions import PermanentError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.metrics import metrics
@@ -19,6 +22,7 @@ from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, eventually
 from ..support.traces import Spans
 from .test_faststream import ORDER, applied, claims, ident
+from .test_status import cli
 
 FIRST = """\
 inbox billing  settlement=processed decision=first attempt=1
@@ -154,7 +158,7 @@ async def test_tracing_faststream__poison(h, inbox, spans):
 
 
 async def test_tracing_faststream__joins_the_producers_trace_from_the_headers(
-    h, inbox, spans, pg_engine
+    h, inbox, spans, pg_engine, pg_url
 ):
     credit(h, inbox)
     async with h.broker:
@@ -169,12 +173,17 @@ async def test_tracing_faststream__joins_the_producers_trace_from_the_headers(
     assert delivery.parent is not None
     assert delivery.parent.span_id == producer.get_span_context().span_id
     assert delivery.context.trace_id == producer.get_span_context().trace_id
-    assert claims(pg_engine)[0]["trace_id"] == format(delivery.context.trace_id, "032x")
+    trace_id = format(delivery.context.trace_id, "032x")
+    assert claims(pg_engine)[0]["trace_id"] == trace_id
+    # And explain names the trace of the first delivery, in text and in JSON
+    text = cli(pg_url, "explain", "billing", "orders", "ord-1")
+    assert f"trace of the first delivery: {trace_id}" in text
+    data = json.loads(cli(pg_url, "explain", "billing", "orders", "ord-1", "--json"))
+    jsonschema.Draft202012Validator(explaining.SCHEMA).validate(data)
+    assert data["claim"]["trace_id"] == trace_id
 
 
-async def test_tracing_faststream__nests_under_the_telemetry_middleware(
-    inbox, spans, pg_engine
-):
+async def test_tracing_faststream__nests_under_the_telemetry_middleware(inbox, spans, pg_engine):
     from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware
 
     # Given FastStream's telemetry before the inbox: it extracts the producer's context
