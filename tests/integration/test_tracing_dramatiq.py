@@ -143,3 +143,35 @@ def test_tracing_dramatiq__joins_the_producers_trace_from_the_options(
     with pg_engine.connect() as conn:
         stored = conn.scalar(text("SELECT trace_id FROM consumer_inbox"))
     assert stored == format(delivery.context.trace_id, "032x")
+
+
+def test_tracing_dramatiq__claim_span_shows_the_wait_on_a_concurrent_claim(
+    redis_broker, queue, inbox, spans
+):
+    import threading
+    import time
+
+    holding = threading.Event()
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        if not holding.is_set():
+            holding.set()
+            time.sleep(1)  # holds the claim's row: the other delivery's INSERT waits
+
+    with running_worker(redis_broker) as worker:
+        # Given a delivery that holds its claim for a second
+        send(add_credit, 7, 10)
+        assert holding.wait(10)
+        # When a second delivery of the same message arrives meanwhile
+        send(add_credit, 7, 10)
+        drain(redis_broker, queue, worker)
+        first, second = delivered(spans, 2)
+
+    # Then its claim waited for the first commit, and it is a duplicate
+    (claim,) = (s for s in spans.children(second) if s.name == "inbox.claim")
+    assert (claim.attributes or {})["inbox.decision"] == "duplicate"
+    assert 0.5 < (claim.attributes or {})["inbox.claim.wait_seconds"] < 5
+    (other,) = (s for s in spans.children(first) if s.name == "inbox.claim")
+    assert (other.attributes or {})["inbox.claim.wait_seconds"] < 0.5
