@@ -10,13 +10,13 @@ import pytest
 from opentelemetry.trace import StatusCode
 from sqlalchemy import text
 
-from inbox_middleware.dramatiq import InboxMiddleware, StampTraceContext, current_session
+from inbox_middleware.dramatiq import InboxMiddleware, current_session
 from inbox_middleware.exceptions import PermanentError
 from inbox_middleware.tracing import TRACE_OPTION
 
 from ..apps.domain import apply_credit
 from ..support.dramatiq_worker import drain, running_worker
-from ..support.traces import Spans
+from ..support.traces import Spans, snippet
 from ..support.workers import wait_for
 from .test_dramatiq import send
 
@@ -61,9 +61,9 @@ def spans() -> Spans:
 
 @pytest.fixture
 def inbox(redis_broker, pg_engine, spans) -> InboxMiddleware:
-    middleware = InboxMiddleware(pg_engine, lock_timeout=10, tracing=spans.provider)
-    redis_broker.add_middleware(middleware)
-    redis_broker.add_middleware(StampTraceContext())
+    snippet().trace_worker(redis_broker, pg_engine, spans.provider)  # the monitoring page's snippet
+    snippet().trace_producer(redis_broker)
+    (middleware,) = (m for m in redis_broker.middleware if isinstance(m, InboxMiddleware))
     return middleware
 
 

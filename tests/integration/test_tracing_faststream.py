@@ -20,7 +20,7 @@ from inbox_middleware.metrics import metrics
 
 from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, eventually
-from ..support.traces import Spans
+from ..support.traces import Spans, snippet
 from .test_faststream import ORDER, applied, claims, ident
 from .test_status import cli
 
@@ -184,11 +184,8 @@ async def test_tracing_faststream__joins_the_producers_trace_from_the_headers(
 
 
 async def test_tracing_faststream__nests_under_the_telemetry_middleware(inbox, spans, pg_engine):
-    from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware
-
-    # Given FastStream's telemetry before the inbox: it extracts the producer's context
-    telemetry = RabbitTelemetryMiddleware(tracer_provider=spans.provider)
-    h = Harness("rabbit", [telemetry, inbox.middleware])
+    # Given FastStream's telemetry before the inbox (the monitoring page's snippet)
+    h = Harness("rabbit", snippet().traced_middlewares(inbox, spans.provider))
     try:
         credit(h, inbox)
         async with h.broker:

@@ -3,14 +3,30 @@ page shows."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def snippet() -> ModuleType:
+    """The monitoring page's tracing snippet, loaded from its file."""
+    path = DOCS / "snippets" / "monitoring_tracing.py"
+    spec = importlib.util.spec_from_file_location("docs_snippet_monitoring_tracing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # The attributes a rendering shows, per span, in this order.
 SHOWN = (
