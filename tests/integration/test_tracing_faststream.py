@@ -20,7 +20,7 @@ from inbox_middleware.metrics import metrics
 
 from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, eventually
-from ..support.traces import Spans, snippet
+from ..support.traces import DOCS, Spans, snippet
 from .test_faststream import ORDER, applied, claims, ident
 from .test_status import cli
 
@@ -202,3 +202,9 @@ async def test_tracing_faststream__nests_under_the_telemetry_middleware(inbox, s
     assert parent.name.endswith("process"), parent.name
     assert delivery.context.trace_id == producer.get_span_context().trace_id
     assert spans.tree(delivery) == FIRST
+
+
+def test_tracing__the_monitoring_page_shows_the_trees_these_tests_produce():
+    page = (DOCS / "how-to" / "monitoring.md").read_text()
+    for tree in (FIRST, DUPLICATE, CONFLICT, HAND_BACK, POISON):
+        assert f"\n{tree}\n" in page, tree
