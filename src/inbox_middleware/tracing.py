@@ -99,7 +99,10 @@ class Tracing:
         current span when there is one, else under the context ``carrier`` holds."""
         parent = None
         if not self._trace.get_current_span().get_span_context().is_valid and carrier:
-            parent = self._propagate.extract(carrier, getter=cast(Any, _GETTER))
+            try:
+                parent = self._propagate.extract(carrier, getter=cast(Any, _GETTER))
+            except Exception:  # a malformed carrier: a trace of its own, never a failure
+                parent = None
         span = self.tracer.start_span(
             f"inbox {consumer}",
             context=parent,
@@ -147,7 +150,7 @@ class _Trace:
             except StopIteration as done:
                 settlement: S = done.value
                 return settlement
-            span = self._op_span(op)
+            span = _quietly(self._op_span, op)
             try:
                 answer, error = (yield op), None
             except BaseException as exc:
@@ -157,7 +160,7 @@ class _Trace:
                     _failed(self.tracing, span, error)
                 span.end()
             if error is None:
-                self._learn(op, answer)
+                _quietly(self._learn, op, answer)
 
     def _op_span(self, op: Any) -> Any:
         kind = type(op).__name__
@@ -381,6 +384,14 @@ def inject(carrier: dict[str, str]) -> dict[str, str]:
 
     propagate.inject(carrier)
     return carrier
+
+
+def _quietly(call: Any, *args: Any) -> Any:
+    """Tracing never changes a settlement: a failure of its own is dropped."""
+    try:
+        return call(*args)
+    except Exception:
+        return None
 
 
 def _failed(tracing: Tracing, span: Any, error: BaseException) -> None:
