@@ -10,8 +10,9 @@ delivery in its span (an SDK ``TracerProvider`` without exporter: the spans are 
 sampled and ended, not sent), so the claim also writes its trace id. ``baseline`` runs
 another copy of ``src`` (without the ``trace_id`` column in the INSERT).
 
-``calls``: the hooks the executor calls per message with tracing off (the claim's, the
-handler's and the commit's, and the claim's trace id), alone and exactly (``timeit``).
+``calls``: the tracing work of one first-seen message alone, exactly (``timeit``): with
+tracing off, the hooks the executor calls (the claim's, the handler's, the commit's and
+the claim's trace id); with it on, the same and the delivery's span: four spans.
 
 Modes alternate within each repetition; every figure is the median of ``--reps``.
 """
@@ -74,18 +75,37 @@ print(json.dumps([wall, cpu]))
 """
 
 CALLS = """
-import json, timeit
+import contextlib, json, sys, timeit
 from inbox_middleware import tracing
+from inbox_middleware.protocol import Decision, Verdict
+
+if sys.argv[1] == "on":
+    from opentelemetry.sdk.trace import TracerProvider
+
+    traced = tracing.Tracing(TracerProvider())
+    delivery = lambda: traced.delivery("bench", None)
+else:
+    delivery = contextlib.nullcontext
+verdict = Verdict(Decision.FIRST)
 
 
-def one():  # the executor's hooks for one first-seen message, tracing off
-    with tracing.claim(1) as claim:
-        claim.steps(None)
-    tracing.trace_id()
-    with tracing.phase("inbox.handler"):
-        pass
-    with tracing.phase("inbox.commit"):
-        pass
+def claim_steps():
+    yield "Claim"
+    return verdict
+
+
+def one():  # the hooks of one first-seen message: the delivery, claim, handler, commit
+    with delivery():
+        with tracing.claim(1) as claim:
+            steps = claim.steps(claim_steps())
+            next(steps)
+            with contextlib.suppress(StopIteration):
+                steps.send(True)
+        tracing.trace_id()
+        with tracing.phase("inbox.handler"):
+            pass
+        with tracing.phase("inbox.commit"):
+            pass
 
 
 one()
@@ -115,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-src", default=None, help="another copy of src to compare")
     args = parser.parse_args(argv)
     prepare_database()
-    out = subprocess.run(
-        [sys.executable, "-c", CALLS], check=True, cwd=ROOT, capture_output=True, text=True
-    ).stdout
-    results: dict[str, Any] = {"hooks_off_us": json.loads(out)}
-    print(f"tracing hooks per message, tracing off: {results['hooks_off_us']:.3f} µs")
+    results: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        out = subprocess.run(
+            [sys.executable, "-c", CALLS, mode],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout
+        results[f"hooks_{mode}_us"] = json.loads(out)
+        print(f"tracing work per message, tracing {mode}: {json.loads(out):.2f} µs")
     modes: dict[str, tuple[str | None, bool]] = {"tracing off": (None, False)}
     modes["tracing on"] = (None, True)
     if args.baseline_src:
