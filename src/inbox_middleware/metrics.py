@@ -7,11 +7,11 @@ moved to quarantine, poison or repair and later recovered. Shadow mode counts th
 duplicates and conflicts it did not skip.
 
 Both exporters are optional (extras ``metrics`` and ``otel``); without them every call
-is a no-op. A sample recorded during a traced delivery (`inbox_middleware.tracing`)
-carries its trace and span id as a Prometheus exemplar (OpenMetrics exposition only, and
-not in multiprocess mode, where prometheus-client keeps none). ``INBOX_PROMETHEUS_METRICS=0`` turns the Prometheus side off where it is
+is a no-op. ``INBOX_PROMETHEUS_METRICS=0`` turns the Prometheus side off where it is
 installed; ``INBOX_OTEL_METRICS=1`` turns the OpenTelemetry mirror on (through the global
-meter provider). Labels are bounded: consumer names come from declarations, producers
+meter provider). A sample recorded during a traced delivery (`inbox_middleware.tracing`)
+carries its trace and span id as a Prometheus exemplar (OpenMetrics exposition only, and
+not in multiprocess mode, where prometheus-client keeps none). Labels are bounded: consumer names come from declarations, producers
 and reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES`
 distinct values per label and folds the rest into ``"other"``. Message ids are never
 labels.

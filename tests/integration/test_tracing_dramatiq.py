@@ -175,3 +175,29 @@ def test_tracing_dramatiq__claim_span_shows_the_wait_on_a_concurrent_claim(
     assert 0.5 < (claim.attributes or {})["inbox.claim.wait_seconds"] < 5
     (other,) = (s for s in spans.children(first) if s.name == "inbox.claim")
     assert (other.attributes or {})["inbox.claim.wait_seconds"] < 0.5
+
+
+def test_tracing_dramatiq__async_actor_has_the_same_tree(
+    redis_broker, queue, pg_engine, pg_async_url, spans
+):
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from inbox_middleware.dramatiq import current_async_session
+
+    from ..apps.domain import apply_credit_async
+
+    # Given an async actor: its claim, body and commit run on Dramatiq's event loop thread
+    async_engine = create_async_engine(pg_async_url)
+    middleware = InboxMiddleware(async_engine=async_engine, tracing=spans.provider)
+    redis_broker.add_middleware(middleware)
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    async def add_credit(account_id: int, delta: int) -> None:
+        await apply_credit_async(current_async_session(), "billing", account_id, delta)
+
+    with running_worker(redis_broker) as worker:
+        send(add_credit, 7, 10)
+        drain(redis_broker, queue, worker)
+        (first,) = delivered(spans, 1)
+    # Then the spans made on the loop's thread are the delivery's children all the same
+    assert spans.tree(first) == FIRST
