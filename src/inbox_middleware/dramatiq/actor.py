@@ -43,6 +43,7 @@ from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, Pay
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..protocol import Delivery
+from ..tracing import TRACE_OPTION
 from .context import session_var
 from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
@@ -166,13 +167,16 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        try:
-            steps = settle_steps(pending.arrival, self.policy)
-            settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
-        except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
-            logger.exception("inbox consumer %s failed to settle a message", self.consumer)
-            settlement = HandedBack(exc, counted=True)
-        return self.middleware.settle(self, pending, settlement)
+        carrier = pending.message.options.get(TRACE_OPTION)
+        with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
+            try:
+                steps = trace.steps(settle_steps(pending.arrival, self.policy))
+                settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+            except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
+                logger.exception("inbox consumer %s failed to settle a message", self.consumer)
+                settlement = HandedBack(exc, counted=True)
+            trace.settled(settlement)
+            return self.middleware.settle(self, pending, settlement)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
