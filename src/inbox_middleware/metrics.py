@@ -12,9 +12,9 @@ installed; ``INBOX_OTEL_METRICS=1`` turns the OpenTelemetry mirror on (through t
 meter provider). A sample recorded during a traced delivery (`inbox_middleware.tracing`)
 carries its trace and span id as a Prometheus exemplar (OpenMetrics exposition only, and
 not in multiprocess mode, where prometheus-client keeps none). Labels are bounded:
-consumer names come from declarations, producers and reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES`
-distinct values per label and folds the rest into ``"other"``. Message ids are never
-labels.
+consumer names come from declarations, producers and reason codes from messages, so
+each consumer keeps at most `MAX_LABEL_VALUES` distinct values per label and folds the
+rest into ``"other"``. Message ids are never labels.
 
 The Prometheus instruments are created at the first recorded sample, not at import, so
 that a worker process which sets ``PROMETHEUS_MULTIPROC_DIR`` while it boots (Dramatiq's

@@ -128,7 +128,8 @@ def test_settlement__25_hand_backs_then_success_and_no_dead_letter(
     def add_credit(account_id: int, delta: int) -> None:
         apply_credit(current_session(), "billing", account_id, delta)
 
-    middleware.backoff.first = middleware.backoff.limit = 0.02
+    backoff = middleware.backoffs[add_credit.actor_name]
+    backoff.first = backoff.limit = 0.02
     original = middleware._hand_back_delay
 
     def counting(error, pending):

@@ -203,7 +203,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self.canonical_form = canonical_form
         self.check_database = check_database
         self.retries: Retries | None = None
-        self.backoff = Backoff(0.5, 30.0)
+        self.backoffs: dict[str, Backoff] = {}
         self._actors: dict[str, InboxActor] = {}
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
@@ -262,10 +262,10 @@ class InboxMiddleware(dramatiq.Middleware):
                 "InboxMiddleware needs Dramatiq's Retries middleware: without it a rolled-back "
                 "attempt is acknowledged and its message lost"
             )
-        first = max(self.retries.min_backoff / 1000, 0.001)
-        self.backoff = Backoff(
-            first, max(first, min(self.retries.max_backoff / 1000, _HAND_BACK_LIMIT))
-        )
+        # Hand-backs wait as the actor's retries would: its own backoff, else Retries'.
+        first = max(actor.options.get("min_backoff", self.retries.min_backoff) / 1000, 0.001)
+        limit = actor.options.get("max_backoff", self.retries.max_backoff) / 1000
+        self.backoffs[actor.actor_name] = Backoff(first, max(first, min(limit, _HAND_BACK_LIMIT)))
         if self.quarantine_publisher is None:
             self.quarantine_publisher = publisher_for(broker)
         self._actors[actor.actor_name] = InboxActor(self, actor, consumer)
@@ -329,7 +329,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 raise SkipMessage(f"the actor of {bound.consumer} skipped it after committing")
             case Processed(result=result):
                 if delivery is not None:
-                    self.backoff.forget(delivery.key)
+                    self.backoffs[message.actor_name].forget(delivery.key)
                 return result
             case Duplicate():
                 self._quiet.mark(message)
@@ -361,7 +361,8 @@ class InboxMiddleware(dramatiq.Middleware):
         if isinstance(error, ClaimInProgress) and self.in_progress_delay is not None:
             return self.in_progress_delay / 1000
         delivery = pending.arrival.delivery if pending.arrival else None
-        return self.backoff.next(delivery.key if delivery else pending.message.message_id)
+        backoff = self.backoffs[pending.message.actor_name]
+        return backoff.next(delivery.key if delivery else pending.message.message_id)
 
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker
