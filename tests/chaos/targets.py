@@ -30,8 +30,8 @@ BROKERS = {"dramatiq": ("rabbitmq", "redis"), "faststream": ("rabbitmq", "redis"
 PRODUCER = "orders"
 SEND_PATIENCE = 180.0  # seconds a producer keeps retrying one message through an outage
 
-Found = list[tuple[str, dict[str, Any]]]
-"""Messages found at a destination: (message id, payload) each."""
+Found = list[tuple[str | None, dict[str, Any]]]
+"""Messages found at a destination: (message id, payload) each; None: it had no identity."""
 
 
 class Worker(Protocol):
@@ -189,7 +189,9 @@ def _dramatiq_found(bodies: list[bytes]) -> Found:
     for body in bodies:
         message = Message.decode(body)
         account, delta = message.args
-        found.append((message.options["inbox_message_id"], {"account": account, "delta": delta}))
+        found.append(
+            (message.options.get("inbox_message_id"), {"account": account, "delta": delta})
+        )
     return found
 
 
@@ -337,7 +339,10 @@ class FastStreamTarget(Target):
 
 
 def _faststream_found(messages: list[tuple[bytes, dict[str, Any]]]) -> Found:
-    return [(str(headers[MESSAGE_ID]), _json(body)) for body, headers in messages]
+    return [
+        (None if headers.get(MESSAGE_ID) is None else str(headers[MESSAGE_ID]), _json(body))
+        for body, headers in messages
+    ]
 
 
 class FastStreamProducer:
