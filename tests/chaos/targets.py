@@ -543,7 +543,8 @@ class FastStreamNats(OwnedServer, FastStreamTarget):
                     found.append([])
                     continue
                 info = await js.stream_info(stream)
-                for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                # an empty stream reports sequence 0 first, which get_msg refuses
+                for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
                     try:
                         message = await js.get_msg(stream, seq)
                     except NotFoundError:

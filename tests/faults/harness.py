@@ -39,7 +39,8 @@ from .matrix import ROWS, Cell, Row, Setup, not_applicable
 
 __all__ = ["run_group"]
 
-APPLICATION = "chaos-w0"  # the worker's database sessions (tests.apps.chaos_*)
+APPLICATION = "chaos-"  # the workers' database sessions: chaos-<name> (tests.apps.chaos_*)
+WORKERS = ("w0", "w1")
 APPS = {"dramatiq": "tests.faults.app_dramatiq", "faststream": "tests.faults.app_faststream:app"}
 SETTLE = {"raise": 40.0, "cut": 40.0, "restart": 90.0, "kill": 120.0}
 """Seconds a run may take to settle once every message is sent."""
@@ -81,33 +82,53 @@ class Run:
     env: dict[str, str]
     log: Any
     messages: list[Message] = field(default_factory=list)
-    worker: Worker | None = None
+    workers: dict[str, Worker] = field(default_factory=dict)
     generations: int = 0
     restarts: int = 0
     producer: Any = None
 
-    # -- the worker -----------------------------------------------------------------------
+    # -- the workers ---------------------------------------------------------------------
 
-    def start_worker(self) -> None:
+    def start_worker(self, name: str) -> None:
+        """Start (or replace) worker ``name``; its sessions are named ``chaos-<name>``."""
         self.generations += 1
-        path = self.folder / f"worker-{self.generations}.log"
-        self.worker = self.target.worker(self.env, path)
+        path = self.folder / f"{name}-{self.generations}.log"
+        (self.folder / "stats" / name).mkdir(parents=True, exist_ok=True)
+        env = self.env | {
+            "CHAOS_WORKER": name,
+            "CHAOS_STATS": str(self.folder / "stats" / name),
+            "FAULTS_APPLICATION": f"{APPLICATION}{name}",
+        }
+        self.workers[name] = self.target.worker(env, path)
 
     def revive(self) -> None:
-        """A worker that exited (it SIGKILLed itself) is replaced."""
-        assert self.worker is not None
-        if self.worker.proc.poll() is not None:
-            self.worker.kill()  # the rest of its process group
-            self.start_worker()
+        """A worker that exited (it SIGKILLed itself) is replaced; the other carries on
+        meanwhile, so a kill costs the run no start-up time."""
+        for name, worker in list(self.workers.items()):
+            if worker.proc.poll() is not None:
+                worker.kill()  # the rest of its process group
+                self.start_worker(name)
 
     def serve_restarts(self) -> None:
-        for request in sorted((self.folder / "restart").glob("*.request")):
-            done = request.with_suffix(".done")
-            if not done.exists():
-                seconds = servers.restart_postgres()
-                self.restarts += 1
-                self.log(f"    PostgreSQL restarted in {seconds:.1f}s ({request.stem})")
-                done.write_text(f"{seconds}\n")
+        """One restart for every hook waiting at its point (each blocks until done)."""
+        waiting = [
+            r
+            for r in sorted((self.folder / "restart").glob("*.request"))
+            if not r.with_suffix(".done").exists()
+        ]
+        if not waiting:
+            return
+        time.sleep(0.3)  # let a hook reaching its point right now join this restart
+        waiting = [
+            r
+            for r in sorted((self.folder / "restart").glob("*.request"))
+            if not r.with_suffix(".done").exists()
+        ]
+        seconds = servers.restart_postgres()
+        self.restarts += 1
+        self.log(f"    PostgreSQL restarted in {seconds:.1f}s for {[r.stem for r in waiting]}")
+        for request in waiting:
+            request.with_suffix(".done").write_text(f"{seconds}\n")
 
     # -- messages -------------------------------------------------------------------------
 
@@ -253,13 +274,10 @@ def run_group(
         | FAST_REDELIVERY
         | {
             "CHAOS_DATABASE_URL": worker_url,
-            "CHAOS_WORKER": "w0",
-            "CHAOS_STATS": str(folder / "stats"),
             "CHAOS_GUARD": "1" if setup.guard else "0",
             "CHAOS_CONCURRENCY": "8",
             "FAULTS_PLAN": str(plan),
             "FAULTS_DIR": str(folder),
-            "FAULTS_APPLICATION": APPLICATION,
             "FAULTS_ADMIN_URL": admin_url,
         }
         | (env or {})
@@ -269,7 +287,8 @@ def run_group(
         _reset(admin)
         target.start()
         run.producer = target.producer()
-        run.start_worker()
+        for name in WORKERS:
+            run.start_worker(name)
         # The run's first message alone, so that the first-message check meets it.
         first, *rest = run.messages
         run.publish(first, first.delta)
@@ -282,18 +301,18 @@ def run_group(
         settled = run.pump(lambda s: s.settled(run.messages), SETTLE[fault])
         if settled:  # the broker must be empty too (no-identity messages, late acks)
             run.pump(lambda s: not any(target.leftover().values()), 15)
-        assert run.worker is not None
-        run.worker.stop()
-        leftover = target.leftover()  # unacknowledged messages are ready again now
+        for worker in run.workers.values():
+            worker.kill()  # settled: nothing is in flight
+        leftover = target.leftover()
         quarantined, dead = _destinations(target)
         state = State.read(admin)
     except BaseException:
-        if run.worker is not None:
-            log(_tail(run.worker))
+        for name, worker in run.workers.items():
+            log(f"--- {name} ---\n{_tail(worker)}")
         raise
     finally:
-        if run.worker is not None:
-            run.worker.kill()
+        for worker in run.workers.values():
+            worker.kill()
         if run.producer is not None:
             run.producer.close()
         try:
@@ -315,7 +334,7 @@ def run_group(
         cells.append(Cell(setup, m.row, fault, status, "; ".join(problems + notes)))
     log(
         f"  {setup.name} x {fault}: {len(rows)} rows in {time.monotonic() - started:.0f}s, "
-        f"{run.generations} worker(s), {run.restarts} PostgreSQL restart(s), "
+        f"{run.generations} worker process(es), {run.restarts} PostgreSQL restart(s), "
         f"{len(fired)} fault(s) fired, leftover {leftover}"
     )
     return sorted(cells, key=lambda c: [r.name for r in ROWS].index(c.row.name))
