@@ -41,7 +41,11 @@ __all__ = ["run_group"]
 
 APPLICATION = "chaos-"  # the workers' database sessions: chaos-<name> (tests.apps.chaos_*)
 WORKERS = ("w0", "w1")
-APPS = {"dramatiq": "tests.faults.app_dramatiq", "faststream": "tests.faults.app_faststream:app"}
+APPS = {
+    ("dramatiq", False): "tests.faults.app_dramatiq",
+    ("dramatiq", True): "tests.faults.app_dramatiq_async",
+    ("faststream", False): "tests.faults.app_faststream:app",
+}
 SETTLE = {"raise": 40.0, "cut": 40.0, "restart": 90.0, "kill": 120.0}
 """Seconds a run may take to settle once every message is sent."""
 FAST_REDELIVERY = {
@@ -243,10 +247,11 @@ def run_group(
 
     url = make_url(database_url)
     admin_url = url.set(drivername="postgresql").render_as_string(hide_password=False)
-    driver = "postgresql+asyncpg" if setup.adapter == "faststream" else "postgresql+psycopg"
+    asynchronous = setup.adapter == "faststream" or setup.asyncio
+    driver = "postgresql+asyncpg" if asynchronous else "postgresql+psycopg"
     worker_url = url.set(drivername=driver).render_as_string(hide_password=False)
     target = make_target(setup.adapter, setup.broker, folder)
-    target.app = APPS[setup.adapter]  # type: ignore[attr-defined]
+    target.app = APPS[setup.adapter, setup.asyncio]  # type: ignore[attr-defined]
     (folder / "stats").mkdir(parents=True, exist_ok=True)
     (folder / "restart").mkdir(exist_ok=True)
     admin = Admin(admin_url)

@@ -26,15 +26,18 @@ class Setup:
     adapter: str  # dramatiq, faststream
     broker: str  # redis, rabbitmq, nats
     guard: bool = False  # FastStream: inbox.guard(broker)
+    asyncio: bool = False  # Dramatiq: an async def actor
 
     @property
     def name(self) -> str:
         short = {"dramatiq": "dq", "faststream": "fs"}[self.adapter]
-        return f"{short}-{self.broker}{'+guard' if self.guard else ''}"
+        extra = ("+guard" if self.guard else "") + ("+async" if self.asyncio else "")
+        return f"{short}-{self.broker}{extra}"
 
 
 SETUPS = (
     Setup("dramatiq", "redis"),
+    Setup("dramatiq", "redis", asyncio=True),
     Setup("dramatiq", "rabbitmq"),
     Setup("faststream", "rabbitmq"),
     Setup("faststream", "rabbitmq", guard=True),
