@@ -271,7 +271,7 @@ def run_group(
         cell_faults.append(Fault(row.point, fault_id, fault, row.occurrence))
         faults.append(cell_faults[-1])
         if row.message == "retry":
-            faults.append(Fault("handler", message_id, "raise"))
+            faults.append(Fault("handler", message_id, "raise", 0, until=cell_faults[-1].key))
     plan = folder / "plan.json"
     write_plan(plan, faults)
     run.env = (

@@ -5,8 +5,9 @@ A worker process of the suite imports one of the apps next to this module, which
 the worker) and, at each named point, logs the call and fires the planned fault when this
 call matches: the point, the delivery's message id (``null`` in the plan matches a call
 without one) and the occurrence (the n-th time this point is reached for this id, counted
-across every worker process of the run). Each fault fires once: a marker file, created
-with O_EXCL before the fault is done, keeps a replacement worker from firing it again.
+across every worker process of the run; or any later one, if the n-th did not fire).
+Each fault fires once: a marker file, created with O_EXCL before the fault is done, keeps
+a replacement worker from firing it again.
 
 Faults:
 
@@ -35,6 +36,7 @@ from typing import Any
 __all__ = ["Fault", "InjectedFault", "install", "read_fired", "read_reached", "write_plan"]
 
 RESTART_PATIENCE = 120.0  # seconds the hook waits for the harness to restart PostgreSQL
+UNTIL_AT_MOST = 5  # a fault "until" another stops after this many occurrences anyway
 
 
 class InjectedFault(RuntimeError):
@@ -47,6 +49,10 @@ class Fault:
     message_id: str | None
     kind: str  # raise, cut, restart, kill
     occurrence: int = 1
+    until: str | None = None
+    """Fire at every occurrence (a ``raise`` only) until the fault with this key fired:
+    a handler that keeps failing until its failure's record point was met, even when a
+    worker killed in between kept an attempt from getting there."""
 
     @property
     def key(self) -> str:
@@ -58,7 +64,9 @@ def _key(point: str, message_id: str | None, occurrence: int) -> str:
 
 
 def write_plan(path: Path, faults: list[Fault]) -> None:
-    path.write_text(json.dumps([[f.point, f.message_id, f.kind, f.occurrence] for f in faults]))
+    path.write_text(
+        json.dumps([[f.point, f.message_id, f.kind, f.occurrence, f.until] for f in faults])
+    )
 
 
 def _exclusive(path: Path, text: str) -> bool:
@@ -79,9 +87,16 @@ class Hook:
         self.folder = folder
         self.application = application
         self.admin_url = admin_url
+        entries = json.loads(plan.read_text())
         self.faults = {
-            _key(point, message_id, occurrence): kind
-            for point, message_id, kind, occurrence in json.loads(plan.read_text())
+            (point, message_id): (occurrence, kind)
+            for point, message_id, kind, occurrence, until in entries
+            if until is None
+        }
+        self.until = {
+            (point, message_id): until
+            for point, message_id, kind, _, until in entries
+            if until is not None
         }
         for sub in ("reached", "fired", "restart"):
             (folder / sub).mkdir(exist_ok=True)
@@ -91,10 +106,20 @@ class Hook:
         occurrence = self._occurrence(point, message_id)
         with open(self.log, "a") as log:
             log.write(f"{time.time():.3f} {point} {message_id} {occurrence}\n")
-        key = _key(point, message_id, occurrence)
-        kind = self.faults.get(key)
-        if kind is None:
+        until = self.until.get((point, message_id))
+        if (
+            until is not None
+            and occurrence <= UNTIL_AT_MOST
+            and not (self.folder / "fired" / until).exists()
+        ):
+            _exclusive(self.folder / "fired" / _key(point, message_id, 0), "raise until\n")
+            raise InjectedFault(f"injected failure at {point} for {message_id}, until {until}")
+        planned, kind = self.faults.get((point, message_id), (0, ""))
+        if not planned or occurrence < planned:
             return
+        # Not fired yet at a later occurrence: the planned one was cut short (another
+        # thread's kill took the process down between counting it and firing).
+        key = _key(point, message_id, planned)
         if not _exclusive(self.folder / "fired" / key, f"{kind} {os.getpid()} {time.time()}\n"):
             return
         if kind == "raise":
