@@ -6,7 +6,8 @@
 
 Every figure is the median of --reps repetitions, the modes of a group alternating within
 each repetition so that a noisy machine affects them alike. Output: a table on stdout,
-bench/results/latest.json and bench/results/throughput.png.
+bench/results/latest.json and, after a full run, its charts (bench.plots): ratios.png
+and latency.png.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import ceiling, contention, dramatiq_bench
+from bench import ceiling, contention, dramatiq_bench, plots
 from bench.common import Measurement, Report, machine, prepare_database
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latest.json").write_text(report.to_json())
     if not args.quick:
-        plot(report, args.out / "throughput.png")
+        plots.write(report, args.out)
     if args.quick:
         ratio = report.ratios["dramatiq inbox / bare"]
         if ratio < QUICK_FLOOR:
@@ -204,30 +205,6 @@ def render(report: Report) -> str:
     lines += ["", "ratios (medians, this run):"]
     lines += [f"  {name:42s} {value:5.2f}" for name, value in report.ratios.items()]
     return "\n".join(lines)
-
-
-def plot(report: Report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bars = [m for m in report.measurements if m.unit in ("msg/s", "tx/s")]
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(bars) + 1.5))
-    labels = [f"{m.group}: {m.mode}" for m in bars]
-    ax.barh(
-        labels,
-        [m.median for m in bars],
-        color=["#4878a8" if "inbox" in m.mode else "#9aa9b8" for m in bars],
-    )
-    ax.invert_yaxis()
-    ax.set_xlabel("throughput (median of repetitions; messages or transactions per second)")
-    ax.set_title("inbox-middleware benchmark")
-    for index, m in enumerate(bars):
-        ax.text(m.median, index, f" {m.median:.0f}", va="center", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .canonical import canonical_json
 from .exceptions import (
     ClaimInProgress,
     ConfigurationError,
@@ -26,7 +27,7 @@ from .exceptions import (
     TransactionConflict,
     TransientError,
 )
-from .identity import MessageIdentity, PayloadHash, canonical_json
+from .identity import MessageIdentity, PayloadHash
 from .protocol import Decision, Delivery
 from .storage import Inbox, InboxSchema, Outcome, current_delivery, migrate
 

@@ -120,6 +120,7 @@ def run() -> None:
 
 
 # Subcommand groups, in modules of their own; they use the helpers above.
+from .hash_cli import hash_command as _hash  # noqa: E402
 from .outbox.cli import outbox as _outbox  # noqa: E402
 from .repair_cli import poison as _poison  # noqa: E402
 from .repair_cli import quarantine as _quarantine  # noqa: E402
@@ -131,3 +132,4 @@ from .status_cli import status_command as _status  # noqa: E402
 
 for _group in (_status, _explain, _outbox, _quarantine, _poison, _retention, _purge, _metrics):
     main.add_command(_group)
+main.add_command(_hash)

@@ -9,6 +9,7 @@ InboxError
 │   └── InvalidIdentity           a value is too long, empty, not text, ...
 ├── PayloadNotHashable            the payload has no canonical form
 ├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
+│   └── TransactionAborted        the handler swallowed a database error: nothing can commit
 ├── PermanentError                raised by a handler: retrying cannot help (poison message)
 ├── SchemaError                   tables missing or older than this version expects
 └── TransientError                the attempt rolled back; the message must be retried later
@@ -39,6 +40,7 @@ __all__ = [
     "PermanentError",
     "PrerequisiteError",
     "SchemaError",
+    "TransactionAborted",
     "TransactionConflict",
     "TransientError",
 ]
@@ -101,6 +103,16 @@ class HandlerTransactionError(InboxError):
 
     The inbox commits after the handler returns, so that the claim and the handler's
     writes land together, and rolls back when it raises. Raise an exception to abort.
+    """
+
+
+class TransactionAborted(HandlerTransactionError):
+    """A statement failed in the handler's transaction and the handler carried on.
+
+    PostgreSQL then ignores every statement until the transaction ends, and answers its
+    COMMIT with a rollback, without an error. The inbox checks first and fails the
+    attempt instead of acknowledging a message whose effects were never committed. Run a
+    statement that is expected to fail in ``session.begin_nested()``.
     """
 
 

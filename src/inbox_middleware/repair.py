@@ -31,6 +31,8 @@ from sqlalchemy import Connection, Table, bindparam, func, or_, select, update
 
 from .exceptions import ConfigurationError, InboxError
 from .identity import MAX_MESSAGE_ID_LENGTH
+from .storage.failures import mark_recovered as _mark_recovered
+from .storage.failures import parse_marker as _parse_marker
 from .storage.tables import InboxSchema
 
 __all__ = [
@@ -151,6 +153,12 @@ def redrive(
     row = show_row(conn, naming, kind, row_id)
     operation = operation_id or f"redrive-{kind}-{row_id}-{row['attempts']}"
     row = _decide(conn, naming, kind, row_id, "redriven", by=by, note=note, operation=operation)
+    # A fresh start: the redriven message's earlier failures must not poison it again on
+    # its first failure after the repair.
+    from .poison import FailureRecorder
+
+    key = (row["consumer_name"], row["producer_name"], row["tenant"], row["message_id"])
+    FailureRecorder(naming, conn.dialect.name).reset(conn, key)
     _commit(conn)
     _publish(publisher, kind, row, message_id=row["message_id"])
     return row, operation
@@ -200,26 +208,13 @@ def accepted_message_id(message_id: str, row_id: int) -> str:
 
 def parse_marker(marker: object) -> tuple[Kind, int] | None:
     """``"poison:12"`` -> ("poison", 12); anything else -> None."""
-    if not isinstance(marker, str) or ":" not in marker:
-        return None
-    kind, _, number = marker.partition(":")
-    if kind not in KINDS or not number.isdigit():
-        return None
-    return kind, int(number)
+    parsed = _parse_marker(marker)
+    return None if parsed is None else (parsed[0], parsed[1])  # type: ignore[return-value]
 
 
 def mark_recovered(conn: Connection, naming: InboxSchema, marker: object) -> Kind | None:
     """In the processing transaction: the repaired message committed; say so in its row."""
-    parsed = parse_marker(marker)
-    if parsed is None:
-        return None
-    kind, row_id = parsed
-    table = _table(naming, kind)
-    values: dict[str, Any] = {"recovered_at": func.now()}
-    if kind == "poison":
-        values["decision"] = "recovered"
-    conn.execute(update(table).where(table.c.id == row_id).values(**values))
-    return kind
+    return _mark_recovered(conn, naming, marker)  # type: ignore[return-value]
 
 
 def _decide(

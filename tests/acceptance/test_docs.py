@@ -198,9 +198,30 @@ def test_send_identities_snippet__copies_with_another_trace_id_are_duplicates(
         conflicts = conn.scalar(select(tables.quarantine.c.attempts))
         assert balance(conn, 7) == 10
     assert (claim.producer_name, claim.tenant, claim.message_id) == ("orders", "shop-3", "o-1")
-    assert claim.hash_scheme == "custom:credit-without-trace.v1"
+    assert claim.hash_scheme == "custom.v2:credit-without-trace.v1"
     assert claim.produced_at == created
     assert conflicts == 1
+
+
+def test_stamp_identities_snippet__a_plain_send_twice_is_credited_once(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    # Given the guide's actor, whose first argument is the intent id
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+    snippet = load("stamp_identities")
+    snippet.stamp_refunds(stub_broker)
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
+    # When the order is sent twice with plain send() calls
+    with running_worker(stub_broker, threads=1) as worker:
+        snippet.credit_order("o-1", 7, 10)
+        snippet.credit_order("o-1", 7, 10)
+        drain(stub_broker, "default", worker)
+    # Then it is credited once, under the producer's id
+    with pg_engine.connect() as conn:
+        claim = conn.execute(select(InboxSchema().tables.inbox)).one()
+        assert balance(conn, 7) == 10
+    assert (claim.producer_name, claim.message_id) == ("orders", "o-1")
 
 
 def test_table_naming_snippet__the_claims_land_in_the_named_schema(

@@ -64,7 +64,7 @@ def test_permanent_error__lands_in_poison_with_every_field_and_is_not_retried(
     assert "account 404 does not exist" in row["error"]
     assert (row["attempts"], row["handler_version"], row["decision"]) == (1, "7", "pending")
     assert row["first_failure_at"] == row["last_failure_at"]
-    assert (row["hash_scheme"], len(row["payload_sha256"])) == ("dramatiq.v1", 64)
+    assert (row["hash_scheme"], len(row["payload_sha256"])) == ("dramatiq.v2", 64)
     assert row["payload_format"] == "dramatiq"
     assert b'"args":[404,10]' in bytes(row["payload"])
     assert row["source"] == queue

@@ -106,7 +106,7 @@ async def test_faststream__sequential_duplicate_has_one_effect(h, inbox, pg_engi
         "",
         "ord-1",
     )
-    assert (row["handler_version"], row["hash_scheme"]) == ("3", "faststream-json.v1")
+    assert (row["handler_version"], row["hash_scheme"]) == ("3", "faststream-json.v2")
     assert await h.leftover() == 0
 
 

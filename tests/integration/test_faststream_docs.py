@@ -136,4 +136,4 @@ def test_faststream_options_example__canonical_form_ignores_the_send_time(pg_asy
     again = payload_hash(b'{"sent_at": "10:05", "id": 1}', {}, inbox.canonical_form)[0]
     other = payload_hash(b'{"id": 2, "sent_at": "10:00"}', {}, inbox.canonical_form)[0]
     assert first == again != other
-    assert first.scheme == "custom:orders.v1"
+    assert first.scheme == "custom.v2:orders.v1"

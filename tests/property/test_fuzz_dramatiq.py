@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from inbox_middleware.canonical import canonical_json
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.identity import canonical_json
 
 from . import strategies as s
 

@@ -136,6 +136,36 @@ def usable(received: dict[str, Any]) -> bool:
     return s.usable_timestamp(produced_at)
 
 
+class _Refused(Exception):
+    pass
+
+
+def _refuse(*_: Any) -> Any:
+    raise _Refused
+
+
+def usable_body(raw: bytes) -> bool:
+    """Whether the body can be hashed: bytes that are not JSON text are hashed as they are;
+    JSON text must have a canonical form (no NaN or Infinity, no repeated key, ...)."""
+    try:
+        text_body = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        if len({key for key, _ in pairs}) != len(pairs):
+            raise _Refused
+        return dict(pairs)
+
+    try:
+        value = json.loads(text_body, parse_constant=_refuse, object_pairs_hook=unique)
+    except json.JSONDecodeError:
+        return True
+    except _Refused:
+        return False
+    return s.usable_payload(value)
+
+
 def intent(received: dict[str, Any]) -> tuple[str, str, str]:
     def text_of(value: Any) -> str:
         return bytes(value).decode() if isinstance(value, bytes | bytearray) else value or ""
@@ -282,11 +312,14 @@ def _check_fates(tags, batch, follow, pg_engine, dead, quarantined) -> None:
         (outcome,) = outcomes
         assert not outcome.startswith("failed"), f"{sent!r}: {outcome}"
         received = follow.received[tag]
-        if not usable(received):
+        if not usable(received) or not usable_body(raw):
             assert outcome.startswith("skipped: rejected"), f"{received!r}: {outcome}"
             assert tag in dead, f"{received!r} was rejected but is not in the dead letters"
             reason = json.loads(dead[tag]["x-inbox-rejected"])
-            assert any(name in reason["detail"] for name in (*LIMITS, PRODUCED_AT)), reason
+            if usable(received):  # the body is JSON without a canonical form
+                assert reason["reason"] == "PayloadNotHashable", reason
+            else:
+                assert any(name in reason["detail"] for name in (*LIMITS, PRODUCED_AT)), reason
             continue
         key, form = intent(received), builtin_hash(raw).sha256
         if key not in first:

@@ -10,9 +10,11 @@ PUBLIC = {
     "inbox_middleware": set(inbox_middleware.__all__),
     "inbox_middleware.dramatiq": {
         "CanonicalForm",
+        "IdentityRefused",
         "InboxMiddleware",
         "MissingIdentityPolicy",
         "QuarantinePublisher",
+        "StampIdentity",
         "current_async_session",
         "current_session",
         "identity",

@@ -1,4 +1,5 @@
-"""Dramatiq integration: `InboxMiddleware`, `current_session` and `identity`.
+"""Dramatiq integration: `InboxMiddleware`, `current_session`, `identity`, and for
+producers `StampIdentity`.
 
 ```python
 broker.add_middleware(InboxMiddleware(engine))
@@ -23,13 +24,16 @@ from .middleware import (  # noqa: E402
     identity,
 )
 from .payload import CanonicalForm  # noqa: E402
+from .producer import IdentityRefused, StampIdentity  # noqa: E402
 from .routing import QuarantinePublisher  # noqa: E402
 
 __all__ = [
     "CanonicalForm",
+    "IdentityRefused",
     "InboxMiddleware",
     "MissingIdentityPolicy",
     "QuarantinePublisher",
+    "StampIdentity",
     "current_async_session",
     "current_session",
     "identity",

@@ -36,6 +36,7 @@ class DramatiqRepublisher:
             name: value for name, value in original.options.items() if name not in _DELIVERY_OPTIONS
         }
         options[OPTION_MESSAGE_ID] = message_id
+        options["retries"] = 0  # Dramatiq's retry budget starts again, like the inbox's
         options[OPTION_REPAIR] = message.marker
         queue = q_name(message.source or original.queue_name)
         self.broker.enqueue(dataclasses.replace(original, queue_name=queue, options=options))

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .. import faults
+from ..consumption import Backoff
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
-from ..retention import ExpiredPolicy
+from ..policy import ConsumerPolicy, ExpiredPolicy
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .brokers import adapter_for
@@ -33,7 +35,7 @@ from .consumer import UNSET, InboxConsumer, MissingIdentityPolicy, _Unset, check
 from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
-from .processing import Backoff, Subscription
+from .processing import Subscription
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
@@ -117,24 +119,36 @@ class FastStreamInbox:
             lock_timeout=lock_timeout,
             serialization_retries=serialization_retries,
         )
-        self.missing_identity = check_policy(missing_identity)
+        self.policy = ConsumerPolicy(
+            missing_identity=check_policy(missing_identity),
+            permanent_errors=tuple(permanent_errors),
+            max_attempts=max_attempts,
+            redelivery_limit=redelivery_limit,
+            retention_window=retention_window,
+            expired_redelivery=expired_redelivery,
+            shadow=shadow,
+            retry_backoff=retry_backoff,
+        )
         self.quarantine = quarantine
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
         self.backoff = Backoff(*retry_backoff)
-        self.permanent_errors = tuple(permanent_errors)
-        self.max_attempts = max_attempts
-        self.redelivery_limit = redelivery_limit
-        self.retention_window = retention_window
-        self.expired_redelivery = expired_redelivery
         self.check_database = check_database
-        self.shadow = shadow
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
         self._subscriptions: dict[int, Subscription | None] = {}
         self._refused: dict[int, str] = {}
         self._lock = asyncio.Lock()
         self._database_checked = False
+
+    # The consumer settings, read from the policy (set them when creating the inbox).
+    missing_identity = property(lambda self: self.policy.missing_identity)
+    permanent_errors = property(lambda self: self.policy.permanent_errors)
+    max_attempts = property(lambda self: self.policy.max_attempts)
+    redelivery_limit = property(lambda self: self.policy.redelivery_limit)
+    retention_window = property(lambda self: self.policy.retention_window)
+    expired_redelivery = property(lambda self: self.policy.expired_redelivery)
+    shadow = property(lambda self: self.policy.shadow)
 
     def consumer(
         self,
@@ -247,17 +261,11 @@ class FastStreamInbox:
             storage=self.storage,
             consumer=found.consumer,
             adapter=found.adapter,
-            missing_identity=self.missing_identity,
+            policy=self.policy,
             canonical_form=self.canonical_form,
             quarantine=self.quarantine,
             dead_letter=self.dead_letter,
             backoff=self.backoff,
-            permanent_errors=self.permanent_errors,
-            max_attempts=self.max_attempts,
-            redelivery_limit=self.redelivery_limit,
-            retention_window=self.retention_window,
-            expired_redelivery=self.expired_redelivery,
-            shadow=self.shadow,
         )
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:
@@ -275,17 +283,25 @@ class FastStreamInbox:
                 "now. Wrap the broker with inbox.guard(broker) so that a subscriber the inbox "
                 "cannot protect is refused before it consumes anything"
             )
-            try:
-                await self.check(broker)
-            except ConfigurationError as exc:
-                logger.critical("%s", exc)
+            faults.at("check")
+            # Raises while the check fails (the database down, the tables missing, a
+            # setting that breaks the guarantee): the caller hands the message back.
+            await self.check(broker)
         if key in self._refused:
             raise ConfigurationError(self._refused[key])
         return self._subscriptions.get(key)
 
-    async def hold(self, broker: Any, subscriber: Any, message: Any) -> None:
-        """Hand back a message of a refused subscriber, so it is not lost meanwhile."""
-        await adapter_for(broker, subscriber).retry_later(message, self.backoff.limit)
+    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None:
+        """Hand back a message the inbox cannot settle yet (its subscriber is refused, or
+        the start-up check failed), so it is not lost meanwhile."""
+        delay = self.backoff.next(("check", id(subscriber)))
+        logger.log(
+            logging.CRITICAL if isinstance(error, ConfigurationError) else logging.WARNING,
+            "the inbox holds a message back for %.1fs: %s",
+            delay,
+            error,
+        )
+        await adapter_for(broker, subscriber).retry_later(message, delay)
 
 
 def _settings_refusal(subscription: Subscription) -> str | None:

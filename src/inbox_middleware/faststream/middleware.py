@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from faststream import BaseMiddleware
 from faststream.message import SourceType
 
-from ..exceptions import ConfigurationError
 from .context import current_attempt
+from .processing import HandedBack
 
 if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
@@ -43,9 +43,10 @@ class InboxMiddleware(BaseMiddleware):
         broker = self.context.get_local("broker")
         try:
             subscription = await self.inbox.subscription_for(subscriber, broker)
-        except ConfigurationError:
-            await self.inbox.hold(broker, subscriber, msg)
-            raise
+        except Exception as exc:
+            # Refused, or the start-up check failed: the message waits with the broker.
+            await self.inbox.hold(broker, subscriber, msg, exc)
+            raise HandedBack(f"{type(exc).__name__}: {exc}") from exc
         if subscription is None:
             return await call_next(msg)
         return await subscription.consume(call_next, msg)

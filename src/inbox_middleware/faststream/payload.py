@@ -7,7 +7,16 @@ which uses what the broker itself keeps stable across redeliveries (see `brokers
 
 The payload hash is the body's canonical JSON when the body is JSON, else its raw bytes:
 ``{"a": 1, "b": 2}`` and ``{"b":2,"a":1}`` are one payload, and a binary body is compared
-byte for byte. The scheme name stored with the hash says which form was used.
+byte for byte. The scheme name stored with the hash says which form was used. A body that
+is JSON text but has no canonical form (``NaN``, a repeated key, a lone surrogate) is
+refused (`PayloadNotHashable`), never hashed as bytes instead: whether two copies are
+one payload must not depend on which form each happened to get.
+
+Schemes: ``faststream-json.v2`` is `inbox_middleware.canonical` (RFC 8785) of the body as
+`inbox_middleware.canonical.loads` reads it, a JSON text any RFC 8785 implementation
+reproduces; claims hashed by ``faststream-json.v1`` (the frozen
+`inbox_middleware.canonical_v1`) are still compared under it; ``faststream-raw.v1`` is
+the SHA-256 of the bytes.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ from typing import Any
 
 from faststream import BaseMiddleware
 
+from .. import canonical_v1
+from ..canonical import NotJSON, canonical_json, loads
 from ..exceptions import PayloadNotHashable
 from ..headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
-from ..identity import MessageIdentity, PayloadHash, canonical_json, hash_bytes, hash_json
+from ..identity import MessageIdentity, PayloadHash, hash_bytes
 from ..protocol import Delivery
 
 __all__ = [
     "JSON_SCHEME",
+    "JSON_V1_SCHEME",
     "RAW_SCHEME",
     "CanonicalForm",
     "StampIdentity",
@@ -36,8 +48,11 @@ __all__ = [
     "payload_hash",
 ]
 
-JSON_SCHEME = "faststream-json.v1"
+JSON_SCHEME = "faststream-json.v2"
 """RFC 8785 canonical JSON of the decoded body, SHA-256."""
+
+JSON_V1_SCHEME = "faststream-json.v1"
+"""The v1 canonical JSON of the decoded body: claims hashed by it are compared under it."""
 
 RAW_SCHEME = "faststream-raw.v1"
 """SHA-256 of the body's bytes, for a body that is not JSON."""
@@ -170,50 +185,76 @@ def payload_hash(
     body: bytes, headers: Mapping[str, Any], canonical: CanonicalForm | None
 ) -> tuple[PayloadHash, Callable[[str], str | None]]:
     """The body's hash under the subscriber's scheme, and a function that hashes it under
-    an older built-in scheme (for redeliveries hashed before a scheme change)."""
+    an older scheme (for redeliveries hashed before a scheme change)."""
 
     def rehash(scheme: str) -> str | None:
-        if scheme == JSON_SCHEME:
-            value = _json(body)
-            return None if value is _NOT_JSON else hash_json(value, JSON_SCHEME).sha256
-        if scheme == RAW_SCHEME:
-            return hash_bytes(body, RAW_SCHEME).sha256
-        return None
+        try:
+            return _rehash(body, headers, canonical, scheme)
+        except PayloadNotHashable:
+            # No form under that scheme, so not the payload a claim hashed by it holds.
+            return ""
 
     if canonical is not None:
-        scheme = f"custom:{canonical.scheme}"
-        try:
-            form = canonical.function(body, headers)
-        except Exception as exc:
-            raise PayloadNotHashable(
-                f"the canonical form {canonical.scheme!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        form = _custom_form(canonical, body, headers)
         if isinstance(form, bytes | bytearray):
-            return hash_bytes(bytes(form), scheme), rehash
-        return hash_json(form, scheme), rehash
+            return hash_bytes(bytes(form), f"custom:{canonical.scheme}"), rehash
+        return hash_bytes(canonical_json(form), f"custom.v2:{canonical.scheme}"), rehash
     return builtin_hash(body), rehash
 
 
 def builtin_hash(body: bytes) -> PayloadHash:
-    value = _json(body)
-    if value is _NOT_JSON:
+    """The built-in hash: the canonical JSON of a JSON body, else the SHA-256 of the bytes.
+
+    Raises `PayloadNotHashable` for a JSON body without a canonical form.
+    """
+    try:
+        value = loads(body)
+    except NotJSON:
         return hash_bytes(body, RAW_SCHEME)
-    return hash_json(value, JSON_SCHEME)
+    return hash_bytes(canonical_json(value), JSON_SCHEME)
+
+
+def _rehash(
+    body: bytes, headers: Mapping[str, Any], canonical: CanonicalForm | None, scheme: str
+) -> str | None:
+    if scheme == JSON_SCHEME:
+        return hash_bytes(canonical_json(loads(body)), scheme).sha256
+    if scheme == JSON_V1_SCHEME:
+        value = _v1_json(body)
+        if value is _NOT_JSON:
+            return ""
+        return hash_bytes(canonical_v1.canonical_json(value), scheme).sha256
+    if scheme == RAW_SCHEME:
+        return hash_bytes(body, RAW_SCHEME).sha256
+    if canonical is not None and scheme.endswith(f":{canonical.scheme}"):
+        form = _custom_form(canonical, body, headers)
+        if scheme == f"custom:{canonical.scheme}":  # bytes, or a JSON value hashed by v1
+            if isinstance(form, bytes | bytearray):
+                return hash_bytes(bytes(form), scheme).sha256
+            return hash_bytes(canonical_v1.canonical_json(form), scheme).sha256
+        if scheme == f"custom.v2:{canonical.scheme}" and not isinstance(form, bytes | bytearray):
+            return hash_bytes(canonical_json(form), scheme).sha256
+    return None
+
+
+def _custom_form(canonical: CanonicalForm, body: bytes, headers: Mapping[str, Any]) -> object:
+    try:
+        return canonical.function(body, headers)
+    except Exception as exc:
+        raise PayloadNotHashable(
+            f"the canonical form {canonical.scheme!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 _NOT_JSON: Any = object()
 
 
-def _json(body: bytes) -> Any:
-    """The decoded body when it is JSON with a canonical form, else `_NOT_JSON`.
-
-    Strict: NaN and Infinity, duplicate object keys and invalid UTF-8 make a body "not
-    JSON" (hashed as bytes) rather than two different bodies hashing alike.
-    """
+def _v1_json(body: bytes) -> Any:
+    """The decoded body as ``faststream-json.v1`` read it (frozen), else `_NOT_JSON`."""
     try:
         text = body.decode("utf-8")
         value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-        canonical_json(value)
+        canonical_v1.canonical_json(value)
     except (UnicodeDecodeError, ValueError, PayloadNotHashable, RecursionError):
         return _NOT_JSON
     return value
@@ -238,7 +279,7 @@ def json_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(raw, bytes | bytearray):
             value = bytes(raw).decode("utf-8", "backslashreplace")
         try:
-            canonical_json(value)
+            canonical_v1.canonical_json(value)  # a plain JSON value
             kept[str(name)] = value
         except PayloadNotHashable:
             kept[str(name)] = repr(value)

@@ -1,8 +1,10 @@
-"""Settling one inbox message (or batch): claim, body and commit, then the broker.
+"""One inbox subscriber's messages: from FastStream's message to a settlement, and back.
 
-The inbox acknowledges, hands back or rejects every inbox message itself, before
-FastStream's acknowledgement middleware gets to it; that middleware then finds the
-message settled and does nothing, whatever the subscriber's ack policy::
+`Subscription.consume` turns each message into an `Arrival`, drives the consumption
+core with this subscriber's I/O (`_perform`: the claim's transaction, the bookkeeping,
+the quarantine and dead-letter publishes), and tells the broker the settlement in one
+place (`_tell`), before FastStream's acknowledgement middleware gets to the message; that
+middleware then finds it settled and does nothing, whatever the subscriber's ack policy::
 
     inbox middleware                 PostgreSQL                    broker
     ----------------                 ----------                    ------
@@ -18,6 +20,12 @@ message settled and does nothing, whatever the subscriber's ack policy::
     no/bad identity ─ nothing written ──────── publish to <source>.dead-letter, ack
     failure ───────── ROLLBACK ─────────────── wait (bounded backoff), hand back (nack)
 
+While the handler runs, the message's own ``ack()``, ``nack()`` and ``reject()`` are
+refused: the inbox settles the message after its commit or rollback. The handler asks
+with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ack),
+`NackMessage` a redelivery (rolled back, counted as a failed attempt), `RejectMessage` a
+rejection (rolled back, kept as poison, dead-lettered).
+
 Skipped messages leave through a FastStream `AckMessage`, so no result is published for
 them; a failure re-raises the handler's error, so FastStream logs it as usual.
 """
@@ -27,17 +35,38 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import replace
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from faststream.exceptions import AckMessage, HandlerException, NackMessage, RejectMessage
+from faststream.exceptions import AckMessage, NackMessage, RejectMessage
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from .. import consumption as core
+from .. import faults
+from ..consumption import (
+    Arrival,
+    Backoff,
+    DeadLettered,
+    Duplicate,
+    HandBackRequested,
+    Op,
+    Poisoned,
+    Process,
+    Processed,
+    Publish,
+    Quarantined,
+    RejectRequested,
+    Route,
+    RunUnprotected,
+    Settlement,
+    Unfit,
+    drive_async,
+    settle_steps,
+)
 from ..exceptions import (
-    ConfigurationError,
+    HandlerTransactionError,
     IdentityError,
     InboxError,
     MissingIdentity,
@@ -46,28 +75,27 @@ from ..exceptions import (
 )
 from ..identity import MessageIdentity
 from ..metrics import metrics
-from ..poison import (
-    REDELIVERY_LIMIT,
-    RETRIES_EXHAUSTED,
-    FailureRecorder,
-    PoisonRecord,
-    describe,
-    reason_code,
-)
+from ..outcomes import report
+from ..policy import ConsumerPolicy
 from ..protocol import Decision, Delivery, Verdict
-from ..repair import mark_recovered, parse_marker
-from ..retention import ExpiredPolicy, check_expired
-from ..storage.errors import as_transient
-from ..storage.executors import shadow_verdict
 from .brokers import BrokerAdapter, Item
-from .consumer import InboxConsumer, MissingIdentityPolicy, _Unset
+from .consumer import InboxConsumer, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
 from .payload import CanonicalForm, delivery, headers_identity
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
 
-__all__ = ["CONFLICT_HEADER", "REJECTED_HEADER", "REPAIR_HEADER", "Backoff", "Subscription"]
+__all__ = [
+    "CONFLICT_HEADER",
+    "REJECTED_HEADER",
+    "REPAIR_HEADER",
+    "Backoff",
+    "HandedBack",
+    "Skipped",
+    "Subscription",
+    "Unfit",
+]
 
 logger = logging.getLogger("inbox_middleware.faststream")
 
@@ -105,25 +133,11 @@ class HandedBack(NackMessage):
         return self.reason
 
 
-class Backoff:
-    """Delays before handing a message back: doubling per failure of the same message
-    from ``first`` up to ``limit`` seconds, remembered for the latest ``memory`` ones."""
+class _Acknowledged:
+    """The handler raised `AckMessage`: its work commits, then the message is acked."""
 
-    def __init__(self, first: float, limit: float, memory: int = 10_000) -> None:
-        if not 0 < first <= limit:
-            raise ConfigurationError("retry_backoff needs 0 < first <= limit seconds")
-        self.first, self.limit, self.memory = first, limit, memory
-        self._failures: OrderedDict[Hashable, int] = OrderedDict()
 
-    def next(self, key: Hashable) -> float:
-        count = self._failures.pop(key, 0) + 1
-        self._failures[key] = count
-        while len(self._failures) > self.memory:
-            self._failures.popitem(last=False)
-        return float(min(self.limit, self.first * 2 ** min(count - 1, 32)))
-
-    def forget(self, key: Hashable) -> None:
-        self._failures.pop(key, None)
+_ACKED = _Acknowledged()
 
 
 class Subscription:
@@ -135,28 +149,18 @@ class Subscription:
         storage: AsyncInbox,
         consumer: InboxConsumer,
         adapter: BrokerAdapter,
-        missing_identity: MissingIdentityPolicy,
+        policy: ConsumerPolicy,
         canonical_form: CanonicalForm | None,
         quarantine: str,
         dead_letter: str | None,
         backoff: Backoff,
-        permanent_errors: tuple[type[BaseException], ...] = (),
-        max_attempts: int | None = None,
-        redelivery_limit: int | None = None,
-        retention_window: timedelta | None = None,
-        expired_redelivery: ExpiredPolicy = "reject",
-        shadow: bool = False,
     ) -> None:
         self.storage = storage
-        self.permanent_errors = permanent_errors
-        self.max_attempts = max_attempts
-        self.redelivery_limit = redelivery_limit
-        self.retention_window = retention_window
-        self.expired_redelivery = expired_redelivery
-        self.recorder = FailureRecorder(storage.naming, storage.dialect)
         self.consumer = consumer
         self.adapter = adapter
-        self.missing_identity = consumer.missing_identity or missing_identity
+        self.policy = policy.override(
+            missing_identity=consumer.missing_identity, shadow=consumer.shadow
+        )
         self.canonical_form = consumer.canonical_form or canonical_form
         source = adapter.source
         self.quarantine = (consumer.quarantine or quarantine).format(source=source)
@@ -165,7 +169,14 @@ class Subscription:
             chosen = dead_letter
         self.dead_letter = chosen.format(source=source) if chosen is not None else None
         self.backoff = backoff
-        self.shadow = consumer.shadow if consumer.shadow is not None else shadow
+
+    @property
+    def missing_identity(self) -> str:
+        return self.policy.missing_identity
+
+    @property
+    def shadow(self) -> bool:
+        return self.policy.shadow
 
     @property
     def destinations(self) -> list[str]:
@@ -174,76 +185,41 @@ class Subscription:
     def describe(self) -> str:
         return f"{self.adapter.name} subscriber {self.adapter.source!r}"
 
-    # -- one message ------------------------------------------------------------------------
+    # -- one message --------------------------------------------------------------------------
 
     async def consume(self, call_next: CallNext, message: Any) -> Any:
         if self.adapter.batch:
             return await self._consume_batch(call_next, message)
-        return await self._consume_one(call_next, message)
-
-    async def _consume_one(self, call_next: CallNext, message: Any) -> Any:
         (item,) = self.adapter.items(message)
+        arrival = Arrival(None)
         try:
-            claim = self.delivery(item)
-        except (IdentityError, PayloadNotHashable) as exc:
-            reason = _identity_reason(exc)
-            missing = isinstance(exc, MissingIdentity)
-            if self.shadow or (missing and self.missing_identity == "process"):
-                metrics.missing_identity(self.consumer.name, reason, "processed")
-                return await self._unprotected(call_next, message, item, exc)
-            metrics.missing_identity(self.consumer.name, reason, "rejected")
-            await self._reject(message, item, exc, hint=_SEND_IDENTITY if missing else "")
+            arrival = self.arrival(message, item)
+            steps = settle_steps(arrival, self.policy)
+            settlement = await drive_async(steps, partial(self._perform, call_next, message, item))
+        except Exception as exc:  # the inbox's own bug: the message stays with the broker
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
+            settlement = core.HandedBack(exc, counted=False)
+        return await self._tell(message, item, arrival, settlement)
 
+    def arrival(self, message: Any, item: Item) -> Arrival:
         marker = item.headers.get(REPAIR_HEADER)
         if isinstance(marker, bytes | bytearray):
             marker = bytes(marker).decode("utf-8", "replace")
-
-        async def body(session: AsyncSession) -> Any:
-            self._check_expired(claim, session)
-            token = set_attempt(Attempt(session))
-            try:
-                result = await call_next(message)
-            finally:
-                reset_attempt(token)
-            if marker is not None:  # a redriven or accepted message: recovered now
-                await session.run_sync(
-                    lambda sync: mark_recovered(sync.connection(), self.storage.naming, marker)
-                )
-            return result
-
-        await self._limit_redeliveries(message, item, claim)
+        common: dict[str, Any] = {
+            "deliveries": self.adapter.deliveries(message),
+            "redelivered": self.adapter.redelivered(message),
+            "repair_marker": marker if isinstance(marker, str) else None,
+        }
         try:
-            outcome = await self.storage.process(claim, body)
-        except HandlerException as exc:
-            await self._obey(message, item, exc)
-        except _INVALID as exc:
-            await self._reject(message, item, Unfit(f"the message does not fit the handler: {exc}"))
-        except TransientError as exc:
-            await self._hand_back(message, claim.key, exc)
-        except Exception as exc:
-            await self._failed(message, item, claim, exc)
-        self.backoff.forget(claim.key)
-        if outcome.verdict.runs_handler:  # first seen, or anything in shadow mode
-            await message.ack()
-            if (repaired := parse_marker(marker)) is not None:
-                metrics.recovered(self.consumer.name, repaired[0])
-            return outcome.result
-        if outcome.decision is Decision.CONFLICT:
-            try:
-                await self._quarantine(item, claim, outcome.verdict)
-            except Exception as exc:
-                await self._hand_back(message, claim.key, exc)
-        await message.ack()
-        raise Skipped(
-            f"{outcome.decision} delivery for inbox consumer {self.consumer.name!r}: "
-            + ("already processed" if outcome.decision is Decision.DUPLICATE else "quarantined")
-        )
+            return Arrival(self.delivery(item), **common)
+        except (IdentityError, PayloadNotHashable) as exc:
+            return Arrival(None, exc, **common)
 
     def delivery(self, item: Item) -> Delivery:
         try:
             identity = headers_identity(item.headers)
         except MissingIdentity:
-            if self.missing_identity != "broker_id" or item.broker_id is None:
+            if self.policy.missing_identity != "broker_id" or item.broker_id is None:
                 raise
             metrics.missing_identity(self.consumer.name, "missing", "broker_id")
             identity = MessageIdentity(*item.broker_id)
@@ -257,51 +233,119 @@ class Subscription:
             canonical=self.canonical_form,
             content_type=item.content_type,
         )
-        return replace(claim, shadow=True) if self.shadow else claim
+        return replace(claim, shadow=True) if self.policy.shadow else claim
 
-    def _check_expired(self, claim: Delivery, session: AsyncSession) -> None:
-        policy = self.expired_redelivery
-        if claim.shadow:
-            if shadow_verdict(session.sync_session) is not None:
-                return  # a would-be duplicate or conflict: its claim is there, not expired
-            policy = "process"  # shadow mode skips nothing: counted, then processed
-        check_expired(claim, self.retention_window, policy, consumer=self.consumer.name)
+    async def _perform(self, call_next: CallNext, message: Any, item: Item, op: Op) -> Any:
+        """Perform one operation of the consumption core for this message."""
+        match op:
+            case Process(delivery=claim, before_handler=before, repair_marker=marker):
+                faults.at("before_claim", claim.identity.message_id)
+                body = self._body(call_next, message)
+                return await self.storage.process(
+                    claim, body, before_handler=before, repair_marker=marker
+                )
+            case RunUnprotected():
+                return await self.storage.transaction(self._body(call_next, message))
+            case Publish(route=Route.QUARANTINE, details=details):
+                faults.at("quarantine_publish", details.get("message_id"))
+                headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
+                return await self.adapter.publish(self.quarantine, item, headers)
+            case Publish(details=details):
+                faults.at("dead_letter_publish", _message_id(item))
+                if self.dead_letter is None:
+                    return None  # the broker's own dead-letter path: rejected in _tell
+                headers = {**item.headers, REJECTED_HEADER: json.dumps(details)}
+                return await self.adapter.publish(self.dead_letter, item, headers)
+        return await self.storage.bookkeep(op)
 
-    async def _unprotected(
-        self, call_next: CallNext, message: Any, item: Item, missing: InboxError
-    ) -> Any:
-        logger.warning(
-            "processing a message for inbox consumer %s WITHOUT deduplication: %s (%s)",
-            self.consumer.name,
-            missing,
-            "shadow mode" if self.shadow else "missing_identity='process'",
-            extra={
-                "inbox_event": "unprotected",
-                "inbox_consumer": self.consumer.name,
-                "inbox_identity": _identity_reason(missing),
-                "inbox_shadow": self.shadow,
-            },
-        )
-
+    def _body(
+        self, call_next: CallNext, message: Any, batch: tuple[BatchItem, ...] = ()
+    ) -> Callable[[AsyncSession], Awaitable[Any]]:
         async def body(session: AsyncSession) -> Any:
-            token = set_attempt(Attempt(session))
+            token = set_attempt(Attempt(session, batch))
+            refused = _refuse_manual_settling(message)
             try:
                 return await call_next(message)
+            except (Skipped, HandedBack):
+                raise  # a nested inbox consumer's own settlement
+            except AckMessage:
+                return _ACKED
+            except NackMessage as exc:
+                raise HandBackRequested(cause=exc) from exc
+            except RejectMessage as exc:
+                raise RejectRequested(str(exc) or "the handler rejected it") from exc
+            except _INVALID as exc:
+                raise Unfit(f"the message does not fit the handler: {exc}") from exc
             finally:
+                refused.restore()
                 reset_attempt(token)
 
-        try:
-            result = await self.storage.transaction(body)
-        except HandlerException as exc:
-            await self._obey(message, item, exc)
-        except Exception as exc:
-            await self._hand_back(message, ("unprotected", item.body), exc)
-        await message.ack()
-        return result
+        return body
+
+    async def _tell(
+        self, message: Any, item: Item, arrival: Arrival, settlement: Settlement
+    ) -> Any:
+        """Tell the broker what ``settlement`` means: the one place that does."""
+        where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
+        try:  # whatever happens here, the broker is still told
+            report(
+                arrival,
+                settlement,
+                consumer=self.consumer.name,
+                where=where,
+                message=getattr(message, "message_id", None),
+            )
+            faults.at("settle", _message_id(item))
+        except Exception:
+            logger.exception("could not report a settlement of %s", self.consumer.name)
+        claim = arrival.delivery
+        key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
+        name = self.consumer.name
+        match settlement:
+            case Processed(result=result):
+                self.backoff.forget(key)
+                await message.ack()
+                if result is _ACKED:
+                    raise Skipped(f"acknowledged by the handler of inbox consumer {name!r}")
+                return result
+            case Duplicate():
+                self.backoff.forget(key)
+                await message.ack()
+                raise Skipped(f"duplicate delivery for inbox consumer {name!r}: already processed")
+            case Quarantined():
+                self.backoff.forget(key)
+                await message.ack()
+                raise Skipped(f"conflict delivery for inbox consumer {name!r}: quarantined")
+            case DeadLettered(error=error) | Poisoned(error=error):
+                self.backoff.forget(key)
+                if self.dead_letter is None:
+                    await self.adapter.reject(message)
+                else:
+                    await message.ack()
+                raise Skipped(f"rejected for inbox consumer {name!r}: {error}")
+            case core.HandedBack(error=error, delay=delay):
+                wait = delay if delay is not None else self.backoff.next(key)
+                await self.adapter.retry_later(message, wait)
+                logger.warning(
+                    "inbox consumer %s rolled back (%s: %s); the message is handed back in %.1fs",
+                    name,
+                    type(error).__name__,
+                    error,
+                    wait,
+                    extra={"inbox_consumer": name, "inbox_retry_in": wait},
+                )
+                if isinstance(error, HandBackRequested) and error.cause is not None:
+                    raise error.cause  # the handler's NackMessage: the message is nacked
+                if isinstance(error, Exception) and not isinstance(error, TransientError):
+                    raise error  # the handler's: FastStream logs it with its traceback
+                raise HandedBack(f"{type(error).__name__}: {error}") from error
 
     # -- a batch ------------------------------------------------------------------------------
 
     async def _consume_batch(self, call_next: CallNext, message: Any) -> Any:
+        """A batch is claimed, handled and committed as a whole: the settlement is the
+        batch's (processed, or handed back); conflicts are quarantined and messages
+        without a usable identity dead-lettered one by one, after the commit."""
         items = self.adapter.items(message)
         claims: list[tuple[int, Delivery]] = []
         rejected: dict[int, InboxError] = {}
@@ -309,251 +353,137 @@ class Subscription:
             try:
                 claims.append((index, self.delivery(item)))
             except (IdentityError, PayloadNotHashable) as exc:
-                metrics.missing_identity(self.consumer.name, _identity_reason(exc), "rejected")
+                metrics.missing_identity(self.consumer.name, core.identity_reason(exc), "rejected")
                 rejected[index] = exc
         key = ("batch", claims[0][1].key if claims else bytes(items[0].body[:64]))
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
             decided = {index: verdict for (index, _), verdict in zip(claims, verdicts, strict=True)}
             first = [index for index, _ in claims if decided[index].runs_handler]
-            token = set_attempt(Attempt(session, _batch_items(items, claims, decided, rejected)))
-            try:
-                return await call_next(await _view(message, first))
-            finally:
-                reset_attempt(token)
+            view = await _view(message, first)
+            seen = _batch_items(items, claims, decided, rejected)
+            return await self._body(call_next, view, seen)(session)
 
+        outcome = None
+        reject: InboxError | None = None
         try:
-            outcome = (
-                await self.storage.process_batch([c for _, c in claims], body) if claims else None
+            if claims:
+                outcome = await self.storage.process_batch([c for _, c in claims], body)
+        except (RejectRequested, Unfit) as exc:
+            reject = exc if isinstance(exc, Unfit) else InboxError(str(exc))
+        except Exception as exc:
+            return await self._tell_batch(message, key, error=exc)
+        try:
+            if reject is not None:
+                for index, item in enumerate(items):
+                    await self._dead_letter(message, item, index, reject)
+            else:
+                verdicts = outcome.verdicts if outcome is not None else ()
+                for (index, claim), verdict in zip(claims, verdicts, strict=True):
+                    if verdict.decision is Decision.CONFLICT and not verdict.shadow:
+                        await self._quarantine(items[index], claim, verdict)
+                for index, error in rejected.items():
+                    await self._dead_letter(message, items[index], index, error)
+        except Exception as exc:
+            return await self._tell_batch(message, key, error=exc)
+        if outcome is None or reject is not None:
+            return await self._tell_batch(message, key)
+        ran = any(verdict.runs_handler for verdict in outcome.verdicts)
+        return await self._tell_batch(message, key, result=outcome.result, ran=ran)
+
+    async def _tell_batch(
+        self,
+        message: Any,
+        key: Hashable,
+        *,
+        error: Exception | None = None,
+        result: Any = None,
+        ran: bool = False,
+    ) -> Any:
+        """Tell the broker a batch's settlement: the one place that does, for batches."""
+        faults.at("settle", None)
+        name = self.consumer.name
+        if error is not None:
+            wait = self.backoff.next(key)
+            await self.adapter.retry_later(message, wait)
+            logger.warning(
+                "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
+                name,
+                type(error).__name__,
+                error,
+                wait,
             )
-        except RejectMessage as exc:
-            await self._reject_batch(message, items, _Rejected(str(exc) or "rejected"))
-        except HandlerException as exc:
-            await self._obey(message, items[0], exc)
-        except _INVALID as exc:
-            await self._reject_batch(message, items, Unfit(f"the batch does not fit: {exc}"))
-        except Exception as exc:
-            await self._hand_back(message, key, exc)
+            if isinstance(error, TransientError):
+                raise HandedBack(f"{type(error).__name__}: {error}") from error
+            raise error
         self.backoff.forget(key)
-        verdicts = outcome.verdicts if outcome is not None else ()
-        try:
-            for (index, claim), verdict in zip(claims, verdicts, strict=True):
-                if verdict.decision is Decision.CONFLICT and not verdict.shadow:
-                    await self._quarantine(items[index], claim, verdict)
-            for index, error in rejected.items():
-                await self._dead_letter(message, items[index], error, index)
-        except Exception as exc:
-            await self._hand_back(message, key, exc)
         await message.ack()
-        if outcome is not None and any(verdict.runs_handler for verdict in verdicts):
-            return outcome.result
-        raise Skipped(
-            f"batch of {len(items)} for inbox consumer {self.consumer.name!r}: nothing first seen"
-        )
-
-    async def _reject_batch(self, message: Any, items: list[Item], reason: InboxError) -> NoReturn:
-        try:
-            for index, item in enumerate(items):
-                await self._dead_letter(message, item, reason, index)
-        except Exception as failure:
-            await self._hand_back(message, ("reject", items[0].body), failure)
-        await message.ack()
-        raise Skipped(f"batch rejected for inbox consumer {self.consumer.name!r}: {reason}")
-
-    # -- settling -----------------------------------------------------------------------------
+        if ran and result is not _ACKED:
+            return result
+        raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
 
     async def _quarantine(self, item: Item, claim: Delivery, verdict: Verdict) -> None:
-        # The quarantine row is committed already (the table is the source of truth); if
-        # this publish fails, the message is handed back, and its redelivery records the
-        # conflict again (attempts + 1) and publishes again.
-        assert verdict.stored is not None
-        assert verdict.quarantine is not None
-        conflict = {
-            "reason": "identity_conflict",
-            "consumer": self.consumer.name,
-            "producer": claim.identity.producer,
-            "tenant": claim.identity.tenant,
-            "message_id": claim.identity.message_id,
-            "quarantine_id": verdict.quarantine.id,
-            "attempts": verdict.quarantine.attempts,
-            "stored_sha256": verdict.stored.payload_sha256,
-            "conflicting_sha256": claim.payload_hash.sha256,
-            "hash_scheme": claim.payload_hash.scheme,
-            "source": self.adapter.source,
-        }
-        headers = {**item.headers, CONFLICT_HEADER: json.dumps(conflict)}
+        details = core.conflict_details(claim, verdict)
+        faults.at("quarantine_publish", claim.identity.message_id)
+        headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
         await self.adapter.publish(self.quarantine, item, headers)
         metrics.moved(self.consumer.name, "quarantine")
 
-    async def _reject(self, message: Any, item: Item, exc: InboxError, hint: str = "") -> NoReturn:
-        try:
-            await self._dead_letter(message, item, exc, None, hint)
-        except Exception as failure:
-            await self._hand_back(message, ("reject", item.body), failure)
-        if self.dead_letter is not None:
-            await message.ack()
-        raise Skipped(f"rejected for inbox consumer {self.consumer.name!r}: {exc}")
-
-    async def _dead_letter(
-        self, message: Any, item: Item, exc: InboxError, index: int | None, hint: str = ""
-    ) -> None:
-        where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
+    async def _dead_letter(self, message: Any, item: Item, index: int, error: InboxError) -> None:
         logger.error(
-            "rejecting a message for inbox consumer %s to %s: %s%s",
+            "rejecting a message for inbox consumer %s to %s: %s",
             self.consumer.name,
-            where,
-            exc,
-            hint,
-            extra={
-                "inbox_event": "rejected",
-                "inbox_consumer": self.consumer.name,
-                "inbox_reason": str(exc),
-                "inbox_identity": (
-                    _identity_reason(exc)
-                    if isinstance(exc, IdentityError | PayloadNotHashable)
-                    else None
-                ),
-            },
+            self.dead_letter or f"the {self.adapter.name} dead-letter path",
+            error,
+            extra={"inbox_event": "rejected", "inbox_consumer": self.consumer.name},
         )
+        details = core.rejection_details(error, self.consumer.name, self.adapter.source)
+        faults.at("dead_letter_publish", _message_id(item))
         if self.dead_letter is None:
-            await self.adapter.reject(message, None if index is None else [index])
+            await self.adapter.reject(message, [index])
             return
-        reason = {
-            "reason": type(exc).__name__,
-            "detail": str(exc),
-            "consumer": self.consumer.name,
-            "source": self.adapter.source,
-        }
-        headers = {**item.headers, REJECTED_HEADER: json.dumps(reason)}
+        headers = {**item.headers, REJECTED_HEADER: json.dumps(details)}
         await self.adapter.publish(self.dead_letter, item, headers)
 
-    async def _obey(self, message: Any, item: Item, exc: HandlerException) -> NoReturn:
-        """The handler raised FastStream's own instruction; the transaction rolled back."""
-        if isinstance(exc, RejectMessage):
-            await self._reject(message, item, _Rejected(str(exc) or "the handler rejected it"))
-        if isinstance(exc, NackMessage):
-            await message.nack(**exc.extra_options)
-        elif isinstance(exc, AckMessage):
-            await message.ack(**exc.extra_options)
-        raise exc
 
-    async def _failed(self, message: Any, item: Item, claim: Delivery, exc: Exception) -> NoReturn:
-        """Count the failure in its own transaction. A permanent failure, or one past
-        ``max_attempts``, is kept as poison and moved to the dead-letter destination; any
-        other is handed back for a later redelivery."""
-        code = reason_code(exc, self.permanent_errors)
-        error = describe(exc)
-        limit = self.max_attempts
+class _ManualSettling:
+    """While the handler runs, the message's ``ack``, ``nack`` and ``reject`` raise."""
 
-        def record(conn: Any) -> PoisonRecord | None:
-            attempts = self.recorder.count_failure(conn, claim, error)
-            reason = code or (RETRIES_EXHAUSTED if limit and attempts >= limit else None)
-            if reason is None:
-                return None
-            return self.recorder.record_poison(
-                conn, claim, reason_code=reason, error=error, attempts=attempts
-            )
+    def __init__(self, message: Any) -> None:
+        self.message = message
+        self.saved = {
+            name: message.__dict__[name]
+            for name in ("ack", "nack", "reject")
+            if name in getattr(message, "__dict__", {})
+        }
+        for name in ("ack", "nack", "reject"):
+            setattr(message, name, partial(_refused, name))
 
-        try:
-            async with self.storage.engine.begin() as conn:
-                poison = await conn.run_sync(record)
-        except Exception:
-            logger.exception(
-                "could not record the failure of a message for inbox consumer %s; it is "
-                "handed back",
-                self.consumer.name,
-            )
-            await self._hand_back(message, claim.key, exc)
-        metrics.handler_failure(self.consumer.name, code or type(exc).__name__)
-        if poison is None:
-            await self._hand_back(message, claim.key, exc)
-        await self._poisoned(message, item, claim, poison, error)
-
-    async def _limit_redeliveries(self, message: Any, item: Item, claim: Delivery) -> None:
-        """Bound crash loops: a message the broker keeps redelivering without an outcome
-        (its worker killed, out of memory) is kept as poison after ``redelivery_limit``."""
-        limit = self.redelivery_limit
-        if limit is None:
-            return
-        counted = self.adapter.deliveries(message)
-        if counted is None and not self.adapter.redelivered(message):
-            return
-        error = "redelivered: an earlier delivery ended without an outcome"
-
-        def record(conn: Any) -> PoisonRecord | None:
-            if counted is not None:  # the broker's count of deliveries
-                crashes = counted - 1
-            else:  # hand-backs set the flag too: crashes are what failures do not explain
-                redeliveries, failures = self.recorder.count_redelivery(conn, claim)
-                crashes = redeliveries - failures
-            if crashes <= limit or self.recorder.claimed(conn, claim):
-                return None  # within the limit, or an ack lost after the commit: a duplicate
-            return self.recorder.record_poison(
-                conn, claim, reason_code=REDELIVERY_LIMIT, error=error, attempts=crashes
-            )
-
-        if counted is not None and counted <= limit + 1:
-            return  # the broker's own count: nothing to look up yet
-        try:
-            async with self.storage.engine.begin() as conn:
-                poison = await conn.run_sync(record)
-        except Exception as exc:
-            # Before the claim, the same database trouble as in it: hand the message back.
-            await self._hand_back(message, claim.key, as_transient(exc, claim))
-        if poison is not None:
-            await self._poisoned(message, item, claim, poison, error)
-
-    async def _poisoned(
-        self, message: Any, item: Item, claim: Delivery, poison: PoisonRecord, error: str
-    ) -> NoReturn:
-        metrics.moved(self.consumer.name, "poison")
-        self.backoff.forget(claim.key)
-        await self._reject(message, item, Poisoned(poison, error))
-
-    async def _hand_back(self, message: Any, key: Hashable, exc: Exception) -> NoReturn:
-        delay = self.backoff.next(key)
-        logger.warning(
-            "inbox consumer %s rolled back (%s: %s); the message is handed back in %.1fs",
-            self.consumer.name,
-            type(exc).__name__,
-            exc,
-            delay,
-            extra={"inbox_consumer": self.consumer.name, "inbox_retry_in": delay},
-        )
-        await self.adapter.retry_later(message, delay)
-        if isinstance(exc, TransientError):  # the inbox's own, logged above
-            raise HandedBack(f"{type(exc).__name__}: {exc}") from exc
-        raise exc  # the handler's: FastStream logs it with its traceback
+    def restore(self) -> None:
+        for name in ("ack", "nack", "reject"):
+            if name in self.saved:
+                setattr(self.message, name, self.saved[name])
+            else:
+                self.message.__dict__.pop(name, None)
 
 
-def _identity_reason(exc: InboxError) -> str:
-    """The ``reason`` label of a message without a usable identity."""
-    if isinstance(exc, MissingIdentity):
-        return "missing"
-    return "unhashable" if isinstance(exc, PayloadNotHashable) else "invalid"
+def _refuse_manual_settling(message: Any) -> _ManualSettling:
+    return _ManualSettling(message)
 
 
-class _Rejected(InboxError):
-    """The handler raised RejectMessage."""
+async def _refused(name: str, *args: Any, **kwargs: Any) -> None:
+    exception = {"ack": "AckMessage", "nack": "NackMessage", "reject": "RejectMessage"}[name]
+    raise HandlerTransactionError(
+        f"the handler called message.{name}(), but the inbox settles this message itself, "
+        f"after its commit or rollback: raise faststream.exceptions.{exception} instead"
+    )
 
 
-class Poisoned(InboxError):
-    """The message failed permanently and is kept in the poison table."""
-
-    def __init__(self, poison: PoisonRecord, error: str) -> None:
-        self.poison = poison
-        super().__init__(
-            f"poison message #{poison.id} after {poison.attempts} attempts ({error}); kept in "
-            "the poison table with its payload"
-        )
-
-
-class Unfit(InboxError):
-    """The message's body does not validate against the handler's parameters.
-
-    Retrying cannot help, so it goes where messages with an unusable identity go, with
-    the validation error as its reason.
-    """
+def _message_id(item: Item) -> str | None:
+    value = item.headers.get("x-inbox-message-id")
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:
@@ -565,12 +495,6 @@ def _validation_errors() -> tuple[type[Exception], ...]:
 
 
 _INVALID = _validation_errors()
-
-
-_SEND_IDENTITY = (
-    "; publish it with headers=identity_headers(producer=..., message_id=...) "
-    "(inbox_middleware.faststream)"
-)
 
 
 def _batch_items(

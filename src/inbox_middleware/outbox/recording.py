@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, cast, overload
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from ..canonical_v1 import canonical_json  # frozen: fx1 ids must not change with the hash scheme
 from ..exceptions import IdentityError
-from ..identity import MAX_MESSAGE_ID_LENGTH, MAX_NAME_LENGTH, canonical_json, validate_name
+from ..identity import MAX_MESSAGE_ID_LENGTH, MAX_NAME_LENGTH, validate_name
 from ..protocol import Delivery
 from ..storage.executors import current_delivery
 from ..storage.tables import InboxSchema

@@ -14,9 +14,13 @@ from typing import Any, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
+from .. import faults
+from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
 from ..protocol import Delivery, Verdict
+from .errors import as_transient
 from .executors import (
+    _ABORTED,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
     BatchOutcome,
@@ -28,7 +32,9 @@ from .executors import (
     _log,
     _Single,
     _synchronous_commit,
+    track_aborts,
 )
+from .failures import mark_recovered
 from .migrate import check_schema
 from .session import InboxSession
 from .tables import InboxSchema
@@ -56,6 +62,8 @@ class AsyncInbox(_Base):
             )
         super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
         self.engine = engine
+        if engine.dialect.driver == "asyncpg":
+            track_aborts(engine.sync_engine)
         self._session_options: dict[str, Any] = {
             "bind": engine,
             "sync_session_class": InboxSession,
@@ -69,13 +77,29 @@ class AsyncInbox(_Base):
             self._check_settings(await conn.run_sync(_synchronous_commit))
 
     async def process(
-        self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]]
+        self,
+        delivery: Delivery,
+        handler: Callable[[AsyncSession], Awaitable[R]],
+        *,
+        before_handler: Callable[[Verdict], None] | None = None,
+        repair_marker: str | None = None,
     ) -> Outcome[R]:
         """Claim ``delivery`` and, when it is first seen, await ``handler`` in the same
-        transaction; commit. Raises when the attempt rolled back: do not ack then."""
+        transaction; commit. Raises when the attempt rolled back: do not ack then. See
+        `Inbox.process` for ``before_handler`` and ``repair_marker``."""
 
         async def body(session: AsyncSession, verdict: Verdict) -> R | None:
-            return await handler(session) if verdict.runs_handler else None
+            if before_handler is not None:
+                before_handler(verdict)
+            if not verdict.runs_handler:
+                return None
+            faults.at("handler", delivery.identity.message_id)
+            result = await handler(session)
+            if repair_marker is not None:
+                await session.run_sync(
+                    lambda sync: mark_recovered(sync.connection(), self.naming, repair_marker)
+                )
+            return result
 
         attempts = _Single(delivery, self.serialization_retries)
         verdict, result, number = await self._run(attempts, body)
@@ -113,9 +137,10 @@ class AsyncInbox(_Base):
                 result = await body(session, verdict)
                 attempts.in_handler = False
                 attempts.clock = perf_counter()
-                await session.run_sync(_commit_and_close)
+                await session.run_sync(self._commit_and_close, attempts.delivery)
                 closed = True
                 attempts.committed(verdict)
+                faults.at("after_commit", attempts.delivery.identity.message_id)
                 return verdict, result, attempts.number
             except Exception as exc:
                 await _abandon_async(session, exc, attempts.delivery)
@@ -128,14 +153,34 @@ class AsyncInbox(_Base):
                 if not closed:
                     await session.run_sync(Session.close)
 
+    def _commit_and_close(self, session: Session, delivery: Delivery | None) -> None:
+        self._before_commit(session, delivery)
+        Session.commit(session)
+        Session.close(session)
+
+    async def bookkeep(self, op: Op) -> Any:
+        """Perform a bookkeeping operation of the consumption core in its own transaction."""
+        if isinstance(op, CountHandBack) and op.unreachable:
+            return self._unrecorded_hand_back(op)
+        try:
+            async with self.engine.begin() as conn:
+                return await conn.run_sync(self._bookkeep, op)
+        except Exception as exc:
+            self._unrecorded_hand_back(op)
+            delivery = getattr(op, "delivery", None)
+            if delivery is None:
+                raise
+            raise as_transient(exc, delivery) from exc
+
     async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
         """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""
         session = AsyncSession(**self._session_options)
         closed = False
         try:
-            await session.connection(execution_options=self._connection_options)
+            conn = await session.connection(execution_options=self._connection_options)
+            conn.info.pop(_ABORTED, None)
             result = await handler(session)
-            await session.run_sync(_commit_and_close)
+            await session.run_sync(self._commit_and_close, None)
             closed = True
             return result
         except BaseException as exc:
@@ -144,11 +189,6 @@ class AsyncInbox(_Base):
         finally:
             if not closed:
                 await session.run_sync(Session.close)
-
-
-def _commit_and_close(session: Session) -> None:
-    Session.commit(session)
-    Session.close(session)
 
 
 async def _abandon_async(

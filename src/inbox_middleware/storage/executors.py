@@ -28,24 +28,47 @@ sees each delivery's verdict and runs once when at least one of them is first se
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Connection, Dialect, Engine, text
+from sqlalchemy import Connection, Dialect, Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..exceptions import ClaimInProgress, ConfigurationError, PrerequisiteError
+from .. import faults
+from ..consumption import (
+    CountFailure,
+    CountHandBack,
+    CountRedelivery,
+    Op,
+    RecordPoison,
+    RedeliveryCount,
+)
+from ..exceptions import (
+    ClaimInProgress,
+    ConfigurationError,
+    PrerequisiteError,
+    TransactionAborted,
+)
 from ..metrics import metrics
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .errors import Failure, classify, from_driver, transient_error
+from .errors import Failure, as_transient, classify, from_driver, sqlstate, transient_error
+from .failures import FailureRecorder, mark_recovered
 from .migrate import check_schema
 from .session import InboxSession
 from .statements import ClaimStatements, DriverStatement
 from .tables import InboxSchema
 
-__all__ = ["BatchOutcome", "Inbox", "Outcome", "current_delivery", "shadow_verdict"]
+__all__ = [
+    "BatchOutcome",
+    "Inbox",
+    "Outcome",
+    "current_delivery",
+    "shadow_verdict",
+    "track_aborts",
+]
 
 R = TypeVar("R")
 V = TypeVar("V")
@@ -130,6 +153,57 @@ class _Base:
         # set-and-reset of the connection on every checkout); SQLite has one writer.
         self._connection_options = _READ_COMMITTED if dialect == "postgresql" else {}
         self._isolation_known = dialect != "postgresql"
+        self.recorder = FailureRecorder(self.naming, dialect)
+        # Hand-backs that could not be counted in the database (it was down): remembered
+        # here while this process lives, so a broker's delivery count does not take them
+        # for crashes. A worker that dies after a hand-back forgets them (a crash, then).
+        self._unrecorded: OrderedDict[tuple[str, str, str, str], int] = OrderedDict()
+
+    def _bookkeep(self, conn: Connection, op: Op) -> Any:
+        """Perform one of the core's bookkeeping operations on ``conn``, in a transaction
+        of its own (never the failed attempt's)."""
+        faults.at("record", _message_id(op))
+        match op:
+            case CountRedelivery(delivery=delivery, counted=counted):
+                count = self.recorder.count_redelivery(conn, delivery, counted=counted is not None)
+                extra = self._unrecorded.get(delivery.key, 0)
+                if not extra:
+                    return count
+                return RedeliveryCount(
+                    count.redeliveries, count.failures, count.hand_backs + extra, count.claimed
+                )
+            case CountFailure(delivery=delivery, error=error):
+                return self.recorder.count_failure(conn, delivery, error)
+            case CountHandBack(delivery=delivery):
+                self.recorder.count_hand_back(conn, delivery, "handed back")
+                return None
+            case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
+                return self.recorder.record_poison(
+                    conn, delivery, reason_code=reason, error=error, attempts=attempts
+                )
+        raise TypeError(f"not a bookkeeping operation: {op!r}")
+
+    def _unrecorded_hand_back(self, op: Op) -> None:
+        if isinstance(op, CountHandBack):
+            key = op.delivery.key
+            self._unrecorded[key] = self._unrecorded.pop(key, 0) + 1
+            while len(self._unrecorded) > _UNRECORDED_MEMORY:
+                self._unrecorded.popitem(last=False)
+
+    def _before_commit(self, session: Session, delivery: Delivery | None) -> None:
+        """Refuse to commit an aborted transaction: PostgreSQL would answer the COMMIT
+        with ROLLBACK and no error, and the message would be acked with nothing done."""
+        if delivery is not None:
+            faults.at("commit", delivery.identity.message_id)
+        if self.dialect == "postgresql" and _aborted(session):
+            raise TransactionAborted(
+                "the transaction was aborted by an earlier error that the handler caught, so "
+                "nothing it did (nor the claim) could commit. Run a statement that is expected "
+                "to fail inside session.begin_nested(), so that only its savepoint is lost",
+                consumer=delivery.consumer if delivery else None,
+                producer=delivery.identity.producer if delivery else None,
+                message_id=delivery.identity.message_id if delivery else None,
+            )
 
     def _learn_isolation(self, dialect: Dialect, engine_options: Mapping[str, Any]) -> None:
         """After the first connection: stop forcing READ COMMITTED if it is the default."""
@@ -148,10 +222,12 @@ class _Base:
         conn = session.connection(execution_options=self._connection_options)
         if not self._isolation_known:
             self._learn_isolation(conn.dialect, conn.engine.get_execution_options())
+        conn.info.pop(_ABORTED, None)
         attempts.clock = perf_counter()
         verdict = _drive(attempts.steps(), conn, self.statements)
         attempts.claim_took()
         attempts.bind(session, verdict)
+        faults.at("claim", attempts.delivery.identity.message_id)
         return verdict
 
     def _check_settings(self, synchronous_commit: str | None) -> None:
@@ -312,12 +388,31 @@ class Inbox(_Base):
             check_schema(conn, self.naming)
             self._check_settings(_synchronous_commit(conn))
 
-    def process(self, delivery: Delivery, handler: Callable[[Session], R]) -> Outcome[R]:
+    def process(
+        self,
+        delivery: Delivery,
+        handler: Callable[[Session], R],
+        *,
+        before_handler: Callable[[Verdict], None] | None = None,
+        repair_marker: str | None = None,
+    ) -> Outcome[R]:
         """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
-        transaction; commit. Raises when the attempt rolled back: do not ack then."""
+        transaction; commit. Raises when the attempt rolled back: do not ack then.
+
+        ``before_handler`` sees the verdict first (and may raise to refuse the message);
+        ``repair_marker`` names the poison or quarantine row a first-seen message repairs,
+        marked recovered in the same transaction."""
 
         def body(session: Session, verdict: Verdict) -> R | None:
-            return handler(session) if verdict.runs_handler else None
+            if before_handler is not None:
+                before_handler(verdict)
+            if not verdict.runs_handler:
+                return None
+            faults.at("handler", delivery.identity.message_id)
+            result = handler(session)
+            if repair_marker is not None:
+                mark_recovered(session.connection(), self.naming, repair_marker)
+            return result
 
         verdict, result, number = self._run(_Single(delivery, self.serialization_retries), body)
         return Outcome(verdict, result, number)
@@ -349,9 +444,11 @@ class Inbox(_Base):
                 attempts.in_handler = True
                 result = body(session, verdict)
                 attempts.in_handler = False
+                self._before_commit(session, attempts.delivery)
                 attempts.clock = perf_counter()
                 Session.commit(session)
                 attempts.committed(verdict)
+                faults.at("after_commit", attempts.delivery.identity.message_id)
                 return verdict, result, attempts.number
             except Exception as exc:
                 _abandon(session, exc, attempts.delivery)
@@ -363,6 +460,20 @@ class Inbox(_Base):
             finally:
                 Session.close(session)
 
+    def bookkeep(self, op: Op) -> Any:
+        """Perform a bookkeeping operation of the consumption core in its own transaction."""
+        if isinstance(op, CountHandBack) and op.unreachable:
+            return self._unrecorded_hand_back(op)
+        try:
+            with self.engine.begin() as conn:
+                return self._bookkeep(conn, op)
+        except Exception as exc:
+            self._unrecorded_hand_back(op)
+            delivery = getattr(op, "delivery", None)
+            if delivery is None:
+                raise
+            raise as_transient(exc, delivery) from exc
+
     def transaction(self, handler: Callable[[Session], R]) -> R:
         """Run ``handler`` in a transaction of the same kind, without any claim.
 
@@ -371,8 +482,9 @@ class Inbox(_Base):
         """
         session = self._sessions()
         try:
-            session.connection(execution_options=self._connection_options)
+            session.connection(execution_options=self._connection_options).info.pop(_ABORTED, None)
             result = handler(session)
+            self._before_commit(session, None)
             Session.commit(session)
             return result
         except BaseException as exc:
@@ -400,6 +512,44 @@ def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimSt
 
 
 _DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
+_ABORTED = "inbox_middleware.aborted"
+_UNRECORDED_MEMORY = 10_000
+
+
+def _message_id(op: Op) -> str | None:
+    delivery = getattr(op, "delivery", None)
+    return delivery.identity.message_id if isinstance(delivery, Delivery) else None
+
+
+def _aborted(session: Session) -> bool:
+    """Whether the session's transaction is in the failed state (25P02 on any statement).
+
+    psycopg reads libpq's own state, with no round trip. asyncpg keeps its state private,
+    so `track_aborts` records it from the statement errors SQLAlchemy sees.
+    """
+    conn = session.connection()
+    if conn.dialect.driver == "psycopg":
+        status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
+        return getattr(status, "name", None) == "INERROR"
+    return bool(conn.info.get(_ABORTED))
+
+
+def track_aborts(engine: Engine) -> None:
+    """Record, per connection, that a statement failed on the server (which aborts the
+    transaction) until a savepoint is rolled back to (which heals it)."""
+    if not event.contains(engine, "handle_error", _statement_failed):
+        event.listen(engine, "handle_error", _statement_failed)
+        event.listen(engine, "rollback_savepoint", _savepoint_rolled_back)
+
+
+def _statement_failed(context: Any) -> None:
+    conn = context.connection
+    if conn is not None and sqlstate(context.sqlalchemy_exception) is not None:
+        conn.info[_ABORTED] = True
+
+
+def _savepoint_rolled_back(conn: Connection, name: str, context: Any) -> None:
+    conn.info.pop(_ABORTED, None)
 
 
 def _driver_path(

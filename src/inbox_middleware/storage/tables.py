@@ -164,6 +164,7 @@ class InboxTables:
             Column("message_id", Text, primary_key=True),
             Column("attempts", Integer, nullable=False),
             Column("redeliveries", Integer, nullable=False),
+            Column("hand_backs", Integer, nullable=False),
             Column("first_failure_at", _TIMESTAMP, nullable=False),
             Column("last_failure_at", _TIMESTAMP, nullable=False),
             Column("last_error", Text),

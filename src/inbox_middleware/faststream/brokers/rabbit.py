@@ -53,8 +53,35 @@ class RabbitAdapter(BrokerAdapter):
     def redelivered(self, message: Any) -> bool:
         return bool(getattr(message.raw_message, "redelivered", False))
 
+    @property
+    def quorum(self) -> bool:
+        arguments = getattr(self.subscriber.queue, "arguments", None) or {}
+        return arguments.get("x-queue-type") == "quorum"
+
     async def retry_later(self, message: Any, delay: float) -> None:
-        await _wait_then(message.nack(requeue=True), delay)
+        if not self.quorum:
+            await _wait_then(message.nack(requeue=True), delay)
+            return
+        # A quorum queue counts every requeue against its delivery limit, and dead-letters
+        # (or drops) the message when it is spent: a hand-back must spend none of it. So the
+        # message goes back as a new publish, confirmed, before this delivery is acked; a
+        # crash between the two leaves two copies, which the inbox tells apart.
+        await _wait_then(self._publish_again(message), delay)
+
+    async def _publish_again(self, message: Any) -> None:
+        raw = message.raw_message
+        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
+        await self.broker.publish(
+            bytes(message.body),
+            queue=self.source,
+            persist=True,
+            mandatory=True,
+            headers=headers,
+            content_type=message.content_type,
+            message_id=getattr(raw, "message_id", None),  # the broker_id opt-in reads it
+            correlation_id=getattr(raw, "correlation_id", None),
+        )
+        await message.ack()
 
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.

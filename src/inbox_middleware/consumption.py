@@ -1,0 +1,653 @@
+"""One delivery in, one settlement out: the consumption core, sans I/O, no framework.
+
+An adapter turns a framework's message into an `Arrival` (the delivery, or why there is
+none, and what the broker says about earlier deliveries) and drives `settle_steps` with
+its own I/O: the generator yields the operations to perform (`Op`), receives their
+results or their exceptions, and returns exactly one `Settlement`. The adapter then
+tells the broker, in one ``match``::
+
+    Arrival ──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
+       │                         └─ reject ──> Publish(dead letter) ──────> DeadLettered
+       ├──> redelivered without outcome too often? ──> RecordPoison ──────> Poisoned
+       └──> Process (claim, handler, commit, in one transaction)
+              ├─ first seen ────────────────────────────────────────────> Processed
+              ├─ duplicate ─────────────────────────────────────────────> Duplicate
+              ├─ conflict ──> Publish(quarantine) ──────────────────────> Quarantined
+              └─ raised: rolled back, the claim with it
+                   ├─ transient (database, lock_timeout, shutdown) ──────> HandedBack
+                   ├─ permanent, or out of attempts ──> RecordPoison ───> Poisoned
+                   └─ otherwise ──> CountFailure ────────────────────────> HandedBack
+
+Settlement is total: an exception from any operation (the database at any step, a
+publish, the inbox's own bug) is decided here, never passed to the framework. An error
+the inbox cannot even record is a hand-back: the message stays with the broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Generator, Hashable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any, Literal, Protocol, TypeVar
+
+from .exceptions import (
+    DatabaseUnavailable,
+    IdentityError,
+    InboxError,
+    MissingIdentity,
+    PayloadNotHashable,
+    PermanentError,
+    SchemaError,
+    TransientError,
+)
+from .protocol import Decision, Delivery, QuarantineRecord, Verdict
+
+__all__ = [
+    "EXPIRED_REDELIVERY",
+    "HANDLER_REJECTED",
+    "INBOX_ERROR",
+    "REDELIVERY_LIMIT",
+    "RETRIES_EXHAUSTED",
+    "Arrival",
+    "CountFailure",
+    "CountHandBack",
+    "CountRedelivery",
+    "DeadLettered",
+    "Duplicate",
+    "HandBackRequested",
+    "HandedBack",
+    "Op",
+    "Poisoned",
+    "Process",
+    "Processed",
+    "Publish",
+    "Quarantined",
+    "RecordPoison",
+    "RejectRequested",
+    "Route",
+    "Rules",
+    "RunUnprotected",
+    "Settlement",
+    "Unfit",
+    "conflict_details",
+    "describe",
+    "drive",
+    "drive_async",
+    "expired",
+    "reason_code",
+    "rejection_details",
+    "settle_steps",
+]
+
+# Reason codes the library itself records.
+RETRIES_EXHAUSTED = "retries_exhausted"
+REDELIVERY_LIMIT = "redelivery_limit"
+EXPIRED_REDELIVERY = "expired_redelivery"
+HANDLER_REJECTED = "handler_rejected"
+INBOX_ERROR = "inbox_error"
+
+_ERROR_TEXT = 2000  # longest error text kept
+
+S = TypeVar("S")
+
+
+class Rules(Protocol):
+    """The consumer settings the core reads (`policy.ConsumerPolicy` has them all)."""
+
+    @property
+    def missing_identity(self) -> Literal["reject", "process", "broker_id"]: ...
+    @property
+    def permanent_errors(self) -> tuple[type[BaseException], ...]: ...
+    @property
+    def max_attempts(self) -> int | None: ...
+    @property
+    def redelivery_limit(self) -> int | None: ...
+    @property
+    def retention_window(self) -> timedelta | None: ...
+    @property
+    def expired_redelivery(self) -> Literal["reject", "process"]: ...
+    @property
+    def shadow(self) -> bool: ...
+
+
+# -- what arrives -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One delivery as the adapter read it from the framework's message."""
+
+    delivery: Delivery | None
+    """None when the message has no usable identity (see ``problem``)."""
+    problem: InboxError | None = None
+    """Why there is no delivery: `IdentityError` or `PayloadNotHashable`."""
+    deliveries: int | None = None
+    """The broker's own count of deliveries, this one included, when it keeps one."""
+    redelivered: bool = False
+    """The broker says an earlier delivery ended without an outcome (or was handed back)."""
+    repair_marker: str | None = None
+    """``poison:12`` or ``quarantine:7`` on a redriven or accepted message."""
+    gives_up: Callable[[BaseException], bool] | None = None
+    """Whether the framework's own retry budget ends with this failure (Dramatiq's
+    Retries): the inbox records poison then, so no message dies without a record."""
+    interrupts: tuple[type[BaseException], ...] = ()
+    """Framework interruptions that are failures of the attempt (Dramatiq's time limit)."""
+    shutdowns: tuple[type[BaseException], ...] = ()
+    """Framework interruptions that are no fault of the message (a worker shutting down)."""
+    outcomes_redeliver: bool = True
+    """Whether a failed or handed-back delivery comes back as a redelivery (a nack does;
+    Dramatiq retries with a new message), so that the redelivery limit subtracts them."""
+
+    @property
+    def consumer(self) -> str | None:
+        return self.delivery.consumer if self.delivery else None
+
+
+# -- what the adapter performs ------------------------------------------------------------
+
+
+class Route(StrEnum):
+    QUARANTINE = "quarantine"
+    DEAD_LETTER = "dead_letter"
+
+
+@dataclass(frozen=True, slots=True)
+class CountRedelivery:
+    """In a short transaction of its own: count this redelivery; answer a
+    `RedeliveryCount`. With ``counted`` (the broker's count), nothing is written."""
+
+    delivery: Delivery
+    counted: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RedeliveryCount:
+    redeliveries: int
+    failures: int
+    hand_backs: int
+    claimed: bool
+    """Whether the delivery's processing committed already (the ack was lost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """Claim, run the handler (first seen) and commit, in one transaction; answer the
+    storage `Outcome`. ``expired`` runs after the claim and before the handler."""
+
+    delivery: Delivery
+    before_handler: Callable[[Verdict], None]
+    repair_marker: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunUnprotected:
+    """Run the handler in a transaction without a claim; answer its result."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountFailure:
+    """In a short transaction of its own: count one failed attempt; answer the count."""
+
+    delivery: Delivery
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class CountHandBack:
+    """Best effort, in a short transaction of its own: count one hand-back, so the
+    redelivery it causes is not taken for a crash. Answers nothing. With ``unreachable``
+    (the database is the trouble) it is only remembered in this process."""
+
+    delivery: Delivery
+    unreachable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RecordPoison:
+    """In a short transaction of its own: keep the message as poison; answer the
+    `PoisonRecord`-like object (``id``, ``attempts``)."""
+
+    delivery: Delivery
+    reason: str
+    error: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Publish the message, confirmed, to its quarantine or dead-letter destination with
+    ``details`` (what the repair tools read). Raise when the broker did not take it."""
+
+    route: Route
+    details: dict[str, Any]
+
+
+Op = (
+    CountRedelivery
+    | Process
+    | RunUnprotected
+    | CountFailure
+    | CountHandBack
+    | RecordPoison
+    | Publish
+)
+
+
+# -- what the handler may ask for ---------------------------------------------------------
+
+
+class HandBackRequested(Exception):
+    """The handler asked for a later redelivery (FastStream's `NackMessage`, Dramatiq's
+    `Retry`): rolled back and handed back, counted as a failed attempt."""
+
+    def __init__(self, delay: float | None = None, *, cause: BaseException | None = None) -> None:
+        super().__init__("the handler asked for a redelivery")
+        self.delay = delay
+        self.cause = cause
+
+
+class Unfit(InboxError):
+    """The message's body does not fit the handler (it fails the handler's validation).
+
+    Retrying cannot help, so it goes where messages with an unusable identity go, with
+    the validation error as its reason.
+    """
+
+
+class RejectRequested(Exception):
+    """The handler rejected the message (FastStream's `RejectMessage`, Dramatiq's
+    ``message.fail()``): rolled back, kept as poison and dead-lettered."""
+
+    def __init__(self, reason: str = "the handler rejected it") -> None:
+        super().__init__(reason)
+
+
+# -- settlements ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Processed:
+    """The handler ran and its transaction committed (or ran unprotected): ack."""
+
+    result: Any = None
+    verdict: Verdict | None = None
+    """None when the message ran unprotected (no identity, by policy)."""
+    recovered: str | None = None
+    """``poison`` or ``quarantine`` when this was a redriven message that now committed."""
+    attempts: int = 1
+    expired: timedelta | None = None
+    """The message's age, when it was older than the retention window and processed
+    anyway (``expired_redelivery="process"``, or shadow mode)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    """Processed before (the same payload): the handler skipped, ack."""
+
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """Same identity, other payload: recorded, published to quarantine, skipped, ack."""
+
+    verdict: Verdict
+    record: QuarantineRecord
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """Nothing ran (no usable identity, the body does not fit the handler): published to
+    the dead-letter destination when the adapter has one, else the broker's own path."""
+
+    reason: str
+    error: InboxError
+
+
+@dataclass(frozen=True, slots=True)
+class Poisoned:
+    """Failed for good: kept in the poison table, then dead-lettered like `DeadLettered`."""
+
+    reason: str
+    record: Any
+    """The `PoisonRecord` (``id``, ``attempts``)."""
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandedBack:
+    """Rolled back and given back to the broker for a later redelivery."""
+
+    error: BaseException
+    counted: bool
+    """True when the attempt counted as a failure (the framework may count it too); False
+    for transient trouble that counts against nothing."""
+    delay: float | None = None
+    """Seconds requested by the handler; None: the adapter's backoff decides."""
+
+
+Settlement = Processed | Duplicate | Quarantined | DeadLettered | Poisoned | HandedBack
+
+
+# -- the core -------------------------------------------------------------------------------
+
+
+def reason_code(exc: BaseException, permanent: tuple[type[BaseException], ...] = ()) -> str | None:
+    """The stable reason code when ``exc`` is permanent, else None (retry)."""
+    if isinstance(exc, PermanentError):
+        return exc.reason_code
+    if isinstance(exc, RejectRequested):
+        return HANDLER_REJECTED
+    if permanent and isinstance(exc, permanent):
+        return type(exc).__name__
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the error column: the type and the message, bounded."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _ERROR_TEXT else text[: _ERROR_TEXT - 1] + "…"
+
+
+def identity_reason(exc: InboxError) -> str:
+    """The ``reason`` label of a message without a usable identity."""
+    if isinstance(exc, MissingIdentity):
+        return "missing"
+    return "unhashable" if isinstance(exc, PayloadNotHashable) else "invalid"
+
+
+def expired(delivery: Delivery, window: timedelta | None) -> timedelta | None:
+    """How old a first-seen message is when its producer timestamp is beyond ``window``
+    (its claim may have been purged already), else None."""
+    produced = delivery.identity.produced_at
+    if window is None or produced is None:
+        return None
+    age = datetime.now(UTC) - produced
+    return age if age > window else None
+
+
+def _transient(exc: BaseException, arrival: Arrival) -> bool:
+    """No fault of the message: retried later, counted against nothing."""
+    if isinstance(exc, TransientError | SchemaError):  # SchemaError: a migration is running
+        return True
+    return bool(arrival.shutdowns) and isinstance(exc, arrival.shutdowns)
+
+
+def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+    """Decide one delivery; yields the operations to perform, returns its settlement."""
+    delivery = arrival.delivery
+    if delivery is None:
+        return (yield from _without_identity(arrival, rules))
+    try:
+        poisoned = yield from _limit_redeliveries(arrival, delivery, rules)
+    except Exception as exc:  # the database's trouble: the same as at the claim
+        return (yield from _hand_back(exc, delivery))
+    if poisoned is not None:
+        return (yield from _dead_letter(poisoned, delivery))
+
+    too_old: list[timedelta] = []
+
+    def before_handler(verdict: Verdict) -> None:
+        if verdict.decision is Decision.FIRST:
+            age = expired(delivery, rules.retention_window)
+            if age is None:
+                return
+            too_old.append(age)
+            if rules.expired_redelivery == "reject" and not delivery.shadow:
+                raise PermanentError(
+                    EXPIRED_REDELIVERY,
+                    f"a message produced {age} ago, beyond the {rules.retention_window} "
+                    "retention window: its claim may have been purged",
+                )
+
+    try:
+        outcome = yield Process(delivery, before_handler, arrival.repair_marker)
+    except BaseException as exc:
+        return (yield from _failed(arrival, delivery, rules, exc))
+    verdict: Verdict = outcome.verdict
+    if verdict.runs_handler:  # first seen, or anything in shadow mode
+        recovered = _recovered(arrival.repair_marker)
+        age = too_old[0] if too_old else None
+        return Processed(outcome.result, verdict, recovered, outcome.attempts, age)
+    if verdict.decision is Decision.DUPLICATE:
+        return Duplicate(verdict)
+    assert verdict.quarantine is not None
+    details = conflict_details(delivery, verdict)
+    try:
+        # The quarantine row is committed already (the table is the source of truth); if
+        # this publish fails, the message is handed back, and its redelivery records the
+        # conflict again (attempts + 1) and publishes again.
+        yield Publish(Route.QUARANTINE, details)
+    except Exception as exc:
+        return (yield from _hand_back(exc, delivery))
+    return Quarantined(verdict, verdict.quarantine)
+
+
+def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+    problem = arrival.problem
+    assert problem is not None
+    if rules.shadow or (
+        isinstance(problem, MissingIdentity) and rules.missing_identity == "process"
+    ):
+        try:
+            result = yield RunUnprotected()
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not isinstance(exc, arrival.interrupts):
+                raise
+            # Nothing to count failures against: handed back, the framework's own retry
+            # budget (if any) bounds it.
+            return HandedBack(exc, counted=True, delay=_requested_delay(exc))
+        return Processed(result)
+    return (yield from _reject(DeadLettered(identity_reason(problem), problem), None))
+
+
+def conflict_details(delivery: Delivery, verdict: Verdict) -> dict[str, Any]:
+    """What a quarantined message carries with it (the repair tools read it)."""
+    assert verdict.stored is not None
+    assert verdict.quarantine is not None
+    return {
+        "reason": "identity_conflict",
+        "consumer": delivery.consumer,
+        "producer": delivery.identity.producer,
+        "tenant": delivery.identity.tenant,
+        "message_id": delivery.identity.message_id,
+        "quarantine_id": verdict.quarantine.id,
+        "attempts": verdict.quarantine.attempts,
+        "stored_sha256": verdict.stored.payload_sha256,
+        "conflicting_sha256": delivery.payload_hash.sha256,
+        "hash_scheme": delivery.payload_hash.scheme,
+        "source": delivery.source,
+    }
+
+
+def rejection_details(
+    error: InboxError, consumer: str | None, source: str | None
+) -> dict[str, Any]:
+    """What a dead-lettered message carries with it: why it was rejected."""
+    return {
+        "reason": type(error).__name__,
+        "detail": str(error),
+        "consumer": consumer,
+        "source": source,
+    }
+
+
+def _reject(settlement: DeadLettered, delivery: Delivery | None) -> Generator[Op, Any, Settlement]:
+    details = rejection_details(
+        settlement.error,
+        delivery.consumer if delivery else None,
+        delivery.source if delivery else None,
+    )
+    try:
+        yield Publish(Route.DEAD_LETTER, details)
+    except Exception as exc:
+        return HandedBack(exc, counted=False)
+    return settlement
+
+
+def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, Settlement]:
+    record = poisoned.record
+    details = {
+        "reason": "Poisoned",
+        "reason_code": poisoned.reason,
+        "detail": f"poison message #{record.id} after {record.attempts} attempts "
+        f"({poisoned.error}); kept in the poison table with its payload",
+        "consumer": delivery.consumer,
+        "source": delivery.source,
+        "poison_id": record.id,
+        "attempts": record.attempts,
+    }
+    try:
+        yield Publish(Route.DEAD_LETTER, details)
+    except Exception as exc:
+        # The poison row is committed: a redelivery is recorded again, then published.
+        return (yield from _hand_back(exc, delivery))
+    return poisoned
+
+
+def _limit_redeliveries(
+    arrival: Arrival, delivery: Delivery, rules: Rules
+) -> Generator[Op, Any, Poisoned | None]:
+    """Bound crash loops: a message the broker keeps redelivering with no outcome (its
+    worker killed, out of memory) is kept as poison after ``redelivery_limit``.
+
+    Deliveries that an outcome explains are not crashes: a failure counted in the attempts
+    row, or a hand-back the inbox made itself (counted there when the database answered).
+    """
+    limit = rules.redelivery_limit
+    counted = arrival.deliveries
+    if limit is None or (counted is None and not arrival.redelivered):
+        return None
+    if counted is not None and counted <= limit + 1:
+        return None  # the broker's own count: even if all were crashes, within the limit
+    count: RedeliveryCount = yield CountRedelivery(delivery, counted)
+    redeliveries = counted - 1 if counted is not None else count.redeliveries
+    crashes = redeliveries
+    if arrival.outcomes_redeliver:
+        crashes -= count.failures + count.hand_backs
+    if crashes <= limit or count.claimed:
+        return None  # within the limit, or an ack lost after the commit: a duplicate
+    error = "redelivered: earlier deliveries ended without an outcome"
+    record = yield RecordPoison(delivery, REDELIVERY_LIMIT, error, crashes)
+    return Poisoned(REDELIVERY_LIMIT, record, error)
+
+
+def _failed(
+    arrival: Arrival, delivery: Delivery, rules: Rules, exc: BaseException
+) -> Generator[Op, Any, Settlement]:
+    """The attempt rolled back with ``exc``: hand back, or count, or keep as poison."""
+    if not isinstance(exc, Exception) and not isinstance(
+        exc, arrival.interrupts + arrival.shutdowns
+    ):
+        raise exc  # the process is going down (KeyboardInterrupt, cancellation): unacked
+    if isinstance(exc, Unfit):
+        return (yield from _reject(DeadLettered("unfit", exc), delivery))
+    if _transient(exc, arrival):
+        return (yield from _hand_back(exc, delivery))
+    code = reason_code(exc, rules.permanent_errors)
+    error = describe(exc)
+    try:
+        attempts: int = yield CountFailure(delivery, error)
+        if code is None:
+            last = rules.max_attempts is not None and attempts >= rules.max_attempts
+            if not last and arrival.gives_up is not None:
+                last = arrival.gives_up(exc)
+            if last:
+                code = RETRIES_EXHAUSTED if not isinstance(exc, InboxError) else INBOX_ERROR
+        if code is None:
+            return HandedBack(exc, counted=True, delay=_requested_delay(exc))
+        record = yield RecordPoison(delivery, code, error, attempts)
+    except Exception as trouble:
+        # Not recorded (the database may be down): the message must not be dropped, so
+        # it is handed back whatever kind of failure this was, counted against nothing.
+        yield from _hand_back(trouble, delivery)
+        return HandedBack(exc, counted=False)
+    return (yield from _dead_letter(Poisoned(code, record, error), delivery))
+
+
+def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:
+    """Hand back for no fault of the message: count the hand-back where it can be counted
+    (in the attempts row; in this process when the database is the trouble), so that the
+    redelivery it causes is not taken for a crash."""
+    with contextlib.suppress(Exception):  # best effort
+        yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
+    return HandedBack(exc, counted=False)
+
+
+def _requested_delay(exc: BaseException) -> float | None:
+    return exc.delay if isinstance(exc, HandBackRequested) else None
+
+
+def _recovered(marker: str | None) -> str | None:
+    if not marker or ":" not in marker:
+        return None
+    kind, _, number = marker.partition(":")
+    return kind if kind in ("poison", "quarantine") and number.isdigit() else None
+
+
+# -- drivers ----------------------------------------------------------------------------------
+
+
+def drive(steps: Generator[Op, Any, S], perform: Callable[[Op], Any]) -> S:
+    """Run ``steps`` to its end, performing each operation with ``perform``."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            result: S = done.value
+            return result
+        try:
+            answer, error = perform(op), None
+        except BaseException as exc:
+            answer, error = None, exc
+
+
+async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awaitable[Any]]) -> S:
+    """`drive` for operations that are awaited."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            result: S = done.value
+            return result
+        try:
+            answer, error = await perform(op), None
+        except BaseException as exc:
+            answer, error = None, exc
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Delays before a hand-back: doubling per hand-back of the same message from
+    ``first`` up to ``limit`` seconds, remembered for the latest ``memory`` messages."""
+
+    first: float
+    limit: float
+    memory: int = 10_000
+    _counts: dict[Hashable, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.limit:
+            from .exceptions import ConfigurationError
+
+            raise ConfigurationError("retry_backoff needs 0 < first <= limit seconds")
+
+    def next(self, key: Hashable) -> float:
+        count = self._counts.pop(key, 0) + 1
+        self._counts[key] = count  # most recent last
+        while len(self._counts) > self.memory:
+            del self._counts[next(iter(self._counts))]
+        return float(min(self.limit, self.first * 2 ** min(count - 1, 32)))
+
+    def forget(self, key: Hashable) -> None:
+        self._counts.pop(key, None)
+
+
+def is_identity_problem(exc: BaseException) -> bool:
+    return isinstance(exc, IdentityError | PayloadNotHashable)

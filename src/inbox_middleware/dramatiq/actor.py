@@ -1,0 +1,295 @@
+"""One inbox actor: its settings, the wrapped function, and the I/O of its deliveries.
+
+The wrapper replaces the actor's function, so the claim, the body and the commit all run
+inside the actor call, before the worker acknowledges anything. It turns the message into
+an `Arrival`, drives the consumption core with this actor's I/O (`perform`), and hands
+the settlement to the middleware, which tells Dramatiq.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import dramatiq
+from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.broker import MessageProxy
+from dramatiq.common import q_name
+from dramatiq.middleware import SkipMessage
+from dramatiq.middleware.shutdown import Shutdown
+from dramatiq.middleware.time_limit import TimeLimitExceeded
+from sqlalchemy.orm import Session
+
+from .. import faults
+from ..consumption import (
+    Arrival,
+    HandBackRequested,
+    HandedBack,
+    Op,
+    Process,
+    Publish,
+    RejectRequested,
+    Route,
+    RunUnprotected,
+    drive,
+    settle_steps,
+)
+from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
+from ..identity import MessageIdentity
+from ..metrics import metrics
+from ..protocol import Delivery
+from .context import session_var
+from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
+from .repair import OPTION_REPAIR
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from .middleware import InboxMiddleware
+
+__all__ = ["SKIPPED", "InboxActor", "Pending"]
+
+R = TypeVar("R")
+logger = logging.getLogger("inbox_middleware.dramatiq")
+
+
+class _Skipped:
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED = _Skipped()
+"""The body raised `SkipMessage` after doing its work: commit it, then skip the message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A message prepared by before_process_message for the actor call that follows."""
+
+    message: MessageProxy
+    arrival: Arrival | None
+    error: Exception | None = None  # preparing failed unexpectedly: the call must fail
+
+
+class InboxActor:
+    """One inbox actor: settings, payload binding, the wrapped function and its I/O."""
+
+    def __init__(
+        self, middleware: InboxMiddleware, actor: dramatiq.Actor[Any, Any], consumer: str
+    ) -> None:
+        options = actor.options
+        self.middleware = middleware
+        self.actor = actor
+        self.consumer = consumer
+        self.handler_version = str(options.get("inbox_handler_version", ""))
+        permanent = tuple(options.get("inbox_permanent_errors", middleware.policy.permanent_errors))
+        throws = options.get("throws")
+        if throws:  # Dramatiq never retries these: they fail permanently too
+            permanent += tuple(throws) if isinstance(throws, tuple) else (throws,)
+        self.policy = middleware.policy.override(
+            missing_identity=options.get("inbox_missing_identity"),
+            permanent_errors=permanent,
+            shadow=options.get("inbox_shadow"),
+        )
+        self.quarantine_queue = str(
+            options.get("inbox_quarantine_queue", middleware.quarantine_queue)
+        ).format(queue=q_name(actor.queue_name))
+        original = actor.fn
+        self.target: Callable[..., Any] = getattr(original, "__wrapped__", original)
+        self.payload = ActorPayload(
+            actor.actor_name,
+            self.target,
+            options.get("inbox_canonical_form", middleware.canonical_form),
+            actor_identity(actor.actor_name, self.target, options),
+        )
+        self.is_async = inspect.iscoroutinefunction(self.target)
+        engine = middleware.async_inbox if self.is_async else middleware.inbox
+        if engine is None:
+            kind = "an AsyncEngine" if self.is_async else "an Engine"
+            state = "async" if self.is_async else "not async"
+            raise ConfigurationError(
+                f"actor {actor.actor_name!r} is {state}: give InboxMiddleware {kind}"
+            )
+
+        @functools.wraps(self.target)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return self.call(args, kwargs)
+
+        actor.fn = wrapper
+
+    @property
+    def shadow(self) -> bool:
+        return self.policy.shadow
+
+    # -- arrival ----------------------------------------------------------------------------
+
+    def arrival(self, message: MessageProxy) -> Arrival:
+        common: dict[str, Any] = {
+            "redelivered": bool(getattr(message, "redelivered", False)),
+            "repair_marker": message.options.get(OPTION_REPAIR),
+            "gives_up": functools.partial(self.middleware.gives_up, self.actor, message),
+            "interrupts": (TimeLimitExceeded,),
+            "shutdowns": (Shutdown,),
+            # Dramatiq retries a failure as a new message: only a delivery that ended
+            # without an outcome comes back redelivered.
+            "outcomes_redeliver": False,
+        }
+        try:
+            return Arrival(self.delivery(message), **common)
+        except (IdentityError, PayloadNotHashable) as exc:
+            return Arrival(None, exc, **common)
+
+    def delivery(self, message: MessageProxy) -> Delivery:
+        try:
+            ident = self.payload.message_identity(message)
+        except MissingIdentity:
+            if self.policy.missing_identity != "broker_id":
+                raise
+            metrics.missing_identity(self.consumer, "missing", "broker_id")
+            ident = MessageIdentity(BROKER_ID_PRODUCER, message.message_id)
+        delivery = self.payload.delivery(
+            message, ident, consumer=self.consumer, handler_version=self.handler_version
+        )
+        return replace(delivery, shadow=True) if self.policy.shadow else delivery
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        pending = self.middleware.take_pending(self.actor.actor_name)
+        if pending is None:  # called directly, not by a worker for a message
+            return self._direct(args, kwargs)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.arrival is not None
+        try:
+            steps = settle_steps(pending.arrival, self.policy)
+            settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+        except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer)
+            settlement = HandedBack(exc, counted=True)
+        return self.middleware.settle(self, pending, settlement)
+
+    def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if session_var.get() is not None:  # called from another inbox actor: join it
+            return self.target(*args, **kwargs)
+        if self.is_async:
+            return self._on_loop(
+                self._async_inbox.transaction(self._async_body(None, args, kwargs))
+            )
+        return self._inbox.transaction(self._body(None, args, kwargs))
+
+    def perform(
+        self, pending: Pending, args: tuple[Any, ...], kwargs: dict[str, Any], op: Op
+    ) -> Any:
+        """Perform one operation of the consumption core for this actor's message."""
+        message_id = op.delivery.identity.message_id if isinstance(op, Process) else None
+        match op:
+            case Process(delivery=delivery, before_handler=before, repair_marker=marker):
+                faults.at("before_claim", message_id)
+                if self.is_async:
+                    body = self._async_body(pending, args, kwargs)
+                    work = self._async_inbox.process(
+                        delivery, body, before_handler=before, repair_marker=marker
+                    )
+                    return self._on_loop(work)
+                return self._inbox.process(
+                    delivery,
+                    self._body(pending, args, kwargs),
+                    before_handler=before,
+                    repair_marker=marker,
+                )
+            case RunUnprotected():
+                if self.is_async:
+                    work = self._async_inbox.transaction(self._async_body(pending, args, kwargs))
+                    return self._on_loop(work)
+                return self._inbox.transaction(self._body(pending, args, kwargs))
+            case Publish(route=Route.QUARANTINE, details=details):
+                faults.at("quarantine_publish", details.get("message_id"))
+                return self.middleware.quarantine(self, pending.message, details)
+            case Publish():
+                # Dramatiq's dead-letter path is the broker's own: the message is failed
+                # when the middleware settles it.
+                faults.at("dead_letter_publish", _message_id(pending))
+                return None
+        if self.is_async:
+            return self._on_loop(self._async_inbox.bookkeep(op))
+        return self._inbox.bookkeep(op)
+
+    def _body(
+        self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Callable[[Session], Any]:
+        def body(session: Session) -> Any:
+            token = session_var.set(session)
+            try:
+                result = self.target(*args, **kwargs)
+            except SkipMessage:
+                return SKIPPED
+            except dramatiq.Retry as exc:
+                raise _hand_back(exc) from exc
+            finally:
+                session_var.reset(token)
+            _check_failed(pending)
+            return result
+
+        return body
+
+    def _async_body(
+        self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
+        async def body(session: AsyncSession) -> Any:
+            token = session_var.set(session)
+            try:
+                result = await self.target(*args, **kwargs)
+            except SkipMessage:
+                return SKIPPED
+            except dramatiq.Retry as exc:
+                raise _hand_back(exc) from exc
+            finally:
+                session_var.reset(token)
+            _check_failed(pending)
+            return result
+
+        return body
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def _inbox(self) -> Any:
+        assert self.middleware.inbox is not None
+        return self.middleware.inbox
+
+    @property
+    def _async_inbox(self) -> Any:
+        assert self.middleware.async_inbox is not None
+        return self.middleware.async_inbox
+
+    def _on_loop(self, work: Coroutine[Any, Any, R]) -> R:
+        loop_thread = get_event_loop_thread()
+        if loop_thread is None:
+            work.close()
+            raise ConfigurationError(
+                f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
+            )
+        return loop_thread.run_coroutine(work)
+
+
+def _hand_back(exc: dramatiq.Retry) -> HandBackRequested:
+    delay = exc.delay / 1000 if exc.delay is not None else None
+    return HandBackRequested(delay, cause=exc)
+
+
+def _check_failed(pending: Pending | None) -> None:
+    """The actor called ``message.fail()`` (through CurrentMessage): a rejection, honoured
+    after the rollback, with a poison record, so its work does not commit unnoticed."""
+    if pending is not None and pending.message.failed:
+        pending.message.failed = False  # the inbox fails it itself, once it has settled
+        raise RejectRequested("the actor called message.fail()")
+
+
+def _message_id(pending: Pending) -> str | None:
+    delivery = pending.arrival.delivery if pending.arrival else None
+    return delivery.identity.message_id if delivery else None

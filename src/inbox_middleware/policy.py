@@ -1,0 +1,93 @@
+"""The settings of an inbox consumer, as one frozen object.
+
+`InboxMiddleware` (Dramatiq) and `FastStreamInbox` take these settings as keyword
+arguments and build one `ConsumerPolicy` from them; an actor option
+(``inbox_shadow=...``) or a subscriber's ``inbox.consumer(..., shadow=...)`` overrides a
+setting for that consumer alone, with `ConsumerPolicy.override`. The consumption core
+(`consumption.settle_steps`) reads them from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from typing import Any, Literal
+
+from .exceptions import ConfigurationError
+
+__all__ = ["ConsumerPolicy", "ExpiredPolicy", "MissingIdentityPolicy", "check_missing_identity"]
+
+MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
+"""What to do with a message that carries no identity.
+
+``reject`` (default): to the dead-letter path, with an error log line.
+``process``: run the handler without deduplication, with a warning per message.
+``broker_id``: deduplicate on what the broker keeps stable across redeliveries (Dramatiq's
+message id, RabbitMQ's message-id property, a stream entry id, a JetStream sequence, a
+Kafka offset). That catches redeliveries, never a producer sending the same intent twice.
+"""
+
+ExpiredPolicy = Literal["reject", "process"]
+"""What to do with a first-seen message older than the retention window."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerPolicy:
+    """How one inbox consumer treats what it cannot simply process.
+
+    Attributes:
+      missing_identity: see `MissingIdentityPolicy`.
+      permanent_errors: exception types that mean "retrying cannot help", besides
+        `PermanentError`: such a failure is kept as poison at once.
+      max_attempts: failed attempts after which a message is kept as poison
+        (``retries_exhausted``); None: no limit of the inbox's own (Dramatiq's Retries
+        sets the limit there, and the inbox records poison when Retries gives up).
+      redelivery_limit: deliveries that ended without an outcome (the worker died) after
+        which a message is kept as poison (``redelivery_limit``); None: no limit.
+      retention_window: how long claims are kept (the purge window); a first-seen message
+        whose producer timestamp is older may have been processed and purged already.
+      expired_redelivery: what to do with such a message; both are counted.
+      shadow: claim and decide as usual, but skip nothing (see the monitoring guide).
+      retry_backoff: (first, limit) seconds before a hand-back is redelivered, doubling
+        per hand-back of the same message.
+    """
+
+    missing_identity: MissingIdentityPolicy = "reject"
+    permanent_errors: tuple[type[BaseException], ...] = ()
+    max_attempts: int | None = 10
+    redelivery_limit: int | None = 10
+    retention_window: timedelta | None = None
+    expired_redelivery: ExpiredPolicy = "reject"
+    shadow: bool = False
+    retry_backoff: tuple[float, float] = (0.5, 30.0)
+
+    def __post_init__(self) -> None:
+        check_missing_identity(self.missing_identity)
+        if self.expired_redelivery not in ("reject", "process"):
+            raise ConfigurationError(
+                f"expired_redelivery must be 'reject' or 'process', not {self.expired_redelivery!r}"
+            )
+        for name in ("max_attempts", "redelivery_limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigurationError(f"{name} must be a whole number of zero or more, or None")
+        first, limit = self.retry_backoff
+        if not 0 < first <= limit:
+            raise ConfigurationError("retry_backoff needs 0 < first <= limit seconds")
+        object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
+
+    def override(self, **changes: Any) -> ConsumerPolicy:
+        """A copy with the given settings changed; a None value keeps the setting."""
+        names = {f.name for f in fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise ConfigurationError(f"no consumer setting named {sorted(unknown)[0]!r}")
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def check_missing_identity(value: object) -> MissingIdentityPolicy:
+    if value not in ("reject", "process", "broker_id"):
+        raise ConfigurationError(
+            f"missing_identity must be 'reject', 'process' or 'broker_id', not {value!r}"
+        )
+    return value

@@ -1,0 +1,250 @@
+"""Failed attempts, hand-backs, redeliveries and poison rows: their statements.
+
+A failed attempt rolls back, its claim with it, so nothing it wrote survives. What the
+operator needs to know about the failure is therefore written by a separate, short
+transaction after the rollback::
+
+    attempt transaction                  failure transaction (after the rollback)
+    -------------------                  ----------------------------------------
+    BEGIN; INSERT claim; handler raises
+    ROLLBACK                             BEGIN
+                                         UPSERT inbox_attempts: attempts + 1
+                                         permanent, or out of attempts:
+                                           UPSERT inbox_poison with the payload
+                                         COMMIT
+    then: hand back (retry later), or move the message to repair (poison)
+
+What is permanent and when attempts run out is decided by `consumption`; this module
+only writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, delete, func, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ..consumption import RedeliveryCount
+from ..protocol import Delivery
+from .tables import InboxSchema
+
+__all__ = ["FailureRecorder", "PoisonRecord", "mark_recovered", "parse_marker"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoisonRecord:
+    id: int
+    attempts: int
+
+
+class FailureRecorder:
+    """Writes failure counts and poison rows.
+
+    Every method takes a connection in a transaction of its own (``engine.begin()``, or
+    ``async_engine.begin()`` with ``run_sync``): never the failed attempt's.
+    """
+
+    def __init__(self, naming: InboxSchema, dialect: str) -> None:
+        tables = naming.tables
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        key = ["consumer_name", "producer_name", "tenant", "message_id"]
+        attempts = tables.attempts
+        count = insert(attempts).values(
+            **{name: bindparam(name) for name in key},
+            attempts=1,
+            first_failure_at=func.now(),
+            last_failure_at=func.now(),
+            last_error=bindparam("error"),
+        )
+        self._count = count.on_conflict_do_update(
+            index_elements=key,
+            set_={
+                "attempts": attempts.c.attempts + 1,
+                "last_failure_at": func.now(),
+                "last_error": count.excluded.last_error,
+            },
+        ).returning(attempts.c.attempts)
+
+        poison = tables.poison
+        record = insert(poison).values(
+            **{name: bindparam(name) for name in key},
+            payload_sha256=bindparam("payload_sha256"),
+            hash_scheme=bindparam("hash_scheme"),
+            payload=bindparam("payload"),
+            payload_format=bindparam("payload_format"),
+            headers=bindparam("headers", type_=poison.c.headers.type),
+            source=bindparam("source"),
+            reason_code=bindparam("reason_code"),
+            error=bindparam("error"),
+            attempts=bindparam("attempts"),
+            first_failure_at=func.now(),
+            last_failure_at=func.now(),
+            handler_version=bindparam("handler_version"),
+            decision="pending",
+        )
+        # A message redriven after a repair that fails again is pending once more: the
+        # row keeps its first failure time and takes everything else from this failure.
+        self._poison = record.on_conflict_do_update(
+            index_elements=key,
+            set_={
+                **{
+                    name: getattr(record.excluded, name)
+                    for name in (
+                        "payload_sha256",
+                        "hash_scheme",
+                        "payload",
+                        "payload_format",
+                        "headers",
+                        "source",
+                        "reason_code",
+                        "error",
+                        "attempts",
+                        "handler_version",
+                    )
+                },
+                "last_failure_at": func.now(),
+                "decision": "pending",
+                "decided_by": None,
+                "decided_at": None,
+                "decision_note": None,
+                "operation_id": None,
+            },
+        ).returning(poison.c.id, poison.c.attempts)
+
+        redelivery = insert(attempts).values(
+            **{name: bindparam(name) for name in key},
+            attempts=0,
+            redeliveries=1,
+            first_failure_at=func.now(),
+            last_failure_at=func.now(),
+            last_error=bindparam("error"),
+        )
+        self._redelivery = redelivery.on_conflict_do_update(
+            index_elements=key,
+            set_={
+                "redeliveries": attempts.c.redeliveries + 1,
+                "last_failure_at": func.now(),
+            },
+        ).returning(attempts.c.redeliveries, attempts.c.attempts, attempts.c.hand_backs)
+        self._redelivery_known = select(
+            attempts.c.redeliveries, attempts.c.attempts, attempts.c.hand_backs
+        ).where(*(attempts.c[name] == bindparam(name) for name in key))
+
+        hand_back = insert(attempts).values(
+            **{name: bindparam(name) for name in key},
+            attempts=0,
+            redeliveries=0,
+            hand_backs=1,
+            first_failure_at=func.now(),
+            last_failure_at=func.now(),
+            last_error=bindparam("error"),
+        )
+        self._hand_back = hand_back.on_conflict_do_update(
+            index_elements=key,
+            set_={"hand_backs": attempts.c.hand_backs + 1},
+        )
+        self._reset = delete(attempts).where(*(attempts.c[name] == bindparam(name) for name in key))
+
+        inbox = tables.inbox
+        self._claimed = select(literal(1)).where(
+            *(inbox.c[name] == bindparam(name) for name in key)
+        )
+
+    def claimed(self, conn: Connection, delivery: Delivery) -> bool:
+        """Whether ``delivery``'s processing committed (a redelivery of it is a duplicate)."""
+        return conn.execute(self._claimed, self._key(delivery)).first() is not None
+
+    def count_redelivery(
+        self, conn: Connection, delivery: Delivery, *, counted: bool = False
+    ) -> RedeliveryCount:
+        """Count one broker redelivery of ``delivery`` (only read the counts when the
+        broker ``counted`` it itself); say whether its processing committed already."""
+        params = self._key(delivery) | {"error": "redelivered"}
+        statement = self._redelivery_known if counted else self._redelivery
+        row = conn.execute(statement, params).first()
+        redeliveries, failures, hand_backs = (int(v) for v in row) if row else (0, 0, 0)
+        return RedeliveryCount(redeliveries, failures, hand_backs, self.claimed(conn, delivery))
+
+    def count_hand_back(self, conn: Connection, delivery: Delivery, error: str) -> None:
+        """Count one hand-back the inbox made (no failure of the message's own)."""
+        conn.execute(self._hand_back, self._key(delivery) | {"error": error})
+
+    def reset(self, conn: Connection, key: tuple[str, str, str, str]) -> None:
+        """Forget a message's failures, redeliveries and hand-backs (it was redriven)."""
+        consumer, producer, tenant, message_id = key
+        params = {
+            "consumer_name": consumer,
+            "producer_name": producer,
+            "tenant": tenant,
+            "message_id": message_id,
+        }
+        conn.execute(self._reset, params)
+
+    def count_failure(self, conn: Connection, delivery: Delivery, error: str) -> int:
+        """Count one failed attempt of ``delivery``; return its failures so far."""
+        params = self._key(delivery) | {"error": error}
+        attempts: int = conn.execute(self._count, params).scalar_one()
+        return attempts
+
+    def record_poison(
+        self,
+        conn: Connection,
+        delivery: Delivery,
+        *,
+        reason_code: str,
+        error: str,
+        attempts: int,
+    ) -> PoisonRecord:
+        """Keep ``delivery`` with its payload as poison, pending an operator's decision."""
+        params = self._key(delivery) | {
+            "payload_sha256": delivery.payload_hash.sha256,
+            "hash_scheme": delivery.payload_hash.scheme,
+            "payload": delivery.stored_payload(),
+            "payload_format": delivery.payload_format,
+            "headers": delivery.stored_headers(),
+            "source": delivery.source,
+            "reason_code": reason_code,
+            "error": error,
+            "attempts": attempts,
+            "handler_version": delivery.handler_version,
+        }
+        row = conn.execute(self._poison, params).one()
+        return PoisonRecord(id=row[0], attempts=row[1])
+
+    @staticmethod
+    def _key(delivery: Delivery) -> dict[str, Any]:
+        consumer, producer, tenant, message_id = delivery.key
+        return {
+            "consumer_name": consumer,
+            "producer_name": producer,
+            "tenant": tenant,
+            "message_id": message_id,
+        }
+
+
+def parse_marker(marker: object) -> tuple[str, int] | None:
+    """``"poison:12"`` -> ("poison", 12); anything else -> None."""
+    if isinstance(marker, bytes | bytearray):
+        marker = bytes(marker).decode("utf-8", "replace")
+    if not isinstance(marker, str) or ":" not in marker:
+        return None
+    kind, _, number = marker.partition(":")
+    if kind not in ("quarantine", "poison") or not number.isdigit():
+        return None
+    return kind, int(number)
+
+
+def mark_recovered(conn: Connection, naming: InboxSchema, marker: object) -> str | None:
+    """In the processing transaction: the repaired message committed; say so in its row."""
+    parsed = parse_marker(marker)
+    if parsed is None:
+        return None
+    kind, row_id = parsed
+    table = naming.tables.poison if kind == "poison" else naming.tables.quarantine
+    values: dict[str, Any] = {"recovered_at": func.now()}
+    if kind == "poison":
+        values["decision"] = "recovered"
+    conn.execute(update(table).where(table.c.id == row_id).values(**values))
+    return kind

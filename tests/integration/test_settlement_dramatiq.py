@@ -1,0 +1,224 @@
+"""Every Dramatiq delivery ends in a settlement the inbox chose: the paths that lost
+messages before the consumption core, with a real worker on Redis and RabbitMQ.
+
+1. an actor that swallows a database error leaves its transaction aborted: COMMIT
+   silently rolls back, so the attempt must fail instead of being acked (sync and async);
+5. hand-backs (the database down) spend none of Retries' budget: 25 of them, then
+   success, and no dead letter;
+6. a message that exceeds its time limit on every attempt is kept as poison when Retries
+   gives up, not dead-lettered without a record;
+7. a redriven poison message starts its attempts (and Dramatiq's retries) again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import dramatiq
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.exc import IntegrityError
+
+from inbox_middleware import repair
+from inbox_middleware.dramatiq import (
+    InboxMiddleware,
+    current_async_session,
+    current_session,
+    identity,
+)
+from inbox_middleware.dramatiq.repair import DramatiqRepublisher
+from inbox_middleware.storage import InboxSchema
+
+from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support.dramatiq_worker import drain, running_worker
+from ..support.proxy import Proxy
+from ..support.workers import wait_for
+from .test_dramatiq import dead_letters
+
+NAMING = InboxSchema()
+
+
+def poison_rows(engine) -> list[dict]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(NAMING.tables.poison)).mappings().all()
+    return [dict(row) for row in rows]
+
+
+def claims(engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(text("SELECT count(*) FROM consumer_inbox")) or 0)
+
+
+def send(actor, *args, message_id="ord-1"):
+    return actor.send_with_options(args=args, **identity(producer="orders", message_id=message_id))
+
+
+# -- 1. an aborted transaction is a failed attempt, never an ack -----------------------------
+
+
+def test_settlement__swallowed_database_error_fails_then_poisons(broker, queue, pg_engine):
+    broker.add_middleware(InboxMiddleware(pg_engine))
+
+    # Given an actor that applies its effect, then catches a failing INSERT without a
+    # savepoint, which leaves the transaction aborted
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=1)
+    def add_credit(account_id: int, delta: int) -> None:
+        session = current_session()
+        apply_credit(session, "billing", account_id, delta)
+        try:  # noqa: SIM105 - the mistake under test
+            session.execute(text("INSERT INTO accounts (id) VALUES (:a)"), {"a": account_id})
+        except IntegrityError:
+            pass
+
+    with running_worker(broker) as worker:
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+
+    # Then no attempt was acked as committed: poison with the reason, nothing applied
+    [row] = poison_rows(pg_engine)
+    assert (row["reason_code"], row["attempts"]) == ("inbox_error", 2)
+    assert "TransactionAborted" in row["error"]
+    wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
+    assert claims(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+def test_settlement__swallowed_database_error_in_an_async_actor(
+    broker, queue, pg_engine, pg_async_engine
+):
+    broker.add_middleware(InboxMiddleware(pg_async_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0)
+    async def add_credit(account_id: int, delta: int) -> None:
+        session = current_async_session()
+        await apply_credit_async(session, "billing", account_id, delta)
+        try:  # noqa: SIM105 - the mistake under test
+            await session.execute(text("INSERT INTO accounts (id) VALUES (:a)"), {"a": account_id})
+        except IntegrityError:
+            pass
+
+    with running_worker(broker) as worker:
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+
+    [row] = poison_rows(pg_engine)
+    assert "TransactionAborted" in row["error"]
+    assert claims(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+# -- 5. hand-backs spend no retry ---------------------------------------------------------------
+
+
+def test_settlement__25_hand_backs_then_success_and_no_dead_letter(
+    broker, queue, pg_url, pg_engine
+):
+    # Given a worker whose database is down, an actor with max_retries=2, and a
+    # hand-back delay of 20 ms
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_engine(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
+    )
+    middleware = InboxMiddleware(engine)
+    broker.add_middleware(middleware)
+    handed_back = []
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=2)
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    middleware.backoff.first = middleware.backoff.limit = 0.02
+    original = middleware._hand_back_delay
+
+    def counting(error, pending):
+        handed_back.append(pending.message.options.get("retries", 0))
+        return original(error, pending)
+
+    middleware._hand_back_delay = counting
+    try:
+        with running_worker(broker) as worker:
+            proxy.down()
+            send(add_credit, 7, 10)
+            # When the message is handed back 25 times
+            wait_for(lambda: len(handed_back) >= 25, timeout=60, what="25 hand-backs")
+            # Then, once the database is back, it is applied: no retry was spent
+            proxy.up()
+            drain(broker, queue, worker)
+            wait_for(lambda: _effects(pg_engine) == 1, timeout=20, what="the effect")
+    finally:
+        engine.dispose()
+        proxy.close()
+    assert set(handed_back) == {0}
+    assert dead_letters(broker, queue) == 0
+    assert poison_rows(pg_engine) == []
+    with pg_engine.connect() as conn:
+        assert balance(conn, 7) == 10
+
+
+def _effects(engine) -> int:
+    with engine.connect() as conn:
+        return effects(conn)
+
+
+# -- 6. a time limit on every attempt ends in poison ---------------------------------------------
+
+
+def test_settlement__time_limit_on_every_attempt_is_kept_as_poison(broker, queue, pg_engine):
+    broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=1, time_limit=300)
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        for _ in range(50):  # interruptible: the time limit lands between these
+            time.sleep(0.05)
+
+    with running_worker(broker) as worker:
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+
+    [row] = poison_rows(pg_engine)
+    assert (row["reason_code"], row["attempts"]) == ("retries_exhausted", 2)
+    assert "TimeLimitExceeded" in row["error"]
+    wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+# -- 7. a redrive starts again --------------------------------------------------------------------
+
+
+def test_settlement__redriven_poison_gets_its_attempts_back(broker, queue, pg_engine):
+    broker.add_middleware(InboxMiddleware(pg_engine))
+    failures = {"left": 100}
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=1)
+    def add_credit(account_id: int, delta: int) -> None:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("flaky downstream")
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    with running_worker(broker) as worker:
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+        [row] = poison_rows(pg_engine)
+        # When it is redriven, and its first attempt after the repair fails once more
+        failures["left"] = 1
+        with pg_engine.connect() as conn:
+            repair.redrive(
+                conn,
+                NAMING,
+                "poison",
+                row["id"],
+                by="test",
+                publisher=DramatiqRepublisher(broker),
+            )
+        drain(broker, queue, worker)
+        wait_for(lambda: _effects(pg_engine) == 1, timeout=20, what="the repaired effect")
+
+    # Then that failure was retried, not poisoned again: applied once, recovered
+    [row] = poison_rows(pg_engine)
+    assert row["decision"] == "recovered"
+    with pg_engine.connect() as conn:
+        assert balance(conn, 7) == 10
