@@ -41,11 +41,7 @@ __all__ = ["run_group"]
 
 APPLICATION = "chaos-"  # the workers' database sessions: chaos-<name> (tests.apps.chaos_*)
 WORKERS = ("w0", "w1")
-APPS = {
-    ("dramatiq", False): "tests.faults.app_dramatiq",
-    ("dramatiq", True): "tests.faults.app_dramatiq_async",
-    ("faststream", False): "tests.faults.app_faststream:app",
-}
+APPS = {"dramatiq": "tests.faults.app_dramatiq", "faststream": "tests.faults.app_faststream:app"}
 SETTLE = {"raise": 40.0, "cut": 40.0, "restart": 90.0, "kill": 120.0}
 """Seconds a run may take to settle once every message is sent."""
 FAST_REDELIVERY = {
@@ -251,7 +247,7 @@ def run_group(
     driver = "postgresql+asyncpg" if asynchronous else "postgresql+psycopg"
     worker_url = url.set(drivername=driver).render_as_string(hide_password=False)
     target = make_target(setup.adapter, setup.broker, folder)
-    target.app = APPS[setup.adapter, setup.asyncio]  # type: ignore[attr-defined]
+    target.app = APPS[setup.adapter]  # type: ignore[attr-defined]
     (folder / "stats").mkdir(parents=True, exist_ok=True)
     (folder / "restart").mkdir(exist_ok=True)
     admin = Admin(admin_url)
@@ -281,6 +277,7 @@ def run_group(
             "CHAOS_DATABASE_URL": worker_url,
             "CHAOS_GUARD": "1" if setup.guard else "0",
             "CHAOS_CONCURRENCY": "8",
+            "FAULTS_ASYNC": "1" if setup.asyncio else "0",
             "FAULTS_PLAN": str(plan),
             "FAULTS_DIR": str(folder),
             "FAULTS_ADMIN_URL": admin_url,
