@@ -237,7 +237,8 @@ def run_group(
         if reason is None:
             rows.append(row)
         else:
-            cells.append(Cell(setup, row, fault, reason.split(":")[0], reason))
+            status = "n.a." if reason.startswith("n.a.") else "skip"
+            cells.append(Cell(setup, row, fault, status, reason))
     if not rows:
         return cells
 
