@@ -2,18 +2,19 @@
 
 Copy it into your project's ``versions/`` folder and set ``revision`` and
 ``down_revision`` to fit your history. ``migrate`` joins Alembic's transaction, records
-the inbox versions in its own table, and does nothing when they are already applied.
+the inbox versions in its own table, and does nothing when they are already applied; in
+offline mode (``alembic upgrade head --sql``) it prints the statements instead.
 """
 
-from alembic import op
+from alembic import context, op
 
-from inbox_middleware.storage import InboxSchema, migrate
+from inbox_middleware.storage import InboxSchema, drop_inbox, migrate
 
 revision = "0001_inbox"
 down_revision = None
 
 # Where the tables go: the same naming the middleware is given.
-INBOX = InboxSchema(schema="inbox")
+INBOX = InboxSchema()
 
 
 def upgrade() -> None:
@@ -21,4 +22,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    raise RuntimeError("dropping the inbox would make every old delivery new again")
+    # Dropping the inbox forgets every claim: each message delivered again afterwards
+    # would be processed again. So only when asked: alembic -x drop_inbox=yes downgrade
+    asked = context.get_x_argument(as_dictionary=True).get("drop_inbox") == "yes"
+    drop_inbox(op.get_bind(), INBOX, confirm=asked)

@@ -21,7 +21,7 @@ from .protocol import Delivery
 from .retention import format_duration, recorded_policy
 from .storage.tables import InboxSchema
 
-__all__ = ["FORMAT", "SCHEMA", "explain"]
+__all__ = ["FORMAT", "SCHEMA", "consumer_known", "explain"]
 
 FORMAT = "inbox-middleware.explain/1"
 
@@ -336,3 +336,15 @@ SCHEMA: dict[str, Any] = {
     },
 }
 """The JSON schema ``inbox-middleware explain --json`` follows."""
+
+
+def consumer_known(conn: Connection, naming: InboxSchema, consumer: str) -> bool:
+    """Whether any inbox table has a row for ``consumer`` (one index probe per table)."""
+    t = naming.tables
+    for table in (t.inbox, t.attempts, t.quarantine, t.poison):
+        found = conn.execute(
+            select(table.c.consumer_name).where(table.c.consumer_name == consumer).limit(1)
+        ).first()
+        if found is not None:
+            return True
+    return False

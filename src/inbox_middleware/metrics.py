@@ -471,9 +471,9 @@ def serve(
     owned = None
     if engine is not None:
         if isinstance(engine, str):
-            from .cli import connect
+            from .storage.engines import sync_engine
 
-            engine = owned = connect(engine)
+            engine = owned = sync_engine(engine)
         registry.register(TableCollector(engine, naming, cache_seconds=cache_seconds))
     try:
         httpd, thread = start_http_server(port, addr=addr, registry=registry)
@@ -635,11 +635,18 @@ class TableCollector:
             return self._gauges, self._up
 
     def _read(self) -> Any:
+        self.reads += 1
+        if self.engine.dialect.is_async:  # an engine over asyncpg only (see storage.engines)
+            from .storage.engines import run_sync
+
+            return run_sync(self._query)
+        return self._query()
+
+    def _query(self) -> Any:
         from sqlalchemy import text
 
         from .status import table_gauges
 
-        self.reads += 1
         with self.engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 milliseconds = max(1, round(self.statement_timeout * 1000))

@@ -22,7 +22,7 @@ from .consumption import (
     Settlement,
     identity_reason,
 )
-from .exceptions import IdentityError, PayloadNotHashable, TransientError
+from .exceptions import IdentityError, PayloadNotHashable
 from .metrics import metrics
 
 __all__ = ["report"]
@@ -107,14 +107,12 @@ def report(
         case HandedBack(error=error, counted=True):
             metrics.handler_failure(consumer, type(_cause(error)).__name__)
         case HandedBack(error=error):
-            level = logging.INFO if isinstance(error, TransientError) else logging.WARNING
-            logger.log(
-                level,
+            logger.warning(
                 "inbox consumer %s handed a message back for a later redelivery (%s: %s)",
                 consumer,
                 type(error).__name__,
                 error,
-                extra=fields | {"inbox_event": "handed_back"},
+                extra=fields | {"inbox_event": "handed_back", "inbox_error": type(error).__name__},
             )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from sqlalchemy import Connection, Table, bindparam, func, or_, select, update
@@ -102,17 +103,32 @@ def list_rows(
     *,
     consumer: str | None = None,
     decision: str | None = "pending",
-    limit: int = 50,
+    limit: int | None = 50,
+    producer: str | None = None,
+    reason: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows without their payload, most recent failure or sighting first."""
+    """Rows without their payload, most recent failure or sighting first; ``since`` and
+    ``until`` bound that last failure or sighting (``since`` included, ``until`` not)."""
     table = _table(naming, kind)
     last = table.c.last_seen_at if kind == "quarantine" else table.c.last_failure_at
     query = select(*(c for c in table.c if c.name != "payload")).order_by(last.desc())
-    if consumer is not None:
-        query = query.where(table.c.consumer_name == consumer)
-    if decision is not None:
-        query = query.where(table.c.decision == decision)
-    return [dict(row) for row in conn.execute(query.limit(limit)).mappings()]
+    for column, value in (
+        (table.c.consumer_name, consumer),
+        (table.c.producer_name, producer),
+        (table.c.reason_code, reason),
+        (table.c.decision, decision),
+    ):
+        if value is not None:
+            query = query.where(column == value)
+    if since is not None:
+        query = query.where(last >= since)
+    if until is not None:
+        query = query.where(last < until)
+    if limit is not None:
+        query = query.limit(limit)
+    return [dict(row) for row in conn.execute(query).mappings()]
 
 
 def show_row(conn: Connection, naming: InboxSchema, kind: Kind, row_id: int) -> dict[str, Any]:

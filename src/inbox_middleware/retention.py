@@ -50,7 +50,7 @@ from .exceptions import ConfigurationError, PermanentError
 from .metrics import metrics
 from .poison import EXPIRED_REDELIVERY
 from .protocol import Delivery
-from .storage.tables import InboxSchema
+from .storage.tables import ALL_CONSUMERS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
 
@@ -155,8 +155,6 @@ def minimum_window(policy: RetentionPolicy) -> tuple[timedelta, Scenario]:
 # against their minimum. The purge works in small batches, each its own transaction, taking
 # rows with FOR UPDATE SKIP LOCKED: a live claim never waits for it, and several purgers
 # never wait for each other.
-
-ALL_CONSUMERS = "*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,12 +284,21 @@ def purge(
     return total
 
 
+def purgeable(
+    conn: Connection, naming: InboxSchema, older_than: timedelta, *, consumer: str | None = None
+) -> int:
+    """How many claims `purge` would delete now (through the processed_at index)."""
+    statement = _purge_statements(naming, conn.dialect.name)[2]
+    params = {"seconds": older_than.total_seconds(), "consumer": consumer}
+    return int(conn.execute(statement, params).scalar_one())
+
+
 class RetentionRefused(ConfigurationError):
     """The purge window is shorter than the recorded retention policy allows."""
 
 
 @cache
-def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any]:
+def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any]:
     inbox, attempts = naming.tables.inbox, naming.tables.attempts
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
@@ -317,7 +324,8 @@ def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any]:
         attempts.c.last_failure_at < cutoff,
         or_(consumer.is_(None), attempts.c.consumer_name == consumer),
     )
-    return batch, failures
+    count = select(func.count()).select_from(inbox).where(old)
+    return batch, failures, count
 
 
 # -- redeliveries older than the window ---------------------------------------------------

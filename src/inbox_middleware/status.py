@@ -25,8 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, and_, func, select, text
 
-from .retention import ALL_CONSUMERS
-from .storage.tables import TABLES, InboxSchema
+from .storage.tables import ALL_CONSUMERS, TABLES, InboxSchema
 
 __all__ = [
     "EXACT_BELOW_BYTES",

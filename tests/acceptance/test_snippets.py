@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import dramatiq
@@ -13,7 +10,6 @@ import pytest
 from sqlalchemy import text
 
 from inbox_middleware.dramatiq import InboxMiddleware, identity
-from inbox_middleware.storage import InboxSchema, check_schema
 
 from ..apps.domain import balance
 from ..support.dramatiq_worker import drain, running_worker
@@ -53,46 +49,6 @@ def test_own_session_snippet__joins_the_inbox_transaction(stub_broker, pg_engine
     with pg_engine.connect() as conn:
         assert (balance(conn, 7), balance(conn, 8)) == (10, 0)
     assert failures == [8]
-
-
-def test_alembic_snippets__revision_creates_the_tables_and_env_excludes_them(
-    pg_url, pg_engine, tmp_path: Path, monkeypatch
-):
-    (tmp_path / "versions").mkdir()
-    shutil.copy(SNIPPETS / "alembic_revision.py", tmp_path / "versions" / "0001_inbox.py")
-    (tmp_path / "env.py").write_text(
-        "from alembic import context\n"
-        "from sqlalchemy import create_engine\n"
-        "engine = create_engine(context.config.get_main_option('sqlalchemy.url'))\n"
-        "with engine.connect() as connection:\n"
-        "    context.configure(connection=connection)\n"
-        "    with context.begin_transaction():\n"
-        "        context.run_migrations()\n"
-        "engine.dispose()\n"
-    )
-    (tmp_path / "script.py.mako").write_text("")
-    code = (
-        "from alembic import command\nfrom alembic.config import Config\n"
-        f"c = Config(); c.set_main_option('script_location', {str(tmp_path)!r})\n"
-        f"c.set_main_option('sqlalchemy.url', {pg_url!r})\n"
-        "command.upgrade(c, 'head')\n"
-    )
-    try:
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
-        with pg_engine.connect() as conn:
-            check_schema(conn, InboxSchema(schema="inbox"))
-    finally:
-        with pg_engine.begin() as conn:
-            conn.exec_driver_sql('DROP SCHEMA IF EXISTS "inbox" CASCADE')
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-
-    env = load("alembic_env")
-    configured = {}
-    monkeypatch.setattr(env.context, "configure", lambda **kw: configured.update(kw))
-    env.configure(connection=None)
-    include = configured["include_object"]
-    assert include(None, "consumer_inbox", "table", True, None) is False
-    assert include(None, "accounts", "table", True, None) is True
 
 
 @pytest.mark.parametrize("path", sorted(SNIPPETS.rglob("*.py")), ids=lambda p: p.name)

@@ -31,6 +31,20 @@ WORKER = ENV.get("CHAOS_WORKER", "w0")
 stats = chaos_domain.Stats(ENV["CHAOS_STATS"], WORKER)
 
 
+class _HandBacks(logging.Handler):
+    """Counts the inbox's hand-backs by their cause: a hand-back ends its delivery with a
+    skip (the message enqueued again), so the worker does not see an exception."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "inbox_event", None) == "handed_back":
+            stats.count(str(getattr(record, "inbox_error", "handed_back")))
+
+
+_library = logging.getLogger("inbox_middleware")
+_library.addHandler(_HandBacks())
+_library.setLevel(min(_library.getEffectiveLevel(), logging.INFO))
+
+
 class Outcomes(Middleware):
     """Counts what happened to each delivery, and starts the statistics writer."""
 

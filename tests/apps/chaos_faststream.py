@@ -3,9 +3,9 @@
 Configured by environment variables:
 
 CHAOS_DATABASE_URL   SQLAlchemy URL (asyncpg) of the run's database, through the proxy
-CHAOS_BROKER         "rabbitmq", "redis" or "nats";  CHAOS_BROKER_URL its URL
-CHAOS_QUEUE          the queue, stream or subject (NATS: stream = its upper-case name,
-                     durable consumer "d" + the subject)
+CHAOS_BROKER         "rabbitmq", "redis", "nats" or "kafka";  CHAOS_BROKER_URL its URL
+CHAOS_QUEUE          the queue, stream, subject or topic (NATS: stream = its upper-case
+                     name, durable consumer "d" + the subject; Kafka: group "g" + the topic)
 CHAOS_STATS          folder for the statistics files (see `chaos_domain.Stats`)
 CHAOS_WORKER         this worker's name (its Redis consumer and database sessions too)
 CHAOS_CONCURRENCY    messages a worker handles at once (default 16)
@@ -36,6 +36,7 @@ CONCURRENCY = int(ENV.get("CHAOS_CONCURRENCY", "16"))
 RECLAIM_MS = int(ENV.get("CHAOS_RECLAIM_MS", "3000"))
 # NATS: seconds before JetStream redelivers an unacknowledged message
 NATS_ACK_WAIT = float(ENV.get("CHAOS_ACK_WAIT", "5"))
+KAFKA_CONSUMERS = 4  # Kafka: group members per worker (the topic has 8 partitions)
 stats = chaos_domain.Stats(ENV["CHAOS_STATS"], WORKER)
 
 
@@ -67,6 +68,10 @@ def _broker(middlewares: list[Any]) -> Any:
         from faststream.redis import RedisBroker
 
         return RedisBroker(url, middlewares=middlewares)
+    if kind == "kafka":
+        from faststream.kafka import KafkaBroker
+
+        return KafkaBroker(url, middlewares=middlewares)
     from faststream.nats import NatsBroker
 
     return NatsBroker(url, middlewares=middlewares)
@@ -113,6 +118,21 @@ elif ENV["CHAOS_BROKER"] == "redis":
     )
     for stream in (reading, reclaiming):  # sharing the concurrency
         broker.subscriber(stream=stream, max_workers=CONCURRENCY // 2, **options)(credit)
+elif ENV["CHAOS_BROKER"] == "kafka":
+    from faststream import AckPolicy
+
+    # One sequential consumer per worker slot, each in the group, each committing only
+    # its own partitions; a short session so a killed worker's partitions move quickly.
+    broker.subscriber(
+        SOURCE,
+        group_id=f"g{SOURCE}",
+        ack_policy=AckPolicy.ACK,
+        auto_offset_reset="earliest",
+        session_timeout_ms=3000,
+        heartbeat_interval_ms=300,
+        max_workers=KAFKA_CONSUMERS,
+        **options,
+    )(credit)
 else:
     from faststream.nats import ConsumerConfig, JStream, PullSub
 

@@ -4,9 +4,11 @@ processes with ``faststream run tests.apps.faststream_app:app``.
 Configured by environment variables:
 
 INBOX_TEST_DATABASE_URL   SQLAlchemy URL of the run's database (asyncpg)
-INBOX_TEST_BROKER         "rabbit", "redis" or "nats";  INBOX_TEST_BROKER_URL its URL
-INBOX_TEST_SOURCE         the queue, stream or subject (one per test); NATS: the stream is
-                          its upper-case name, the durable consumer "d" + the subject
+INBOX_TEST_BROKER         "rabbit", "redis", "nats" or "kafka";  INBOX_TEST_BROKER_URL its
+                          URL (Kafka: host:port)
+INBOX_TEST_SOURCE         the queue, stream, subject or topic (one per test); NATS: the
+                          stream is its upper-case name, the durable consumer "d" + the
+                          subject; Kafka: the consumer group is "g" + the topic
 INBOX_TEST_WORKER         this process's Redis consumer name (one per process)
 INBOX_TEST_PAUSE_AT       a named point where the first message to reach it stops and
                           waits to be killed: before_claim, in_body or after_commit
@@ -81,6 +83,10 @@ def _broker(middlewares: list[Any]) -> Any:
         from faststream.redis import RedisBroker
 
         return RedisBroker(url, middlewares=middlewares)
+    if kind == "kafka":
+        from faststream.kafka import KafkaBroker
+
+        return KafkaBroker(url, middlewares=middlewares)
     from faststream.nats import NatsBroker
 
     return NatsBroker(url, middlewares=middlewares)
@@ -118,6 +124,19 @@ elif ENV["INBOX_TEST_BROKER"] == "redis":
     )
     for stream in (reading, reclaiming):
         broker.subscriber(stream=stream, **options)(add_credit)
+elif ENV["INBOX_TEST_BROKER"] == "kafka":
+    from faststream import AckPolicy
+    from faststream.kafka import Topic
+
+    # A short session timeout: a killed member's partitions move to another within seconds.
+    broker.subscriber(
+        Topic(SOURCE, num_partitions=2),
+        group_id=f"g{SOURCE}",
+        auto_offset_reset="earliest",
+        session_timeout_ms=3000,
+        heartbeat_interval_ms=300,
+        **({"ack_policy": AckPolicy.ACK} | options),
+    )(add_credit)
 else:
     from faststream.nats import ConsumerConfig, JStream, PullSub
 

@@ -2,12 +2,14 @@
 
     python -m tests.chaos --adapter dramatiq --broker rabbitmq --messages 100000
     python -m tests.chaos --adapter faststream --broker nats --messages 100000
+    python -m tests.chaos --adapter faststream --broker kafka --messages 10000
 
 It runs on a database of its own (cloned from the tests' template, dropped at the end),
 prints progress and the one-line summary, and exits 1 when the invariant does not hold,
 or (from 50,000 messages) when the never-killed worker's RSS grew by 10% or more over
 the second half of the run. Restarts the machine's PostgreSQL once, and RabbitMQ once
-when it is the broker; Redis and NATS are servers the run starts itself.
+when it is the broker; Redis and NATS are servers the run starts itself; Kafka (the
+machine's tansu, memory only) is not restarted.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ RSS_LIMIT = 0.10
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--adapter", choices=sorted(BROKERS), default="dramatiq")
-    parser.add_argument("--broker", choices=["rabbitmq", "redis", "nats"], default="rabbitmq")
+    parser.add_argument(
+        "--broker", choices=["rabbitmq", "redis", "nats", "kafka"], default="rabbitmq"
+    )
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)

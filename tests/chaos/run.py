@@ -8,6 +8,7 @@ everything it can, then the ledger is checked exactly.
     │                       cuts those PostgreSQL reports as mid-transaction
     └── chaos loop          SIGKILLs a worker's process tree every few seconds and starts
                             it again; restarts PostgreSQL once and the broker once
+                            (unless it keeps nothing on disk: Kafka's tansu)
 
 One worker (the first) is never killed: its pool and memory are watched over the whole
 run. The run ends when every intent is settled and the broker holds nothing for the run;
@@ -312,6 +313,8 @@ def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Re
     plan = make_plan(config.messages, config.seed)
     rng = random.Random(config.seed)
     target = make_target(config.adapter, config.broker, folder)
+    if target.kill_every is not None:
+        config.kill_every = target.kill_every
     url = make_url(database_url)
     admin_url = url.set(drivername="postgresql").render_as_string(hide_password=False)
     admin = Admin(admin_url)
@@ -499,11 +502,13 @@ class Restarts:
         self._start("PostgreSQL", servers.restart_postgres, self.events.postgres_restarts)
 
     def broker(self) -> None:
-        self._start(self.config.broker, self.target.restart_broker, self.events.broker_restarts)
+        if self.target.restartable:
+            self._start(self.config.broker, self.target.restart_broker, self.events.broker_restarts)
 
     @property
     def done(self) -> bool:
-        return bool(self.events.postgres_restarts and self.events.broker_restarts)
+        broker = bool(self.events.broker_restarts) or not self.target.restartable
+        return bool(self.events.postgres_restarts) and broker
 
     def check(self) -> None:
         if self.errors:

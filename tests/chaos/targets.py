@@ -3,7 +3,8 @@ that survives a broker restart, the restart itself, and a look at the broker's q
 
 RabbitMQ is the machine's server (restarted with ``rabbitmqctl``, its durable queues and
 persistent messages kept); Redis and NATS are servers the run owns, with persistence on
-(`tests.support.servers`).
+(`tests.support.servers`). Kafka is the machine's tansu, which keeps its topics in memory
+only: it is never restarted (``restartable = False``), the rest of the chaos is the same.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from .plan import Send
 __all__ = ["ADAPTERS", "BROKERS", "Found", "Producer", "Target", "make_target"]
 
 ADAPTERS = ("dramatiq", "faststream")
-BROKERS = {"dramatiq": ("rabbitmq", "redis"), "faststream": ("rabbitmq", "redis", "nats")}
+BROKERS = {
+    "dramatiq": ("rabbitmq", "redis"),
+    "faststream": ("rabbitmq", "redis", "nats", "kafka"),
+}
 PRODUCER = "orders"
 SEND_PATIENCE = 180.0  # seconds a producer keeps retrying one message through an outage
 
@@ -68,6 +72,10 @@ def _persist(publish: Callable[[], Any], what: str) -> int:
 class Target:
     adapter: str
     broker: str
+    restartable = True
+    """Whether the chaos restarts the broker (a broker that keeps nothing on disk is not)."""
+    kill_every: tuple[float, float] | None = None
+    """Seconds between SIGKILLs, when the broker needs longer than the run's default."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -557,12 +565,62 @@ class FastStreamNats(OwnedServer, FastStreamTarget):
             await client.close()
 
 
+class FastStreamKafka(FastStreamTarget):
+    """The machine's tansu (memory only, so never restarted). Every SIGKILL costs the
+    group a rebalance once the dead member's session times out (3 s), so workers are
+    killed less often than on the other brokers."""
+
+    broker = "kafka"
+    restartable = False
+    kill_every = (3.0, 5.0)
+    partitions = 8
+
+    @property
+    def group(self) -> str:
+        return f"g{self.source}"
+
+    @property
+    def broker_url(self) -> str:
+        return services.KAFKA
+
+    async def prepare(self) -> None:
+        from ..support import kafka
+
+        await kafka.create_topic(self.source, self.partitions)
+
+    def publishing_broker(self) -> Any:
+        from faststream.kafka import KafkaBroker
+
+        return KafkaBroker(self.broker_url)
+
+    async def publish(self, broker: Any, body: Any, headers: dict[str, str]) -> None:
+        # send_and_wait: returns once the broker has the record.
+        await broker.publish(body, self.source, headers=headers)
+
+    async def _leftover(self) -> int:
+        from ..support import kafka
+
+        return await kafka.uncommitted(self.group, self.source)
+
+    async def _read(self, destinations: list[str]) -> list[Found]:
+        from ..support import kafka
+
+        return [_faststream_found(list(await kafka.read(name))) for name in destinations]
+
+    def close(self) -> None:
+        from ..support import kafka
+
+        suffixes = ("", ".quarantine", ".dead-letter")
+        asyncio.run(kafka.delete_topics(f"{self.source}{suffix}" for suffix in suffixes))
+
+
 TARGETS: dict[tuple[str, str], type[Target]] = {
     ("dramatiq", "rabbitmq"): DramatiqRabbitmq,
     ("dramatiq", "redis"): DramatiqRedis,
     ("faststream", "rabbitmq"): FastStreamRabbitmq,
     ("faststream", "redis"): FastStreamRedis,
     ("faststream", "nats"): FastStreamNats,
+    ("faststream", "kafka"): FastStreamKafka,
 }
 
 

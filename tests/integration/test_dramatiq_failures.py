@@ -3,6 +3,8 @@ at once, transient ones are retried up to the bound and then kept as poison too.
 
 from __future__ import annotations
 
+import json
+
 import dramatiq
 import pytest
 from sqlalchemy import select
@@ -106,6 +108,9 @@ def test_transient_error__retried_up_to_the_bound_then_kept_as_poison(
     [row] = poison_rows(pg_engine)
     assert (row["reason_code"], row["attempts"]) == ("retries_exhausted", 3)
     assert "TimeoutError: the ledger service timed out" in row["error"]
+    # The kept message is the message, without the traceback Dramatiq's Retries adds
+    kept = json.loads(bytes(row["payload"]))
+    assert kept["args"] == [7, 10] and "traceback" not in kept["options"]
     wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
     with pg_engine.connect() as conn:
         assert effects(conn) == 0

@@ -1,4 +1,4 @@
-"""Batch subscribers (Redis streams, NATS pull) on the real brokers: one claim statement
+"""Batch subscribers (Redis streams, NATS pull, Kafka) on the real brokers: one claim statement
 for the batch, the handler given the first-seen messages, each duplicate and conflict
 settled on its own, one commit."""
 
@@ -44,7 +44,7 @@ def claim_directly(engine: Engine, body: dict[str, Any], headers: dict[str, str]
     Inbox(engine).process(claim, lambda session: None)
 
 
-@pytest.fixture(params=["redis", "nats"])
+@pytest.fixture(params=["redis", "nats", "kafka"])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -62,6 +62,7 @@ def inbox(pg_async_engine: Any) -> FastStreamInbox:
 @pytest.fixture
 async def h(kind: str, inbox: FastStreamInbox, seen: Seen) -> Any:
     harness = Harness(kind, [recorder(seen), inbox.middleware])
+    harness.partition = 0  # Kafka: one partition keeps the batch in publishing order
     inbox.guard(harness.broker)
     yield harness
     await harness.cleanup()

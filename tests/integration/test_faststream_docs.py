@@ -1,5 +1,5 @@
 """The FastStream guide's code, run: the example service through its demo (real
-``faststream run`` workers on RabbitMQ), and the Redis stream example."""
+``faststream run`` workers on RabbitMQ), the Redis stream example and the Kafka one."""
 
 from __future__ import annotations
 
@@ -70,6 +70,38 @@ async def test_faststream_redis_example__guard_accepts_it_and_it_applies_once(
         async with broker:
             await broker._connection.delete(stream)
     assert _balance(pg_engine) == 10
+
+
+async def test_faststream_kafka_example__guard_accepts_it_and_it_applies_once(
+    pg_async_engine, pg_engine
+):
+    from ..support import kafka
+
+    snippet = load("kafka")
+    topic = Harness("kafka", []).source
+    _, broker = snippet.build(pg_async_engine, services.KAFKA, topic)
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
+    order = {"account_id": 7, "amount": 10}
+    headers = identity_headers(producer="orders", message_id="o-1")
+    try:
+        async with broker:
+            # Published before the group exists: auto_offset_reset="earliest" reads it
+            await broker.publish(order, topic, headers=headers)
+            await broker.publish(order, topic, headers=headers)
+            await broker.start()  # guarded: creates the quarantine and dead-letter topics
+            await eventually(lambda: _balance(pg_engine) == 10, timeout=30, what="the credit")
+            await eventually(lambda: _nothing_uncommitted(topic), timeout=15, what="both committed")
+            assert await kafka.partitions(f"{topic}.quarantine") >= 1
+    finally:
+        await kafka.delete_topics([topic, f"{topic}.quarantine", f"{topic}.dead-letter"])
+    assert _balance(pg_engine) == 10
+
+
+async def _nothing_uncommitted(topic: str) -> bool:
+    from ..support import kafka
+
+    return await kafka.uncommitted("billing", topic) == 0
 
 
 def _balance(engine: Any) -> int:

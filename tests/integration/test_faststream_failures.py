@@ -1,5 +1,5 @@
-"""Failure classification and repair with FastStream on real RabbitMQ, Redis streams and
-NATS JetStream: permanent errors become poison at once, repeated transient failures after
+"""Failure classification and repair with FastStream on real RabbitMQ, Redis streams,
+NATS JetStream and Kafka: permanent errors become poison at once, repeated transient failures after
 `max_attempts`, and a poison message redriven after a repair is applied once."""
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ from ..support.faststream_brokers import KINDS, Harness, Seen, eventually, recor
 from .test_faststream import ORDER, applied, ident
 
 TABLES = InboxSchema().tables
-URLS = {"rabbit": services.RABBITMQ, "redis": services.REDIS, "nats": services.NATS}
+URLS = {
+    "rabbit": services.RABBITMQ,
+    "redis": services.REDIS,
+    "nats": services.NATS,
+    "kafka": f"kafka://{services.KAFKA}",
+}
 
 
 @pytest.fixture(params=KINDS)

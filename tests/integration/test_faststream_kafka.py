@@ -1,6 +1,7 @@
-"""Kafka, experimental: there is no Kafka server here, so these run on FastStream's
-TestKafkaBroker (in memory) with the real PostgreSQL. They show the inbox's decisions and
-the guard; redelivery itself (a seek back after a nack) is the test broker's, not Kafka's."""
+"""Kafka on FastStream's TestKafkaBroker (in memory) with the real PostgreSQL: unit-level
+checks of the inbox's decisions and the guard, as an app's own tests would run them. The
+proof on a real broker (tansu) is in test_faststream_kafka_broker.py and the tests shared
+with the other brokers."""
 
 from __future__ import annotations
 
@@ -143,3 +144,29 @@ async def test_faststream_kafka__batch_claims_once_and_reports_each_decision(inb
     assert [(r.message_id, json.loads(r.payload)) for r in rows] == [
         ("o-1", {"account": 7, "delta": 20})
     ]
+
+
+@pytest.mark.parametrize(
+    ("declare", "reason"),
+    [
+        pytest.param({"pattern": "orders.*"}, "reads one named topic, not a pattern", id="pattern"),
+        pytest.param({"consumer_only": True}, "the inbox needs its producer", id="consumer-only"),
+        pytest.param({"ack_policy": AckPolicy.MANUAL}, "AckPolicy.MANUAL", id="manual"),
+    ],
+)
+async def test_faststream_kafka__guard_refuses_what_it_cannot_settle(inbox, declare, reason):
+    options = dict(declare)
+    broker = KafkaBroker(
+        middlewares=[inbox.middleware], consumer_only=options.pop("consumer_only", False)
+    )
+    topic = {} if "pattern" in options else {"topic": "orders"}
+    options.setdefault("ack_policy", AckPolicy.ACK)
+
+    @broker.subscriber(
+        *topic.values(), group_id="billing", dependencies=[inbox.consumer("billing")], **options
+    )
+    async def handle(body: dict[str, int], session: InboxSession) -> None: ...
+
+    async with TestKafkaBroker(broker):
+        with pytest.raises(ConfigurationError, match=reason):
+            await inbox.check(broker)

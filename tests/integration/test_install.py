@@ -56,4 +56,19 @@ def test_missing_integration_names_the_extra():
         "except ImportError as exc:\n    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert "pip install inbox-middleware[dramatiq]" in result.stdout
+    assert "run `pip install 'inbox-middleware[dramatiq]'`" in result.stdout
+
+
+def test_package_description__is_for_pip_users_with_absolute_links():
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    description = (root / project["readme"]).read_text()
+    # The README opens with the developers' two commands; the index shows this instead.
+    assert project["readme"] != "README.md" and "scripts/" not in description
+    links = re.findall(r"\]\(([^)]+)\)", description)
+    assert links and all(link.startswith("https://") for link in links), links
+    assert "pip install 'inbox-middleware[faststream-rabbit]'" in description
+    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(project["urls"])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,17 @@ def test_cli_outbox__list_show_and_retry_failed_effects(pg_url, pg_engine):
     lines = listed.stdout.splitlines()
     assert lines[0] == "pending 0, dispatched 0, failed 2"
     assert any(
-        line.startswith("mail-1  email  failed  attempts=1")
+        line.split()[1:4] == ["mail-1", "│", "email"]
         and "PermanentDeliveryError: the mailbox does not exist" in line
         for line in lines
     )
+    as_json = cli("list", "--database-url", pg_url, "--status", "failed", "--json")
+    rows = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert {(r["effect_id"], r["status"], r["attempts"]) for r in rows} == {
+        ("mail-1", "failed", 1),
+        ("mail-2", "failed", 1),
+    }
+    assert all(datetime.fromisoformat(r["next_attempt_at"]).tzinfo for r in rows)
 
     shown = cli("show", "--database-url", pg_url, "mail-1")
     assert shown.returncode == 0, shown.stderr

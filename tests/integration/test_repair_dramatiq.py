@@ -187,7 +187,35 @@ def test_repair__show_includes_the_payload_and_unknown_rows_are_one_clear_line(
         drain(broker, queue, worker)
     poisoned = row(pg_engine, TABLES.poison)
     shown = json.loads(cli(pg_url, "poison", "show", str(poisoned["id"])).stdout)
-    assert '"args":[9,10]' in shown["payload"]
+    assert shown["payload"]["args"] == [9, 10]  # the kept message, as a JSON value
     missing = cli(pg_url, "quarantine", "show", "999999")
     assert missing.returncode == 1
     assert missing.stderr.strip() == "error: there is no quarantine row #999999"
+
+
+def test_poison__bulk_redrive_by_filter_applies_each_once(broker, queue, pg_url, pg_engine, app):
+    # Given three messages kept as poison: two for closed accounts, one for another reason
+    with running_worker(broker) as worker:
+        for n, account in enumerate((21, 22)):
+            app.send_with_options(
+                args=(account, 5), **identity(producer="orders", message_id=f"b-{n}")
+            )
+        app.send_with_options(args=(23, 5), **identity(producer="shop", message_id="s-1"))
+        drain(broker, queue, worker)
+        # When the accounts are opened and the operator redrives the orders ones by filter
+        with pg_engine.begin() as conn:
+            conn.execute(text("INSERT INTO open_accounts VALUES (21), (22), (23)"))
+        selection = ["--consumer", "billing", "--producer", "orders", "--since", "1h"]
+        dry = cli(pg_url, "poison", "redrive", *selection, "--dry-run", *broker_args(broker, queue))
+        assert "would redrive 2 poison rows (--dry-run)" in dry.stdout, dry.stderr
+        done = cli(pg_url, "poison", "redrive", *selection, *broker_args(broker, queue))
+        assert done.returncode == 0, done.stderr
+        assert "2 of 2 poison rows redriven" in done.stdout
+        drain(broker, queue, worker)
+    # Then the two are applied once each, and the shop one still waits
+    with pg_engine.connect() as conn:
+        assert [balance(conn, account) for account in (21, 22, 23)] == [5, 5, 0]
+        decisions = dict(
+            conn.execute(select(TABLES.poison.c.message_id, TABLES.poison.c.decision)).all()
+        )
+    assert decisions == {"b-0": "recovered", "b-1": "recovered", "s-1": "pending"}

@@ -18,7 +18,6 @@ from inbox_middleware import explain as explaining
 from inbox_middleware import outbox
 from inbox_middleware import status as reading
 from inbox_middleware.cli import main
-from inbox_middleware.exceptions import InvalidIdentity
 from inbox_middleware.identity import MessageIdentity, hash_json
 from inbox_middleware.metrics import metrics, serve
 from inbox_middleware.poison import FailureRecorder
@@ -271,5 +270,18 @@ def test_explain__poison_and_unknown_messages_would_be_processed(pg_url, seeded)
     assert (unknown["verdict"], unknown["quarantine"], unknown["effects"]) == ("process", [], [])
     assert "claims are kept at least 2d12h" in unknown["summary"]
 
-    with pytest.raises(InvalidIdentity):
-        cli(pg_url, "explain", seeded["billing"], "orders", "")
+    # A library error is one line and exit status 1 (the console script's behaviour).
+    empty = CliRunner().invoke(
+        main, ["explain", seeded["billing"], "orders", "", "--database-url", pg_url]
+    )
+    assert (empty.exit_code, empty.output) == (1, "error: message_id is empty\n")
+
+
+def test_explain__an_unknown_consumer_is_an_error_that_names_the_known_ones(pg_url, seeded):
+    typo = seeded["billing"].replace("billing", "bilING")
+    result = CliRunner().invoke(
+        main, ["explain", typo, "orders", "ord-1", "--database-url", pg_url]
+    )
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: no consumer {typo!r} has any row in the inbox tables")
+    assert f"did you mean {seeded['billing']!r}?" in result.output

@@ -1,9 +1,10 @@
-"""The three real brokers the FastStream adapter is tested on, behind one small interface.
+"""The four real brokers the FastStream adapter is tested on, behind one small interface.
 
 Each test gets its own source (a RabbitMQ queue, a Redis stream, a NATS subject and
-JetStream stream), declares its inbox subscriber the way that broker needs it (Redis: a
-reading subscriber and a reclaiming one), publishes, and reads what reached the
-quarantine and dead-letter destinations straight from the broker.
+JetStream stream, a Kafka topic of two partitions read by its own consumer group),
+declares its inbox subscriber the way that broker needs it (Redis: a reading subscriber
+and a reclaiming one; Kafka: a committing ack policy), publishes, and reads what reached
+the quarantine and dead-letter destinations straight from the broker.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 
 from faststream import BaseMiddleware
 
-from . import services
+from . import kafka, services
 
-KINDS = ("rabbit", "redis", "nats")
+KINDS = ("rabbit", "redis", "nats", "kafka")
 RECLAIM_MS = 1000  # Redis: how long a message stays pending before it is reclaimed
 NATS_ACK_WAIT = 3.0  # NATS: seconds before JetStream redelivers an unacknowledged message
 
@@ -58,6 +59,8 @@ class Harness:
         self.kind = kind
         self.name = f"t{uuid.uuid4().hex[:10]}"
         self.stream = self.name.upper()  # NATS JetStream stream
+        self.group = f"g{self.name}"  # Kafka consumer group
+        self.partition: int | None = None  # Kafka: publish to this partition (None: any)
         if kind == "rabbit":
             from faststream.rabbit import RabbitBroker
 
@@ -68,6 +71,11 @@ class Harness:
 
             services.require(services.REDIS, "Redis")
             self.broker = RedisBroker(services.REDIS, middlewares=middlewares)
+        elif kind == "kafka":
+            from faststream.kafka import KafkaBroker
+
+            services.require(services.KAFKA, "Kafka")
+            self.broker = KafkaBroker(services.KAFKA, middlewares=middlewares)
         else:
             from faststream.nats import NatsBroker
 
@@ -126,6 +134,21 @@ class Harness:
                 return reclaiming(reading(handler))
 
             return both
+        if self.kind == "kafka":
+            from faststream import AckPolicy
+            from faststream.kafka import Topic
+
+            # ACK: the offset is committed after the inbox settled the message.
+            settings = {"ack_policy": AckPolicy.ACK, **kafka.GROUP_OPTIONS} | options
+            if batch:
+                settings |= {"batch": True, "max_records": 10}
+            return self.broker.subscriber(
+                Topic(self.name, num_partitions=kafka.PARTITIONS),
+                group_id=self.group,
+                dependencies=deps,
+                **extra,
+                **settings,
+            )
         from faststream.nats import ConsumerConfig, JStream, PullSub
 
         # Pull, with a durable consumer: what FastStream recommends for JetStream.
@@ -145,6 +168,8 @@ class Harness:
             await self.broker.publish(body, self.name, headers=headers, persist=True)
         elif self.kind == "redis":
             await self.broker.publish(body, stream=self.name, headers=headers)
+        elif self.kind == "kafka":
+            await self.broker.publish(body, self.name, headers=headers, partition=self.partition)
         else:
             await self.broker.publish(body, self.name, headers=headers, stream=self.stream)
 
@@ -165,6 +190,8 @@ class Harness:
 
             entries = await self.broker._connection.xrange(destination)
             return [BinaryMessageFormatV1.parse(data[b"__data__"]) for _, data in entries]
+        if self.kind == "kafka":
+            return [(body, dict(headers)) for body, headers in await kafka.read(destination)]
         from nats.js.errors import NotFoundError
 
         js = self.broker.config.connection_state.stream
@@ -203,6 +230,8 @@ class Harness:
                 await client.aclose()
             group = next(g for g in groups if g["name"] in (b"billing", "billing"))
             return int(group["pending"]) + int(group.get("lag") or 0)
+        if self.kind == "kafka":
+            return await kafka.uncommitted(self.group, self.name)
         import nats
         from nats.js.errors import NotFoundError
 
@@ -234,6 +263,8 @@ class Harness:
                 await client.xgroup_create(self.name, "billing", id="0", mkstream=True)
             finally:
                 await client.aclose()
+        elif self.kind == "kafka":
+            await kafka.create_topic(self.name)
         else:
             import nats
 
@@ -262,6 +293,9 @@ class Harness:
                     await client.delete(key)
             finally:
                 await client.aclose()
+        elif self.kind == "kafka":
+            suffixes = ("", ".quarantine", ".dead-letter")
+            await kafka.delete_topics(f"{self.name}{suffix}" for suffix in suffixes)
         else:
             import nats
             from nats.js.errors import NotFoundError

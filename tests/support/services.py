@@ -16,13 +16,14 @@ POSTGRES = os.environ.get("INBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.
 REDIS = os.environ.get("INBOX_TEST_REDIS", "redis://127.0.0.1:6379/15")
 RABBITMQ = os.environ.get("INBOX_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS = os.environ.get("INBOX_TEST_NATS", "nats://127.0.0.1:4222")
+KAFKA = os.environ.get("INBOX_TEST_KAFKA", "127.0.0.1:9092")  # bootstrap servers
 
-_DEFAULT_PORTS = {"postgresql": 5432, "redis": 6379, "amqp": 5672, "nats": 4222}
+_DEFAULT_PORTS = {"postgresql": 5432, "redis": 6379, "amqp": 5672, "nats": 4222, "kafka": 9092}
 
 
 def require(url: str, name: str) -> None:
     """Fail the test (never skip) when ``url``'s server does not accept connections."""
-    parts = urlsplit(url)
+    parts = urlsplit(url if "://" in url else f"kafka://{url}")
     host = parts.hostname or "127.0.0.1"
     port = parts.port or _DEFAULT_PORTS[parts.scheme]
     try:

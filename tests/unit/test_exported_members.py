@@ -71,7 +71,15 @@ PUBLIC = {
         "PublishedMessage",
         "producer_contract",
     },
-    "inbox_middleware.explain": {"FORMAT", "SCHEMA", "explain"},
+    "inbox_middleware.explain": {"FORMAT", "SCHEMA", "consumer_known", "explain"},
+    "inbox_middleware.cli": {"main", "run"},
+    "inbox_middleware.cli.options": {
+        "connect",
+        "database",
+        "database_options",
+        "naming_from",
+        "naming_options",
+    },
 }
 
 

@@ -14,6 +14,7 @@ frozen `inbox_middleware.canonical_v1`) are still compared under it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -261,7 +262,7 @@ class ActorPayload:
             payload_hash=payload_hash,
             handler_version=handler_version,
             source=message.queue_name,
-            payload=message.encode,  # encoded only if a conflict or a failure keeps it
+            payload=lambda: _kept(message),  # encoded only if a conflict or a failure keeps it
             payload_format="dramatiq",
             headers=_Options(message.options),
             received_at=datetime.now(UTC),
@@ -279,6 +280,16 @@ def _custom_rehash(
     if scheme == f"custom.v2:{canonical.scheme}" and not isinstance(form, bytes):
         return hash_bytes(canonical_json(form), scheme).sha256
     return None
+
+
+def _kept(message: Message[Any] | MessageProxy) -> bytes:
+    """The message as a row keeps it: without the options that describe one delivery
+    (Dramatiq's Retries middleware adds the last failure's whole traceback)."""
+    inner = message._message if isinstance(message, MessageProxy) else message
+    options = {
+        name: value for name, value in inner.options.items() if name not in _VOLATILE_OPTIONS
+    }
+    return dataclasses.replace(inner, options=options).encode()
 
 
 def identity_options(options: Mapping[str, Any]) -> MessageIdentity:

@@ -16,7 +16,9 @@ await broker.publish(order, "orders", persist=True,
 
 from .._optional import require
 
-require("faststream", "faststream")
+require(
+    "faststream", "faststream-rabbit", "faststream-redis", "faststream-nats", "faststream-kafka"
+)
 
 from .consumer import MissingIdentityPolicy  # noqa: E402
 from .context import BatchItem, InboxBatch, InboxSession  # noqa: E402

@@ -304,36 +304,28 @@ class Subscription:
         match settlement:
             case Processed(result=result):
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 if result is _ACKED:
                     raise Skipped(f"acknowledged by the handler of inbox consumer {name!r}")
                 return result
             case Duplicate():
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 raise Skipped(f"duplicate delivery for inbox consumer {name!r}: already processed")
             case Quarantined():
                 self.backoff.forget(key)
-                await message.ack()
+                await self.adapter.ack(message)
                 raise Skipped(f"conflict delivery for inbox consumer {name!r}: quarantined")
             case DeadLettered(error=error) | Poisoned(error=error):
                 self.backoff.forget(key)
                 if self.dead_letter is None:
                     await self.adapter.reject(message)
                 else:
-                    await message.ack()
+                    await self.adapter.ack(message)
                 raise Skipped(f"rejected for inbox consumer {name!r}: {error}")
             case core.HandedBack(error=error, delay=delay):
                 wait = delay if delay is not None else self.backoff.next(key)
                 await self.adapter.retry_later(message, wait)
-                logger.warning(
-                    "inbox consumer %s rolled back (%s: %s); the message is handed back in %.1fs",
-                    name,
-                    type(error).__name__,
-                    error,
-                    wait,
-                    extra={"inbox_consumer": name, "inbox_retry_in": wait},
-                )
                 if isinstance(error, HandBackRequested) and error.cause is not None:
                     raise error.cause  # the handler's NackMessage: the message is nacked
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
@@ -417,7 +409,7 @@ class Subscription:
                 raise HandedBack(f"{type(error).__name__}: {error}") from error
             raise error
         self.backoff.forget(key)
-        await message.ack()
+        await self.adapter.ack(message)
         if ran and result is not _ACKED:
             return result
         raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")

@@ -1,9 +1,10 @@
 """Publishing a kept FastStream message again, for `repair.redrive` and `repair.accept`.
 
 The row keeps the body, the headers (with the content type) and the source: the queue,
-stream or subject. The broker is chosen by the URL: ``amqp://`` publishes a persistent
-message to the RabbitMQ queue, ``redis://`` adds an entry to the stream, ``nats://``
-publishes to the subject through JetStream and waits for its acknowledgement.
+stream, subject or topic. The broker is chosen by the URL: ``amqp://`` publishes a
+persistent message to the RabbitMQ queue, ``redis://`` adds an entry to the stream,
+``nats://`` publishes to the subject through JetStream and waits for its acknowledgement,
+``kafka://host:port[,host:port...]`` produces to the topic and waits for the broker's.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class FastStreamRepublisher:
 
     def __init__(self, url: str) -> None:
         scheme = urlsplit(url).scheme
-        if scheme not in ("amqp", "amqps", "redis", "rediss", "nats", "tls"):
-            raise RepairError(f"no FastStream broker for {url!r}: use amqp://, redis:// or nats://")
+        if scheme not in ("amqp", "amqps", "redis", "rediss", "nats", "tls", "kafka"):
+            raise RepairError(
+                f"no FastStream broker for {url!r}: use amqp://, redis://, nats:// or kafka://"
+            )
         self.url = url
         self.scheme = scheme
 
@@ -59,6 +62,12 @@ class FastStreamRepublisher:
 
             async with RedisBroker(self.url) as broker:
                 await broker.publish(body, stream=message.source, headers=text_headers(headers))
+        elif self.scheme == "kafka":
+            from faststream.kafka import KafkaBroker
+
+            servers = urlsplit(self.url).netloc.split(",")
+            async with KafkaBroker(servers) as broker:
+                await broker.publish(body, message.source, headers=text_headers(headers))
         else:
             import nats
 

@@ -4,7 +4,14 @@ claim protocol inside the caller's transaction."""
 from typing import TYPE_CHECKING, Any
 
 from .executors import Inbox, Outcome, current_delivery
-from .migrate import LATEST_VERSION, check_schema, exclude_inbox_tables, migrate, render_sql
+from .migrate import (
+    LATEST_VERSION,
+    check_schema,
+    drop_inbox,
+    exclude_inbox_tables,
+    migrate,
+    render_sql,
+)
 from .session import InboxSession
 from .tables import InboxSchema
 
@@ -17,6 +24,7 @@ __all__ = [
     "Outcome",
     "check_schema",
     "current_delivery",
+    "drop_inbox",
     "exclude_inbox_tables",
     "migrate",
     "render_sql",

@@ -6,6 +6,7 @@ synchronous-only installation does not have. See `executors` for the protocol's 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
@@ -163,14 +164,19 @@ class AsyncInbox(_Base):
         if isinstance(op, CountHandBack) and op.unreachable:
             return self._unrecorded_hand_back(op)
         try:
-            async with self.engine.begin() as conn:
-                return await conn.run_sync(self._bookkeep, op)
+            # Shielded: a cancellation (the broker's connection lost, the worker stopping)
+            # must not leave this short transaction's connection half returned.
+            return await asyncio.shield(self._bookkeep_now(op))
         except Exception as exc:
             self._unrecorded_hand_back(op)
             delivery = getattr(op, "delivery", None)
             if delivery is None:
                 raise
             raise as_transient(exc, delivery) from exc
+
+    async def _bookkeep_now(self, op: Op) -> Any:
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(self._bookkeep, op)
 
     async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
         """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""

@@ -7,7 +7,11 @@ recorded in ``inbox_schema_version``; on PostgreSQL a transaction-scoped advisor
 makes two ``migrate`` runs at once safe (the second waits, then finds nothing to do).
 
 From Alembic, call `migrate` with ``op.get_bind()`` inside a revision's ``upgrade()``: it
-joins Alembic's transaction and records its own versions.
+joins Alembic's transaction and records its own versions. In Alembic's offline mode
+(``alembic upgrade --sql``) the bind only prints what it is given: `migrate` hands it
+every statement of `render_sql`, which is safe to run on a database that has some or all
+of them already. `drop_inbox` is the downgrade, refused unless asked for explicitly; and
+`exclude_inbox_tables` keeps autogenerate from proposing to drop the inbox tables.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from string import Template
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, inspect, select, text
+from sqlalchemy.engine.mock import MockConnection
 from sqlalchemy.schema import CreateTable
 
 from ..exceptions import ConfigurationError, SchemaError
@@ -29,6 +34,7 @@ __all__ = [
     "LATEST_VERSION",
     "Migration",
     "check_schema",
+    "drop_inbox",
     "exclude_inbox_tables",
     "migrate",
     "migrations",
@@ -92,23 +98,33 @@ def migrations(dialect: str) -> list[Migration]:
 LATEST_VERSION = len(migrations("postgresql"))
 
 
-def migrate(bind: Engine | Connection, naming: InboxSchema | None = None) -> list[Migration]:
+def migrate(
+    bind: Engine | Connection | MockConnection, naming: InboxSchema | None = None
+) -> list[Migration]:
     """Apply the migrations not yet applied; return them. Safe to run again, or at once."""
     naming = naming or InboxSchema()
     if isinstance(bind, Engine):
         with bind.begin() as conn:
             return _migrate(conn, naming)
+    if isinstance(bind, MockConnection):  # Alembic's offline mode: print, run nothing
+        for statement in render_sql(bind.dialect.name, naming):
+            bind.execute(text(statement))
+        return migrations(bind.dialect.name)
     if bind.in_transaction():
         return _migrate(bind, naming)
     with bind.begin():
         return _migrate(bind, naming)
 
 
+def _lock_name(naming: InboxSchema) -> str:
+    return f"inbox-middleware:{naming.schema or ''}:{naming.prefix}"
+
+
 def _migrate(conn: Connection, naming: InboxSchema) -> list[Migration]:
     dialect = conn.dialect.name
     pending = migrations(dialect)
     if dialect == "postgresql":
-        lock = f"inbox-middleware:{naming.schema or ''}:{naming.prefix}"
+        lock = _lock_name(naming)
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"), {"lock": lock})
         if naming.schema:
             conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{naming.schema}"')
@@ -157,36 +173,93 @@ def check_schema(conn: Connection, naming: InboxSchema | None = None) -> None:
         )
 
 
+def drop_inbox(
+    bind: Engine | Connection | MockConnection,
+    naming: InboxSchema | None = None,
+    *,
+    confirm: bool = False,
+) -> None:
+    """Drop every inbox table, for an Alembic ``downgrade()`` or a test's teardown.
+
+    Refused unless ``confirm``: the claims go with the tables, so every message delivered
+    again afterwards is processed again. From Alembic, pass the flag through ``-x``
+    (``alembic -x drop_inbox=yes downgrade base``; see the migrations guide).
+    """
+    naming = naming or InboxSchema()
+    if not confirm:
+        raise SchemaError(
+            "dropping the inbox tables forgets every claim, so every redelivered message "
+            "would be processed again; ask for it explicitly (drop_inbox(..., confirm=True), or "
+            "`alembic -x drop_inbox=yes downgrade ...` with the documented revision)"
+        )
+    dialect = bind.dialect.name
+    cascade = " CASCADE" if dialect == "postgresql" else ""
+    statements = [f"DROP TABLE IF EXISTS {_qualified(naming, t)}{cascade}" for t in TABLES]
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            for statement in statements:
+                conn.exec_driver_sql(statement)
+        return
+    for statement in statements:
+        bind.execute(text(statement))
+
+
 def exclude_inbox_tables(
     naming: InboxSchema | None = None,
 ) -> Callable[[Any, str | None, str, bool, Any], bool]:
-    """An Alembic ``include_object`` hook that keeps autogenerate away from our tables."""
+    """An Alembic ``include_object`` hook that keeps autogenerate away from our tables
+    (and their columns, indexes and constraints), so it never proposes to drop or alter
+    them: the library's migrations own them."""
     naming = naming or InboxSchema()
     ours = {naming.name(table) for table in TABLES}
 
+    def owned(obj: Any, name: str | None, type_: str) -> bool:
+        if type_ == "table":
+            schema = getattr(obj, "schema", None)
+            return name in ours and schema in (naming.schema, None)
+        table = getattr(obj, "table", None)
+        return table is not None and table.name in ours
+
     def include_object(obj: Any, name: str | None, type_: str, reflected: bool, _: Any) -> bool:
-        return not (type_ == "table" and name in ours)
+        return not owned(obj, name, type_)
 
     return include_object
 
 
 def render_sql(dialect: str, naming: InboxSchema | None = None) -> list[str]:
-    """Every statement `migrate` would run on an empty database, for review or to apply by
-    hand: the version table, each migration, and the rows that record them (so workers
-    find the schema version they check at start-up)."""
+    """Every statement `migrate` would run, for review, to apply by hand, or for Alembic's
+    offline mode: the lock, the schema, the version table, each migration, and the rows
+    that record them (so workers find the schema version they check at start-up). Each
+    statement is safe to run again, so the whole is safe on a database that has some of
+    the migrations already."""
     naming = naming or InboxSchema()
     _placeholders(naming, dialect)
     engine_dialect = _dialect(dialect)
     version = naming.tables.version
-    statements = [str(CreateTable(version, if_not_exists=True).compile(dialect=engine_dialect))]
+    statements = []
+    if dialect == "postgresql":
+        lock = _lock_name(naming).replace("'", "''")
+        statements.append(f"SELECT pg_advisory_xact_lock(hashtext('{lock}'))")
+        if naming.schema:
+            statements.append(f'CREATE SCHEMA IF NOT EXISTS "{naming.schema}"')
+    statements.append(str(CreateTable(version, if_not_exists=True).compile(dialect=engine_dialect)))
+    insert = _insert(dialect)
     for migration in migrations(dialect):
         statements += migration.statements(naming, dialect)
-        record = version.insert().values(
-            version=migration.version, name=migration.name, applied_at=func.now()
+        record = (
+            insert(version)
+            .values(version=migration.version, name=migration.name, applied_at=func.now())
+            .on_conflict_do_nothing()
         )
         compiled = record.compile(dialect=engine_dialect, compile_kwargs={"literal_binds": True})
         statements.append(str(compiled))
     return statements
+
+
+def _insert(dialect: str) -> Any:
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 
 def _dialect(name: str) -> Any:

@@ -25,7 +25,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from ..exceptions import ConfigurationError
 
-__all__ = ["TABLES", "InboxSchema", "InboxTables"]
+__all__ = ["ALL_CONSUMERS", "TABLES", "InboxSchema", "InboxTables"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently
@@ -40,6 +40,10 @@ TABLES = (
     "inbox_retention",
 )
 """Every table the library owns, without prefix."""
+
+ALL_CONSUMERS = "*"
+"""The consumer name of an ``inbox_retention`` row that applies to every consumer without
+a row of its own."""
 
 _JSON = JSON().with_variant(JSONB(), "postgresql")
 _TIMESTAMP = DateTime(timezone=True)

@@ -103,6 +103,13 @@ class BrokerAdapter:
         outcome (its consumer died or lost the connection). False when it cannot tell."""
         return False
 
+    async def ack(self, message: Any) -> None:
+        """Acknowledge ``message`` once the inbox has settled it (committed, skipped,
+        quarantined or dead-lettered): the message's own ack. An adapter may absorb, and
+        log, a failure that cannot lose the message (Kafka: an offset commit refused
+        after a rebalance, which only makes the next owner see a duplicate)."""
+        await message.ack()
+
     async def retry_later(self, message: Any, delay: float) -> None:
         """Hand ``message`` back for redelivery no sooner than about ``delay`` seconds.
 

@@ -11,21 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from faststream.nats.subscriber.usecases.core_subscriber import CoreSubscriber
-from faststream.nats.subscriber.usecases.key_value_subscriber import KeyValueWatchSubscriber
-from faststream.nats.subscriber.usecases.object_storage_subscriber import (
-    ObjStoreWatchSubscriber,
-)
-from faststream.nats.subscriber.usecases.stream_basic import StreamSubscriber
-from faststream.nats.subscriber.usecases.stream_pull_subscriber import (
-    BatchPullStreamSubscriber,
-)
-from nats.js.api import StorageType, StreamConfig
-from nats.js.errors import NotFoundError
-
 from .base import BrokerAdapter, Item, Peer, text_headers
 
 __all__ = ["NatsAdapter", "subject_matches"]
+
+# FastStream's NATS classes are imported where they are used: the inbox imports this
+# module for every app, and an app on another broker has no NATS client installed
+# (inbox-middleware[faststream-rabbit]). An adapter only exists for a NATS subscriber.
 
 
 class NatsAdapter(BrokerAdapter):
@@ -42,9 +34,25 @@ class NatsAdapter(BrokerAdapter):
 
     @property
     def batch(self) -> bool:
+        from faststream.nats.subscriber.usecases.stream_pull_subscriber import (
+            BatchPullStreamSubscriber,
+        )
+
         return isinstance(self.subscriber, BatchPullStreamSubscriber)
 
     def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
+        from faststream.nats.subscriber.usecases.core_subscriber import CoreSubscriber
+        from faststream.nats.subscriber.usecases.key_value_subscriber import (
+            KeyValueWatchSubscriber,
+        )
+        from faststream.nats.subscriber.usecases.object_storage_subscriber import (
+            ObjStoreWatchSubscriber,
+        )
+        from faststream.nats.subscriber.usecases.stream_basic import StreamSubscriber
+        from faststream.nats.subscriber.usecases.stream_pull_subscriber import (
+            BatchPullStreamSubscriber,
+        )
+
         subscriber = self.subscriber
         if isinstance(subscriber, KeyValueWatchSubscriber | ObjStoreWatchSubscriber):
             return "a key-value or object-store watch has no acknowledgement to control"
@@ -70,6 +78,9 @@ class NatsAdapter(BrokerAdapter):
         return subject_matches(self.source, destination)
 
     async def prepare(self, destinations: Iterable[str]) -> None:
+        from nats.js.api import StorageType, StreamConfig
+        from nats.js.errors import NotFoundError
+
         js = self.subscriber.jetstream
         missing = []
         for subject in destinations:

@@ -10,7 +10,9 @@ from typing import Any
 
 from ..._optional import require
 
-require("faststream", "faststream")
+require(
+    "faststream", "faststream-rabbit", "faststream-redis", "faststream-nats", "faststream-kafka"
+)
 
 from ...headers import MESSAGE_ID, PRODUCER, TENANT  # noqa: E402
 from ...identity import MessageIdentity  # noqa: E402

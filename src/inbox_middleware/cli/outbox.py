@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import click
-from sqlalchemy import Engine
+from sqlalchemy import Connection
 
-from ..cli import connect, database_options
 from ..exceptions import ConfigurationError
+from ..outbox.destination import Destination
+from ..outbox.dispatcher import Backoff, Dispatcher, require_postgresql
+from ..outbox.errors import EffectNotFound
+from ..outbox.statements import STATUSES, OutboxStatements, statements_for
 from ..storage.migrate import check_schema
-from ..storage.tables import InboxSchema
-from .destination import Destination
-from .dispatcher import Backoff, Dispatcher, require_postgresql
-from .errors import EffectNotFound
-from .statements import STATUSES, OutboxStatements, statements_for
+from .options import connect, database, database_options, naming_from
+from .output import echo_json, table, when
 
 __all__ = ["outbox"]
 
@@ -34,6 +34,7 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     "--destinations",
     "target",
     envvar="INBOX_OUTBOX_DESTINATIONS",
+    show_envvar=True,
     required=True,
     help="MODULE:ATTRIBUTE of a mapping of destination names to destinations "
     "(outbox.Destinations), or of a function returning one.",
@@ -87,10 +88,15 @@ def run_command(
     The first signal lets in-flight deliveries finish (for the shutdown grace), then
     releases what is left; a second one releases at once.
     """
-    naming = _naming(schema, prefix)
+    naming = naming_from(schema, prefix)
     engine = connect(database_url)
     try:
         require_postgresql(engine)
+        if engine.dialect.is_async:
+            raise ConfigurationError(
+                "the outbox dispatcher delivers from threads and needs a synchronous "
+                "PostgreSQL driver; run `pip install 'psycopg[binary]'`"
+            )
         with engine.connect() as conn:
             check_schema(conn, naming)
         destinations = load_destinations(target, path)
@@ -155,6 +161,7 @@ def load_destinations(target: str, path: str = ".") -> Mapping[str, Destination]
 @click.option("--status", type=click.Choice(STATUSES), default=None)
 @click.option("--destination", default=None)
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per effect.")
 def list_command(
     database_url: str,
     schema: str | None,
@@ -162,18 +169,37 @@ def list_command(
     status: str | None,
     destination: str | None,
     limit: int,
+    as_json: bool,
 ) -> None:
     """Effects, newest first, after a count per status."""
     with _database(database_url, schema, prefix) as (conn, statements):
-        counts = dict(conn.execute(statements.counts).all())
-        click.echo(", ".join(f"{name} {counts.get(name, 0)}" for name in STATUSES))
-        for row in conn.execute(statements.listing(status, destination, limit)).mappings():
-            error = (row["last_error"] or "").splitlines()[0][:60] if row["last_error"] else ""
-            click.echo(
-                f"{row['effect_id']}  {row['destination']}  {row['status']}  "
-                f"attempts={row['attempts']}  next={row['next_attempt_at']:%Y-%m-%d %H:%M:%S}"
-                + (f"  {error}" if error else "")
-            )
+        counts = {row[0]: row[1] for row in conn.execute(statements.counts)}
+        rows = [
+            dict(row)
+            for row in conn.execute(statements.listing(status, destination, limit)).mappings()
+        ]
+    if as_json:
+        for row in rows:
+            echo_json(row, indent=None)
+        return
+    click.echo(", ".join(f"{name} {counts.get(name, 0)}" for name in STATUSES))
+    if not rows:
+        return
+    table(
+        None,
+        ["effect id", "destination", "status", "attempts", "next attempt", "last error"],
+        [
+            [
+                row["effect_id"],
+                row["destination"],
+                row["status"],
+                row["attempts"],
+                when(row["next_attempt_at"]),
+                (row["last_error"] or "").splitlines()[0][:80] if row["last_error"] else "",
+            ]
+            for row in rows
+        ],
+    )
 
 
 @outbox.command("show")
@@ -185,7 +211,7 @@ def show_command(database_url: str, schema: str | None, prefix: str, effect_id: 
         row = conn.execute(statements.show, {"effect_id": effect_id}).mappings().first()
     if row is None:
         raise EffectNotFound(f"no effect {effect_id!r}")
-    click.echo(json.dumps(dict(row), indent=2, default=str, ensure_ascii=False))
+    echo_json(dict(row))
 
 
 @outbox.command("retry")
@@ -225,27 +251,10 @@ def retry_command(
         click.echo(f"{len(retried)} failed effects are pending again")
 
 
-class _database:
-    """A connection (in a transaction when writing) and the outbox's statements."""
-
-    def __init__(self, url: str, schema: str | None, prefix: str, *, write: bool = False) -> None:
-        self.engine: Engine = connect(url)
-        self.naming = _naming(schema, prefix)
-        self.write = write
-
-    def __enter__(self) -> tuple[Any, OutboxStatements]:
-        self._conn = self.engine.connect()
-        check_schema(self._conn, self.naming)
-        return self._conn, statements_for(self.naming, self.engine.dialect.name)
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        try:
-            if self.write and exc_type is None:
-                self._conn.commit()
-            self._conn.close()
-        finally:
-            self.engine.dispose()
-
-
-def _naming(schema: str | None, prefix: str) -> InboxSchema:
-    return InboxSchema(schema=schema or None, prefix=prefix)
+@contextmanager
+def _database(
+    url: str, schema: str | None, prefix: str, *, write: bool = False
+) -> Iterator[tuple[Connection, OutboxStatements]]:
+    """A connection (committed at the end when writing) and the outbox's statements."""
+    with database(url, schema, prefix, write=write) as (conn, naming):
+        yield conn, statements_for(naming, conn.dialect.name)

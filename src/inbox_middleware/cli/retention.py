@@ -1,0 +1,189 @@
+"""``inbox-middleware retention ...`` and ``inbox-middleware purge``."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .. import retention
+from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration, parse_duration
+from .options import connect, database, database_options
+from .output import progress, table
+
+__all__ = ["purge_command", "retention_group"]
+
+_SCENARIOS = {
+    "broker_retention": "how long the broker keeps, and may redeliver, a message",
+    "offset_rewind": "how far back consumers may be rewound",
+    "retry_horizon": "how long the framework retries before dead-lettering",
+    "dead_letter_retention": "how long a dead letter is kept before a redrive",
+    "producer_retry": "how long a producer may send an intent again",
+    "outage_allowance": "the longest consumer outage to survive",
+    "backup_restore_age": "age of the oldest backup a broker or producer may be restored from",
+    "replay_horizon": "how far back planned replays reach",
+}
+
+
+def _scenario_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for name, text in reversed(_SCENARIOS.items()):
+        command = click.option(
+            f"--{name.replace('_', '-')}",
+            name,
+            default="0",
+            show_default=True,
+            help=f"{text.capitalize()} (like 7d, 36h).",
+        )(command)
+    return click.option(
+        "--margin", default=0.25, show_default=True, help="Safety margin over the dominant one."
+    )(command)
+
+
+def _policy(values: dict[str, Any]) -> RetentionPolicy:
+    return RetentionPolicy(
+        **{name: parse_duration(values[name]) for name in _SCENARIOS}, margin=values["margin"]
+    )
+
+
+def _describe(policy: RetentionPolicy) -> None:
+    window, dominant = retention.minimum_window(policy)
+    table(
+        "failure scenarios",
+        ["scenario", "a copy can arrive up to", ""],
+        [
+            [
+                scenario.name,
+                format_duration(scenario.window) or "0s",
+                "<- dominant" if scenario is dominant or scenario == dominant else "",
+            ]
+            for scenario in policy.scenarios()
+        ],
+    )
+    click.echo(
+        f"minimum retention window: {format_duration(window)} "
+        f"({dominant.name} plus a {policy.margin:.0%} margin)"
+    )
+
+
+@click.group("retention")
+def retention_group() -> None:
+    """How long the inbox must remember a message, derived from its failure scenarios."""
+
+
+@retention_group.command("calculate")
+@_scenario_options
+def calculate_command(**values: Any) -> None:
+    """Print the minimum safe window and the scenario that dominates it."""
+    _describe(_policy(values))
+
+
+def _who(by: str | None) -> str:
+    return by or f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@retention_group.command("set")
+@database_options
+@click.option(
+    "--consumer",
+    default=ALL_CONSUMERS,
+    show_default=True,
+    help="The consumer it applies to; * for every consumer without its own.",
+)
+@click.option("--by", default=None, help="Who records it (default: user@host).")
+@_scenario_options
+def set_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    consumer: str,
+    by: str | None,
+    **values: Any,
+) -> None:
+    """Record the failure scenarios; every purge is checked against their minimum."""
+    policy = _policy(values)
+    with database(database_url, schema, prefix, write=True) as (conn, naming):
+        retention.record_policy(conn, naming, policy, consumer=consumer, by=_who(by))
+    _describe(policy)
+    click.echo(f"recorded for consumer {consumer}")
+
+
+@retention_group.command("show")
+@database_options
+@click.option("--consumer", default=None, help="The policy that applies to this consumer.")
+def show_command(database_url: str, schema: str | None, prefix: str, consumer: str | None) -> None:
+    """Print the recorded policy that applies (the consumer's own, else the default)."""
+    with database(database_url, schema, prefix) as (conn, naming):
+        recorded = retention.recorded_policy(conn, naming, consumer)
+    if recorded is None:
+        raise click.ClickException(
+            "no retention policy is recorded; record one with `inbox-middleware retention set`"
+        )
+    click.echo(f"policy recorded for consumer {recorded.consumer}:")
+    _describe(recorded.policy)
+
+
+@click.command("purge")
+@database_options
+@click.option("--older-than", required=True, help="Delete claims processed before this (30d).")
+@click.option("--consumer", default=None, help="Only this consumer's claims.")
+@click.option("--batch-size", type=click.IntRange(1), default=5000, show_default=True)
+@click.option("--pause", default=0.0, show_default=True, help="Seconds between batches.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Purge even without a recorded policy, or below its minimum window.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+def purge_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    older_than: str,
+    consumer: str | None,
+    batch_size: int,
+    pause: float,
+    force: bool,
+    dry_run: bool,
+) -> None:
+    """Delete processed claims older than the window, in small batches that never block
+    live claims. Refused below the recorded retention policy's minimum."""
+    window = parse_duration(older_than)
+    age = format_duration(window)
+    with database(database_url, schema, prefix) as (conn, naming):
+        recorded = retention.check_window(conn, naming, window, consumer=consumer, force=force)
+        doomed = retention.purgeable(conn, naming, window, consumer=consumer)
+        conn.commit()
+    if force and recorded is None:
+        click.echo("warning: no retention policy is recorded; purging anyway (--force)", err=True)
+    elif force and recorded is not None and window < recorded.minimum:
+        click.echo(
+            f"warning: purging below the recorded retention policy's minimum of "
+            f"{format_duration(recorded.minimum)} (--force)",
+            err=True,
+        )
+    if dry_run:
+        click.echo(f"would delete {doomed} claims processed more than {age} ago (--dry-run)")
+        return
+    engine = connect(database_url)
+    try:
+        started = time.monotonic()
+        with progress("purging claims", total=doomed) as advance:
+            deleted = retention.purge(
+                engine,
+                naming,
+                window,
+                consumer=consumer,
+                batch_size=batch_size,
+                pause=pause,
+                on_batch=advance,
+            )
+    finally:
+        engine.dispose()
+    click.echo(
+        f"deleted {deleted} claims processed more than {age} ago "
+        f"in {time.monotonic() - started:.1f}s"
+    )

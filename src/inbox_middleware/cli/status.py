@@ -1,0 +1,351 @@
+"""``inbox-middleware status``, ``explain`` and ``metrics serve``."""
+
+from __future__ import annotations
+
+import difflib
+import signal
+import threading
+from typing import Any
+
+import click
+
+from .. import explain as explaining
+from .. import status as reading
+from ..exceptions import ConfigurationError
+from ..retention import format_duration, parse_duration
+from .options import database, database_options, naming_from, naming_options
+from .output import console, echo_json, when
+
+__all__ = ["explain_command", "metrics_group", "status_command"]
+
+
+@click.command("status")
+@database_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the schema).")
+@click.option(
+    "--window", default="1h", show_default=True, help="Recent window for counts and rates."
+)
+@click.option("--exact", is_flag=True, help="Count every claim exactly (scans a big inbox: slow).")
+@click.option("--consumer", default=None, help="Only this consumer.")
+@click.option(
+    "--metrics-url",
+    envvar="INBOX_METRICS_URL",
+    show_envvar=True,
+    default=None,
+    help="A metrics endpoint to read duplicates and shadow-mode counts from "
+    "(they are never written to the database).",
+)
+def status_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    as_json: bool,
+    window: str,
+    exact: bool,
+    consumer: str | None,
+    metrics_url: str | None,
+) -> None:
+    """Per consumer and producer: claims, rates, duplicates, conflicts, what waits.
+
+    Cheap on a big inbox: recent counts through the processed_at BRIN index, totals
+    from the catalog's statistics (marked ~, estimates), pending rows through
+    partial indexes.
+    """
+    counters, error = None, None
+    if metrics_url:
+        try:
+            counters = reading.read_metrics(metrics_url)
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    with database(database_url, schema, prefix) as (conn, naming):
+        data = reading.snapshot(
+            conn,
+            naming,
+            window=parse_duration(window),
+            exact=exact,
+            consumer=consumer,
+            counters=counters,
+            metrics_source=metrics_url,
+            metrics_error=error,
+        )
+    if as_json:
+        echo_json(data)
+    else:
+        _print_status(data)
+
+
+@click.command("explain")
+@database_options
+@click.argument("consumer")
+@click.argument("producer")
+@click.argument("message_id")
+@click.option("--tenant", default="", help="The identity's tenant, if any.")
+@click.option(
+    "--payload-sha256", default=None, help="Judge a delivery whose payload has this hash."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see the schema).")
+def explain_command(
+    database_url: str,
+    schema: str | None,
+    prefix: str,
+    consumer: str,
+    producer: str,
+    message_id: str,
+    tenant: str,
+    payload_sha256: str | None,
+    as_json: bool,
+) -> None:
+    """Why a message was or would be skipped: its claim, when, payload hash, handler
+    version, and its quarantine, poison and failure history."""
+    with database(database_url, schema, prefix) as (conn, naming):
+        data = explaining.explain(
+            conn,
+            naming,
+            consumer,
+            producer,
+            message_id,
+            tenant=tenant,
+            payload_sha256=payload_sha256,
+        )
+        if data["claim"] is None and not explaining.consumer_known(conn, naming, consumer):
+            raise ConfigurationError(_unknown_consumer(conn, naming, consumer))
+    if as_json:
+        echo_json(data)
+    else:
+        _print_explanation(data)
+
+
+def _unknown_consumer(conn: Any, naming: Any, consumer: str) -> str:
+    known = sorted({name for name, _ in reading.consumer_pairs(conn, naming)})
+    close = difflib.get_close_matches(consumer, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    listing = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "") or "none yet"
+    return (
+        f"no consumer {consumer!r} has any row in the inbox tables; {hint}"
+        f"known consumers: {listing} (check --schema and --prefix too)"
+    )
+
+
+@click.group("metrics")
+def metrics_group() -> None:
+    """Serve the inbox metrics of every worker process, with the table gauges."""
+
+
+@metrics_group.command("serve")
+@click.option(
+    "--database-url",
+    envvar="INBOX_DATABASE_URL",
+    show_envvar=True,
+    default=None,
+    help="Where to read the table gauges from; without it, none are served.",
+)
+@naming_options
+@click.option("--port", default=9300, show_default=True, help="TCP port.")
+@click.option("--addr", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--cache-seconds",
+    default=30.0,
+    show_default=True,
+    help="How long table gauges are reused between scrapes.",
+)
+@click.option(
+    "--multiprocess-dir",
+    envvar="PROMETHEUS_MULTIPROC_DIR",
+    show_envvar=True,
+    default=None,
+    help="The workers' PROMETHEUS_MULTIPROC_DIR.",
+)
+def serve_command(
+    database_url: str | None,
+    schema: str | None,
+    prefix: str,
+    port: int,
+    addr: str,
+    cache_seconds: float,
+    multiprocess_dir: str | None,
+) -> None:
+    """Serve /metrics until interrupted (SIGINT or SIGTERM)."""
+    from ..metrics import serve
+
+    if not multiprocess_dir:
+        raise click.UsageError(
+            "set PROMETHEUS_MULTIPROC_DIR (or --multiprocess-dir) to the folder the "
+            "workers write to: this process has no inbox metrics of its own"
+        )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    server = serve(
+        port,
+        addr=addr,
+        engine=database_url,
+        naming=naming_from(schema, prefix),
+        cache_seconds=cache_seconds,
+        multiprocess_dir=multiprocess_dir,
+    )
+    click.echo(f"serving inbox metrics on {server.url}", err=True)
+    try:
+        stop.wait()
+    finally:
+        server.close()
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def _n(value: int | None, estimated: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"~{value:,}" if estimated else f"{value:,}"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    from datetime import timedelta
+
+    return format_duration(timedelta(seconds=round(seconds))) or "0s"
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    out = console()
+    window = _age(data["window_seconds"])
+    inbox = data["inbox"]
+    out.print(
+        f"[bold]inbox[/bold]: {_n(inbox['rows'], inbox['rows_estimated'])} claims; oldest "
+        f"{when(inbox['oldest_claim_at'])} ({_age(inbox['oldest_claim_age_seconds'])} ago"
+        f"{', estimate' if inbox['oldest_claim_estimated'] else ''})"
+    )
+    table = Table(title=f"claims by consumer and producer (last {window})", title_justify="left")
+    for column in ("consumer", "producer", "claims", f"last {window}", "per s", "last claim"):
+        table.add_column(column, justify="right" if column[0] in "cpl" else "left")
+    for column in ("duplicates", "conflicts", "shadow"):
+        table.add_column(column, justify="right")
+    for consumer in data["consumers"]:
+        table.add_row(
+            f"[bold]{consumer['consumer']}[/bold]",
+            "(all)",
+            _n(consumer["claims"], consumer["claims_estimated"]),
+            _n(consumer["recent_claims"]),
+            f"{consumer['claims_per_second']:.2f}",
+            when(consumer["last_processed_at"]),
+            _n(consumer["duplicates"]),
+            _n(consumer["conflicts"]),
+            "",
+        )
+        for producer in consumer["producers"]:
+            table.add_row(
+                "",
+                producer["producer"],
+                _n(producer["claims"], producer["claims_estimated"]),
+                _n(producer["recent_claims"]),
+                f"{producer['claims_per_second']:.2f}",
+                when(producer["last_processed_at"]),
+                _n(producer["duplicates"]),
+                _n(producer["conflicts"]),
+                _n(producer["shadow_processed"]),
+            )
+    out.print(table)
+
+    waiting = Table(title="waiting and retention", title_justify="left")
+    for column in (
+        "consumer",
+        "quarantine",
+        "poison",
+        "in repair",
+        "oldest unprocessed",
+        "no identity",
+        "retention (min)",
+    ):
+        waiting.add_column(column)
+    for consumer in data["consumers"]:
+        retention = consumer["retention"]
+        waiting.add_row(
+            consumer["consumer"],
+            _n(consumer["quarantine_pending"]),
+            _n(consumer["poison_pending"]),
+            _n(consumer["awaiting_recovery"]),
+            when(consumer["oldest_unprocessed_at"]),
+            _n(consumer["missing_identity"]),
+            "-"
+            if retention is None
+            else f"{_age(retention['minimum_seconds'])} ({retention['recorded_for']})",
+        )
+    out.print(waiting)
+
+    outbox = data["outbox"]
+    out.print(
+        f"[bold]outbox[/bold]: {outbox['pending']:,} pending (oldest "
+        f"{_age(outbox['oldest_pending_age_seconds'])}), {outbox['failed']:,} failed"
+    )
+    for destination in outbox["destinations"]:
+        out.print(
+            f"  {destination['destination']}: {destination['pending']:,} pending, "
+            f"{destination['failed']:,} failed"
+        )
+    oldest = data["oldest_unprocessed"]
+    if oldest is not None:
+        who = f" ({oldest['consumer']})" if oldest["consumer"] else ""
+        out.print(
+            f"[bold]oldest unprocessed[/bold]: {oldest['kind']}{who}, waiting "
+            f"{_age(oldest['age_seconds'])}"
+        )
+    notes = []
+    if not data["exact"]:
+        notes.append("~ marks estimates from the catalog's statistics (use --exact to count)")
+    metrics = data["metrics"]
+    if metrics["source"] is None:
+        notes.append(
+            "duplicates are never written to the database: pass --metrics-url to show them"
+        )
+    elif metrics["error"]:
+        notes.append(f"the metrics endpoint could not be read: {metrics['error']}")
+    for note in notes:
+        out.print(f"[dim]{note}[/dim]")
+
+
+def _print_explanation(data: dict[str, Any]) -> None:
+    out = console()
+    identity = f"{data['producer']}/{data['message_id']}"
+    if data["tenant"]:
+        identity += f" (tenant {data['tenant']})"
+    out.print(f"[bold]{data['consumer']}[/bold] <- {identity}: [bold]{data['verdict']}[/bold]")
+    out.print(data["summary"], markup=False)
+    claim = data["claim"]
+    if claim is not None:
+        out.print(
+            f"claim: processed {when(claim['processed_at'])}, received "
+            f"{when(claim['received_at'])}, payload {claim['payload_sha256']} "
+            f"({claim['hash_scheme']}), handler version {claim['handler_version'] or '-'}",
+            markup=False,
+        )
+    for row in data["quarantine"]:
+        out.print(
+            f"quarantine #{row['id']}: {row['reason_code']}, payload {row['conflicting_sha256']}, "
+            f"{row['attempts']} deliveries {when(row['first_seen_at'])} .. "
+            f"{when(row['last_seen_at'])}, {row['decision']}"
+            + (f" by {row['decided_by']}" if row.get("decided_by") else ""),
+            markup=False,
+        )
+    for row in data["poison"]:
+        out.print(
+            f"poison #{row['id']}: {row['reason_code']} after {row['attempts']} attempts "
+            f"({row['error']}), {when(row['first_failure_at'])} .. "
+            f"{when(row['last_failure_at'])}, {row['decision']}",
+            markup=False,
+        )
+    failures = data["failures"]
+    if failures is not None:
+        out.print(
+            f"failed attempts: {failures['attempts']}, redeliveries {failures['redeliveries']}, "
+            f"last error: {failures['last_error']}",
+            markup=False,
+        )
+    for effect in data["effects"]:
+        out.print(
+            f"effect {effect['index']} -> {effect['destination']}: {effect['status']} "
+            f"after {effect['attempts']} attempts",
+            markup=False,
+        )
