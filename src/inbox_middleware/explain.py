@@ -172,6 +172,7 @@ def _claim(row: dict[str, Any]) -> dict[str, Any]:
             "produced_at",
             "received_at",
             "processed_at",
+            "trace_id",
         )
     }
 
@@ -266,6 +267,14 @@ SCHEMA: dict[str, Any] = {
                         "produced_at": _TIME,
                         "received_at": {"type": "string", "format": "date-time"},
                         "processed_at": {"type": "string", "format": "date-time"},
+                        "trace_id": {
+                            "description": "the OpenTelemetry trace of the first delivery, "
+                            "when it was traced and sampled",
+                            "oneOf": [
+                                {"type": "null"},
+                                {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+                            ],
+                        },
                     },
                 },
             ]

@@ -9,8 +9,10 @@ duplicates and conflicts it did not skip.
 Both exporters are optional (extras ``metrics`` and ``otel``); without them every call
 is a no-op. ``INBOX_PROMETHEUS_METRICS=0`` turns the Prometheus side off where it is
 installed; ``INBOX_OTEL_METRICS=1`` turns the OpenTelemetry mirror on (through the global
-meter provider). Labels are bounded: consumer names come from declarations, producers
-and reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES`
+meter provider). A sample recorded during a traced delivery (`inbox_middleware.tracing`)
+carries its trace and span id as a Prometheus exemplar (OpenMetrics exposition only, and
+not in multiprocess mode, where prometheus-client keeps none). Labels are bounded:
+consumer names come from declarations, producers and reason codes from messages, so each consumer keeps at most `MAX_LABEL_VALUES`
 distinct values per label and folds the rest into ``"other"``. Message ids are never
 labels.
 
@@ -33,6 +35,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from .tracing import exemplar
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -172,10 +176,11 @@ class _Series:
     are the Prometheus child's own, so recording costs no extra call.
     """
 
-    __slots__ = ("add", "last", "observe", "set")
+    __slots__ = ("_otel", "_prom", "add", "attributes", "last", "observe", "set")
 
     def __init__(self, prom: Any, otel: Any, attributes: dict[str, str]) -> None:
         self.last = 0.0  # when a gauge was last set (see `Metrics.decision`)
+        self._prom, self._otel, self.attributes = prom, otel, attributes
         # A counter child has inc, a histogram's observe, a gauge's set: the others stay
         # no-ops, never called for that kind.
         self.add: Callable[[], None] = _fan_out(
@@ -188,6 +193,21 @@ class _Series:
         self.set: Callable[[float], None] = _fan_out(
             getattr(prom, "set", None), otel and (lambda value: otel.set(value, attributes))
         )
+
+    def add_traced(self, exemplar: dict[str, str]) -> None:
+        """`add`, with the trace of the delivery as the Prometheus sample's exemplar (the
+        OpenTelemetry SDK takes its exemplars from the current span itself)."""
+        if self._prom is not None:
+            self._prom.inc(1, exemplar)
+        if self._otel:
+            self._otel.add(1, self.attributes)
+
+    def observe_traced(self, value: float, exemplar: dict[str, str]) -> None:
+        """`observe`, with an exemplar (see `add_traced`)."""
+        if self._prom is not None:
+            self._prom.observe(value, exemplar)
+        if self._otel:
+            self._otel.record(value, self.attributes)
 
 
 def _fan_out(*calls: Any) -> Any:
@@ -237,7 +257,7 @@ class Metrics:
         if not self.enabled:
             return
         producer = self._producers(consumer, producer)
-        self._get("messages", consumer, producer, decision).add()
+        _count(self._get("messages", consumer, producer, decision))
         identified = self._get("identified", consumer, producer)
         now = time.time()
         if now - identified.last >= 1.0:  # a time for alerts over minutes: once a second
@@ -264,21 +284,21 @@ class Metrics:
     def claim_seconds(self, consumer: str, seconds: float) -> None:
         """The claim's duration: long ones waited on a concurrent claim."""
         if self.enabled:
-            self._get("claim_seconds", consumer).observe(seconds)
+            _observe(self._get("claim_seconds", consumer), seconds)
 
     def commit_seconds(self, consumer: str, seconds: float) -> None:
         if self.enabled:
-            self._get("commit_seconds", consumer).observe(seconds)
+            _observe(self._get("commit_seconds", consumer), seconds)
 
     def handler_failure(self, consumer: str, reason_code: str) -> None:
         if self.enabled:
             reason_code = self._reasons(consumer, reason_code)
-            self._get("handler_failures", consumer, reason_code).add()
+            _count(self._get("handler_failures", consumer, reason_code))
 
     def moved(self, consumer: str, destination: str) -> None:
         """A message handed to ``quarantine``, ``poison`` or ``repair``: not a success."""
         if self.enabled:
-            self._get("moved", consumer, destination).add()
+            _count(self._get("moved", consumer, destination))
 
     def recovered(self, consumer: str, source: str) -> None:
         """A redriven or accepted message later processed successfully."""
@@ -321,6 +341,22 @@ class Metrics:
             )
             self._series[(name, values)] = series
             return series
+
+
+def _count(series: _Series) -> None:
+    traced = exemplar()  # a context-variable read; None unless a delivery is traced
+    if traced is None:
+        series.add()
+    else:
+        series.add_traced(traced)
+
+
+def _observe(series: _Series, value: float) -> None:
+    traced = exemplar()
+    if traced is None:
+        series.observe(value)
+    else:
+        series.observe_traced(value, traced)
 
 
 def _prometheus_wanted() -> bool:

@@ -15,6 +15,7 @@ PUBLIC = {
         "MissingIdentityPolicy",
         "QuarantinePublisher",
         "StampIdentity",
+        "StampTraceContext",
         "current_async_session",
         "current_session",
         "identity",

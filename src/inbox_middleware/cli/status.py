@@ -321,6 +321,8 @@ def _print_explanation(data: dict[str, Any]) -> None:
             f"({claim['hash_scheme']}), handler version {claim['handler_version'] or '-'}",
             markup=False,
         )
+        if claim.get("trace_id"):
+            out.print(f"trace of the first delivery: {claim['trace_id']}", markup=False)
     for row in data["quarantine"]:
         out.print(
             f"quarantine #{row['id']}: {row['reason_code']}, payload {row['conflicting_sha256']}, "

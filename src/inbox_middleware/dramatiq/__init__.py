@@ -1,5 +1,6 @@
 """Dramatiq integration: `InboxMiddleware`, `current_session`, `identity`, and for
-producers `StampIdentity`.
+producers `StampIdentity` and
+`StampTraceContext`.
 
 ```python
 broker.add_middleware(InboxMiddleware(engine))
@@ -26,6 +27,7 @@ from .middleware import (  # noqa: E402
 from .payload import CanonicalForm  # noqa: E402
 from .producer import IdentityRefused, StampIdentity  # noqa: E402
 from .routing import QuarantinePublisher  # noqa: E402
+from .trace_context import StampTraceContext  # noqa: E402
 
 __all__ = [
     "CanonicalForm",
@@ -34,6 +36,7 @@ __all__ = [
     "MissingIdentityPolicy",
     "QuarantinePublisher",
     "StampIdentity",
+    "StampTraceContext",
     "current_async_session",
     "current_session",
     "identity",

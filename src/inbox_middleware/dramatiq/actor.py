@@ -8,10 +8,11 @@ the settlement to the middleware, which tells Dramatiq.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +43,7 @@ from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, Pay
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..protocol import Delivery
+from ..tracing import TRACE_OPTION
 from .context import session_var
 from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
@@ -165,13 +167,16 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        try:
-            steps = settle_steps(pending.arrival, self.policy)
-            settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
-        except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
-            logger.exception("inbox consumer %s failed to settle a message", self.consumer)
-            settlement = HandedBack(exc, counted=True)
-        return self.middleware.settle(self, pending, settlement)
+        carrier = pending.message.options.get(TRACE_OPTION)
+        with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
+            try:
+                steps = trace.steps(settle_steps(pending.arrival, self.policy))
+                settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+            except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
+                logger.exception("inbox consumer %s failed to settle a message", self.consumer)
+                settlement = HandedBack(exc, counted=True)
+            trace.settled(settlement)
+            return self.middleware.settle(self, pending, settlement)
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
@@ -223,17 +228,9 @@ class InboxActor:
         self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Callable[[Session], Any]:
         def body(session: Session) -> Any:
-            token = session_var.set(session)
-            try:
-                result = self.target(*args, **kwargs)
-            except SkipMessage:
-                return SKIPPED
-            except dramatiq.Retry as exc:
-                raise _hand_back(exc) from exc
-            finally:
-                session_var.reset(token)
-            _check_failed(pending)
-            return result
+            with _instructions(session, pending) as outcome:
+                outcome.result = self.target(*args, **kwargs)
+            return outcome.result
 
         return body
 
@@ -241,17 +238,9 @@ class InboxActor:
         self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            token = session_var.set(session)
-            try:
-                result = await self.target(*args, **kwargs)
-            except SkipMessage:
-                return SKIPPED
-            except dramatiq.Retry as exc:
-                raise _hand_back(exc) from exc
-            finally:
-                session_var.reset(token)
-            _check_failed(pending)
-            return result
+            with _instructions(session, pending) as outcome:
+                outcome.result = await self.target(*args, **kwargs)
+            return outcome.result
 
         return body
 
@@ -275,6 +264,29 @@ class InboxActor:
                 f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
             )
         return loop_thread.run_coroutine(work)
+
+
+class _Outcome:
+    result: Any = None
+
+
+@contextlib.contextmanager
+def _instructions(session: Session | AsyncSession, pending: Pending | None) -> Iterator[_Outcome]:
+    """Run the actor's body with its session, and turn Dramatiq's own instructions into
+    the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
+    ``message.fail()`` a rejection."""
+    outcome = _Outcome()
+    token = session_var.set(session)
+    try:
+        yield outcome
+    except SkipMessage:
+        outcome.result = SKIPPED
+        return
+    except dramatiq.Retry as exc:
+        raise _hand_back(exc) from exc
+    finally:
+        session_var.reset(token)
+    _check_failed(pending)
 
 
 def _hand_back(exc: dramatiq.Retry) -> HandBackRequested:

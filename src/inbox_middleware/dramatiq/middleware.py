@@ -57,6 +57,7 @@ from ..outcomes import report
 from ..policy import ConsumerPolicy, ExpiredPolicy, MissingIdentityPolicy
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
 from .context import current_async_session, current_session, identity
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
@@ -132,6 +133,9 @@ class InboxMiddleware(dramatiq.Middleware):
         (``inbox_shadow_would_skip_total``) and logged, a conflict writes no quarantine
         row, and a message without a usable identity runs unprotected instead of being
         dead-lettered. Switching it off needs no migration: the claims mean the same.
+      tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
+        global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
+        The producer's trace joins through `StampTraceContext`.
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
     ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form``,
@@ -165,6 +169,7 @@ class InboxMiddleware(dramatiq.Middleware):
         expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
         shadow: bool = False,
+        tracing: Any = False,
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
             if async_engine is not None:
@@ -203,6 +208,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
         self._quiet = _QuietSkips()
+        self.tracing = tracing_for(tracing)
 
     # The consumer settings, read from the policy (set them when creating the middleware).
     missing_identity = property(lambda self: self.policy.missing_identity)

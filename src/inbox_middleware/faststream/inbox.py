@@ -29,6 +29,7 @@ from ..identity import MAX_NAME_LENGTH, validate_name
 from ..policy import ConsumerPolicy, ExpiredPolicy
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..tracing import tracing_for
 from .brokers import adapter_for
 from .brokers.nats import NatsAdapter
 from .consumer import UNSET, InboxConsumer, MissingIdentityPolicy, _Unset, check_policy
@@ -86,6 +87,10 @@ class FastStreamInbox:
         row, and a message without a usable identity runs unprotected instead of being
         dead-lettered (a batch subscriber still rejects those). Switching it off needs no
         migration: the claims mean the same.
+      tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
+        global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
+        It nests under the span of FastStream's `TelemetryMiddleware` when that middleware
+        comes before ``inbox.middleware``, else under the producer's context in the headers.
 
     The consumer name and handler version come from ``inbox.consumer(...)``; the other
     settings can be overridden there per subscriber.
@@ -110,6 +115,7 @@ class FastStreamInbox:
         expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
         shadow: bool = False,
+        tracing: Any = False,
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
@@ -134,6 +140,7 @@ class FastStreamInbox:
         self.canonical_form = canonical_form
         self.backoff = Backoff(*retry_backoff)
         self.check_database = check_database
+        self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
         self._subscriptions: dict[int, Subscription | None] = {}
@@ -266,6 +273,7 @@ class FastStreamInbox:
             quarantine=self.quarantine,
             dead_letter=self.dead_letter,
             backoff=self.backoff,
+            tracing=self.tracing,
         )
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None:

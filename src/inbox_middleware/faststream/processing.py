@@ -78,6 +78,7 @@ from ..metrics import metrics
 from ..outcomes import report
 from ..policy import ConsumerPolicy
 from ..protocol import Decision, Delivery, Verdict
+from ..tracing import OFF, NoTracing, Tracing
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, _Unset
 from .context import Attempt, BatchItem, reset_attempt, set_attempt
@@ -154,7 +155,9 @@ class Subscription:
         quarantine: str,
         dead_letter: str | None,
         backoff: Backoff,
+        tracing: Tracing | NoTracing = OFF,
     ) -> None:
+        self.tracing = tracing
         self.storage = storage
         self.consumer = consumer
         self.adapter = adapter
@@ -192,14 +195,17 @@ class Subscription:
             return await self._consume_batch(call_next, message)
         (item,) = self.adapter.items(message)
         arrival = Arrival(None)
-        try:
-            arrival = self.arrival(message, item)
-            steps = settle_steps(arrival, self.policy)
-            settlement = await drive_async(steps, partial(self._perform, call_next, message, item))
-        except Exception as exc:  # the inbox's own bug: the message stays with the broker
-            logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
-            settlement = core.HandedBack(exc, counted=False)
-        return await self._tell(message, item, arrival, settlement)
+        with self.tracing.delivery(self.consumer.name, item.headers) as trace:
+            try:
+                arrival = self.arrival(message, item)
+                steps = trace.steps(settle_steps(arrival, self.policy))
+                perform = partial(self._perform, call_next, message, item)
+                settlement = await drive_async(steps, perform)
+            except Exception as exc:  # the inbox's own bug: the message stays with the broker
+                logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
+                settlement = core.HandedBack(exc, counted=False)
+            trace.settled(settlement)
+            return await self._tell(message, item, arrival, settlement)
 
     def arrival(self, message: Any, item: Item) -> Arrival:
         marker = item.headers.get(REPAIR_HEADER)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from .. import faults
+from .. import faults, tracing
 from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
 from ..protocol import Delivery, Verdict
@@ -95,7 +95,8 @@ class AsyncInbox(_Base):
             if not verdict.runs_handler:
                 return None
             faults.at("handler", delivery.identity.message_id)
-            result = await handler(session)
+            with tracing.phase("inbox.handler"):
+                result = await handler(session)
             if repair_marker is not None:
                 await session.run_sync(
                     lambda sync: mark_recovered(sync.connection(), self.naming, repair_marker)
@@ -138,7 +139,8 @@ class AsyncInbox(_Base):
                 result = await body(session, verdict)
                 attempts.in_handler = False
                 attempts.clock = perf_counter()
-                await session.run_sync(self._commit_and_close, attempts.delivery)
+                with tracing.phase("inbox.commit"):
+                    await session.run_sync(self._commit_and_close, attempts.delivery)
                 closed = True
                 attempts.committed(verdict)
                 faults.at("after_commit", attempts.delivery.identity.message_id)

@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Dialect, Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import faults
+from .. import faults, tracing
 from ..consumption import (
     CountFailure,
     CountHandBack,
@@ -224,7 +224,8 @@ class _Base:
             self._learn_isolation(conn.dialect, conn.engine.get_execution_options())
         conn.info.pop(_ABORTED, None)
         attempts.clock = perf_counter()
-        verdict = _drive(attempts.steps(), conn, self.statements)
+        with tracing.claim(attempts.number) as traced:
+            verdict = _drive(traced.steps(attempts.steps()), conn, self.statements)
         attempts.claim_took()
         attempts.bind(session, verdict)
         faults.at("claim", attempts.delivery.identity.message_id)
@@ -409,7 +410,8 @@ class Inbox(_Base):
             if not verdict.runs_handler:
                 return None
             faults.at("handler", delivery.identity.message_id)
-            result = handler(session)
+            with tracing.phase("inbox.handler"):
+                result = handler(session)
             if repair_marker is not None:
                 mark_recovered(session.connection(), self.naming, repair_marker)
             return result
@@ -446,7 +448,8 @@ class Inbox(_Base):
                 attempts.in_handler = False
                 self._before_commit(session, attempts.delivery)
                 attempts.clock = perf_counter()
-                Session.commit(session)
+                with tracing.phase("inbox.commit"):
+                    Session.commit(session)
                 attempts.committed(verdict)
                 faults.at("after_commit", attempts.delivery.identity.message_id)
                 return verdict, result, attempts.number

@@ -113,6 +113,7 @@ class InboxTables:
             Column("produced_at", _TIMESTAMP),
             Column("received_at", _TIMESTAMP, nullable=False),
             Column("processed_at", _TIMESTAMP, nullable=False),
+            Column("trace_id", Text),
         )
         self.quarantine = Table(
             name("inbox_quarantine"),

@@ -1,0 +1,210 @@
+"""Traces of FastStream deliveries on the real RabbitMQ: the span tree of each settlement,
+and the producer's trace joined, from the headers or under FastStream's own middleware."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from opentelemetry import propagate
+from opentelemetry.trace import StatusCode
+from prometheus_client import REGISTRY
+from prometheus_client.openmetrics.exposition import generate_latest
+
+from inbox_middleware import explain as explaining
+from inbox_middleware.exceptions import PermanentError
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.metrics import metrics
+
+from ..apps.domain import apply_credit_async
+from ..support.faststream_brokers import Harness, eventually
+from ..support.traces import DOCS, Spans, snippet
+from .test_faststream import ORDER, applied, claims, ident
+from .test_status import cli
+
+FIRST = """\
+inbox billing  settlement=processed decision=first attempt=1
+├── inbox.claim  decision=first attempt=1
+├── inbox.handler
+└── inbox.commit"""
+
+DUPLICATE = """\
+inbox billing  settlement=duplicate decision=duplicate attempt=1
+├── inbox.claim  decision=duplicate attempt=1
+└── inbox.commit"""
+
+CONFLICT = """\
+inbox billing  settlement=quarantined decision=conflict attempt=1  ERROR: identity conflict: \
+quarantined
+├── inbox.claim  decision=conflict attempt=1
+├── inbox.commit
+└── inbox.publish quarantine  reason=identity_conflict"""
+
+HAND_BACK = """\
+inbox billing  settlement=handed_back  ERROR: handed back: ValueError: the ledger is locked
+├── inbox.claim  decision=first attempt=1
+├── inbox.handler  ERROR: ValueError: the ledger is locked
+└── inbox.record failure"""
+
+POISON = """\
+inbox billing  settlement=poisoned reason=account_closed  ERROR: poisoned (account_closed): \
+PermanentError: account 7 is closed
+├── inbox.claim  decision=first attempt=1
+├── inbox.handler  ERROR: PermanentError: account 7 is closed
+├── inbox.record failure
+├── inbox.record poison
+└── inbox.publish dead_letter  reason=Poisoned"""
+
+
+@pytest.fixture
+def spans() -> Spans:
+    return Spans()
+
+
+@pytest.fixture
+def inbox(pg_async_engine: Any, spans: Spans) -> FastStreamInbox:
+    return FastStreamInbox(
+        pg_async_engine, lock_timeout=10, retry_backoff=(0.05, 0.5), tracing=spans.provider
+    )
+
+
+@pytest.fixture
+async def h(inbox: FastStreamInbox) -> Any:
+    harness = Harness("rabbit", [inbox.middleware])
+    yield harness
+    await harness.cleanup()
+
+
+def credit(h: Harness, inbox: FastStreamInbox) -> None:
+    @h.subscribe(inbox.consumer("billing", handler_version="3"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+
+async def delivered(spans: Spans, count: int) -> list[Any]:
+    await eventually(lambda: len(spans.deliveries()) >= count, what=f"{count} delivery spans")
+    return spans.deliveries()
+
+
+async def test_tracing_faststream__first_duplicate_and_conflict(h, inbox, spans, pg_engine):
+    credit(h, inbox)
+    async with h.broker:
+        await h.broker.start()
+        await h.publish(ORDER, ident())
+        (first,) = await delivered(spans, 1)
+        await h.publish(ORDER, ident())
+        await delivered(spans, 2)
+        await h.publish({"account": 7, "delta": 99}, ident())
+        first, duplicate, conflict = await delivered(spans, 3)
+
+    assert spans.tree(first) == FIRST
+    assert spans.tree(duplicate) == DUPLICATE
+    assert spans.tree(conflict) == CONFLICT
+    # A duplicate is not an error; the delivery names its identity and hash scheme
+    assert duplicate.status.status_code is StatusCode.UNSET
+    assert conflict.status.status_code is StatusCode.ERROR
+    attributes = dict(first.attributes or {})
+    assert {k: attributes[k] for k in ("inbox.consumer", "inbox.producer", "inbox.tenant")} == {
+        "inbox.consumer": "billing",
+        "inbox.producer": "orders",
+        "inbox.tenant": "",
+    }
+    assert (attributes["inbox.message_id"], attributes["inbox.hash_scheme"]) == (
+        "ord-1",
+        "faststream-json.v2",
+    )
+    (claim,) = (s for s in spans.children(first) if s.name == "inbox.claim")
+    assert 0 < (claim.attributes or {})["inbox.claim.wait_seconds"] < 5
+    # The claim keeps the trace of the first delivery, and the metrics point to it
+    trace_id = format(first.context.trace_id, "032x")
+    assert [row["trace_id"] for row in claims(pg_engine)] == [trace_id]
+    assert metrics.enabled
+    exposed = generate_latest(REGISTRY).decode()
+    assert f'trace_id="{trace_id}"' in exposed  # OpenMetrics exemplars
+
+
+async def test_tracing_faststream__hand_back_then_processed(h, inbox, spans, pg_engine):
+    attempts: list[int] = []
+
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ValueError("the ledger is locked")
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    async with h.broker:
+        await h.broker.start()
+        await h.publish(ORDER, ident())
+        handed_back, processed = await delivered(spans, 2)
+    assert spans.tree(handed_back) == HAND_BACK
+    assert (processed.attributes or {})["inbox.settlement"] == "processed"
+    assert handed_back.context.trace_id != processed.context.trace_id  # no producer trace
+    assert applied(pg_engine) == 1
+
+
+async def test_tracing_faststream__poison(h, inbox, spans):
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> None:
+        raise PermanentError("account_closed", f"account {body['account']} is closed")
+
+    async with h.broker:
+        await h.broker.start()
+        await h.publish(ORDER, ident())
+        (poisoned,) = await delivered(spans, 1)
+    assert spans.tree(poisoned) == POISON
+
+
+async def test_tracing_faststream__joins_the_producers_trace_from_the_headers(
+    h, inbox, spans, pg_engine, pg_url
+):
+    credit(h, inbox)
+    async with h.broker:
+        await h.broker.start()
+        # Given a producer that propagates its trace in the headers (W3C traceparent)
+        with spans.producer() as producer:
+            headers = ident()
+            propagate.inject(headers)
+            await h.publish(ORDER, headers)
+        (delivery,) = await delivered(spans, 1)
+    # Then the delivery's span is the producer span's child, in its trace
+    assert delivery.parent is not None
+    assert delivery.parent.span_id == producer.get_span_context().span_id
+    assert delivery.context.trace_id == producer.get_span_context().trace_id
+    trace_id = format(delivery.context.trace_id, "032x")
+    assert claims(pg_engine)[0]["trace_id"] == trace_id
+    # And explain names the trace of the first delivery, in text and in JSON
+    text = cli(pg_url, "explain", "billing", "orders", "ord-1")
+    assert f"trace of the first delivery: {trace_id}" in text
+    data = json.loads(cli(pg_url, "explain", "billing", "orders", "ord-1", "--json"))
+    jsonschema.Draft202012Validator(explaining.SCHEMA).validate(data)
+    assert data["claim"]["trace_id"] == trace_id
+
+
+async def test_tracing_faststream__nests_under_the_telemetry_middleware(inbox, spans, pg_engine):
+    # Given FastStream's telemetry before the inbox (the monitoring page's snippet)
+    h = Harness("rabbit", snippet().traced_middlewares(inbox, spans.provider))
+    try:
+        credit(h, inbox)
+        async with h.broker:
+            await h.broker.start()
+            with spans.producer() as producer:
+                await h.publish(ORDER, ident())  # FastStream's publish injects the context
+            (delivery,) = await delivered(spans, 1)
+    finally:
+        await h.cleanup()
+    # Then the inbox's span is a child of FastStream's process span, in the producer's trace
+    by_id = {span.context.span_id: span for span in spans.finished}
+    assert delivery.parent is not None
+    parent = by_id[delivery.parent.span_id]
+    assert parent.name.endswith("process"), parent.name
+    assert delivery.context.trace_id == producer.get_span_context().trace_id
+    assert spans.tree(delivery) == FIRST
+
+
+def test_tracing__the_monitoring_page_shows_the_trees_these_tests_produce():
+    page = (DOCS / "how-to" / "monitoring.md").read_text()
+    for tree in (FIRST, DUPLICATE, CONFLICT, HAND_BACK, POISON):
+        assert f"\n{tree}\n" in page, tree
