@@ -9,6 +9,7 @@ CHAOS_QUEUE          the actor's queue
 CHAOS_STATS          folder for the statistics files (see `chaos_domain.Stats`)
 CHAOS_WORKER         this worker's name (its database connections carry it too)
 CHAOS_POOL_SIZE      connections in the pool (default 8)
+CHAOS_HEARTBEAT_MS   Redis: how old a dead worker's heartbeat is when its messages come back
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _broker() -> dramatiq.Broker:
     return RedisBroker(
         url=url,
         namespace=ENV["CHAOS_NAMESPACE"],
-        heartbeat_timeout=5000,
+        heartbeat_timeout=int(ENV.get("CHAOS_HEARTBEAT_MS", "5000")),
         maintenance_chance=1_000_000,
     )
 

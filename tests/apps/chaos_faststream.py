@@ -9,6 +9,9 @@ CHAOS_QUEUE          the queue, stream, subject or topic (NATS: stream = its upp
 CHAOS_STATS          folder for the statistics files (see `chaos_domain.Stats`)
 CHAOS_WORKER         this worker's name (its Redis consumer and database sessions too)
 CHAOS_CONCURRENCY    messages a worker handles at once (default 16)
+CHAOS_GUARD          "0": start the broker without ``inbox.guard`` (default: with it)
+CHAOS_RECLAIM_MS     Redis: idle milliseconds before a pending message is reclaimed
+CHAOS_ACK_WAIT       NATS: seconds before JetStream redelivers an unacknowledged message
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ ENV = os.environ
 SOURCE = ENV["CHAOS_QUEUE"]
 WORKER = ENV.get("CHAOS_WORKER", "w0")
 CONCURRENCY = int(ENV.get("CHAOS_CONCURRENCY", "16"))
-RECLAIM_MS = 3000  # Redis: a message pending this long (its worker died) is taken over
-NATS_ACK_WAIT = 5.0  # NATS: seconds before JetStream redelivers an unacknowledged message
+# Redis: a message pending this long (its worker died) is taken over
+RECLAIM_MS = int(ENV.get("CHAOS_RECLAIM_MS", "3000"))
+# NATS: seconds before JetStream redelivers an unacknowledged message
+NATS_ACK_WAIT = float(ENV.get("CHAOS_ACK_WAIT", "5"))
 KAFKA_CONSUMERS = 4  # Kafka: group members per worker (the topic has 8 partitions)
 stats = chaos_domain.Stats(ENV["CHAOS_STATS"], WORKER)
 
@@ -84,7 +89,7 @@ engine = create_async_engine(
 stats.engines.append(engine.sync_engine)
 inbox = FastStreamInbox(engine, lock_timeout=10, retry_backoff=(0.1, 2.0))
 broker = _broker([Outcomes, inbox.middleware])
-app = FastStream(inbox.guard(broker))
+app = FastStream(broker if ENV.get("CHAOS_GUARD") == "0" else inbox.guard(broker))
 app.after_shutdown(engine.dispose)
 
 

@@ -34,8 +34,8 @@ BROKERS = {
 PRODUCER = "orders"
 SEND_PATIENCE = 180.0  # seconds a producer keeps retrying one message through an outage
 
-Found = list[tuple[str, dict[str, Any]]]
-"""Messages found at a destination: (message id, payload) each."""
+Found = list[tuple[str | None, dict[str, Any]]]
+"""Messages found at a destination: (message id, payload) each; None: it had no identity."""
 
 
 class Worker(Protocol):
@@ -197,7 +197,9 @@ def _dramatiq_found(bodies: list[bytes]) -> Found:
     for body in bodies:
         message = Message.decode(body)
         account, delta = message.args
-        found.append((message.options["inbox_message_id"], {"account": account, "delta": delta}))
+        found.append(
+            (message.options.get("inbox_message_id"), {"account": account, "delta": delta})
+        )
     return found
 
 
@@ -345,7 +347,10 @@ class FastStreamTarget(Target):
 
 
 def _faststream_found(messages: list[tuple[bytes, dict[str, Any]]]) -> Found:
-    return [(str(headers[MESSAGE_ID]), _json(body)) for body, headers in messages]
+    return [
+        (None if headers.get(MESSAGE_ID) is None else str(headers[MESSAGE_ID]), _json(body))
+        for body, headers in messages
+    ]
 
 
 class FastStreamProducer:
@@ -546,7 +551,8 @@ class FastStreamNats(OwnedServer, FastStreamTarget):
                     found.append([])
                     continue
                 info = await js.stream_info(stream)
-                for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                # an empty stream reports sequence 0 first, which get_msg refuses
+                for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
                     try:
                         message = await js.get_msg(stream, seq)
                     except NotFoundError:

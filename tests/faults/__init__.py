@@ -1,0 +1,9 @@
+"""The fault-injection suite at the adapter boundary: for each broker set-up, a fault at
+each named point of a delivery (`inbox_middleware.faults`), in real worker processes on
+the real servers. Run it alone, under the lock that guards server restarts::
+
+    flock /tmp/inbox-faults.lock .venv/bin/python -m pytest -m faults
+
+The matrix (set-up x point x fault) is printed at the end of the run and written to
+``faults-matrix.txt`` in pytest's base temporary directory.
+"""
