@@ -36,6 +36,7 @@ from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
 from .processing import Subscription
+from .test_brokers import guarded, test_broker_hook
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
@@ -211,6 +212,7 @@ class FastStreamInbox:
 
         guarded_start.__inbox_guarded__ = self  # type: ignore[attr-defined]
         broker.start = guarded_start  # type: ignore[attr-defined]
+        test_broker_hook(self, broker)
         return broker
 
     async def check(self, broker: Any) -> None:
@@ -278,7 +280,9 @@ class FastStreamInbox:
         if key in self._subscriptions:
             return self._subscriptions[key]
         if key not in self._refused:
-            logger.warning(
+            # A guarded broker under a test broker: its fakes come after the check.
+            log = logger.debug if guarded(self, broker) else logger.warning
+            log(
                 "the inbox start-up check did not run before this broker started; running it "
                 "now. Wrap the broker with inbox.guard(broker) so that a subscriber the inbox "
                 "cannot protect is refused before it consumes anything"
