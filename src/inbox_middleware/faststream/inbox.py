@@ -36,7 +36,7 @@ from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
 from .processing import Subscription
-from .test_brokers import guarded, test_broker_hook
+from .testbroker import guarded, guard_test_broker
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
@@ -212,7 +212,7 @@ class FastStreamInbox:
 
         guarded_start.__inbox_guarded__ = self  # type: ignore[attr-defined]
         broker.start = guarded_start  # type: ignore[attr-defined]
-        test_broker_hook(self, broker)
+        guard_test_broker(self, broker)
         return broker
 
     async def check(self, broker: Any) -> None:

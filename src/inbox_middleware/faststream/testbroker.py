@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .inbox import FastStreamInbox
 
-__all__ = ["guarded", "test_broker_hook"]
+__all__ = ["guarded", "guard_test_broker"]
 
 _MARK = "__inbox_guarded__"
 
 
-def test_broker_hook(inbox: FastStreamInbox, broker: Any) -> None:
+def guard_test_broker(inbox: FastStreamInbox, broker: Any) -> None:
     """Wrap ``broker.connect`` so that a test broker's start runs the check (see module)."""
     connect = broker.connect
     if getattr(connect, _MARK, None) is inbox:
