@@ -36,7 +36,7 @@ from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
 from .processing import Subscription
-from .testbroker import guarded, guard_test_broker
+from .testbroker import guard_test_broker, guarded
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox

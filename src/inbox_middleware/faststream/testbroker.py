@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .inbox import FastStreamInbox
 
-__all__ = ["guarded", "guard_test_broker"]
+__all__ = ["guard_test_broker", "guarded"]
 
 _MARK = "__inbox_guarded__"
 
