@@ -376,7 +376,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--inbox-database-url",
         default=None,
         help="PostgreSQL server for the inbox_database fixture's throwaway databases "
-        "(a role that may create databases); else $INBOX_TEST_DATABASE_URL, the "
+        "(a role that may create databases); else $INBOX_PYTEST_DATABASE_URL, the "
         "inbox_database_url ini option, or postgresql://postgres@127.0.0.1:5432/postgres",
     )
     parser.addini(

@@ -26,7 +26,7 @@ from .storage.migrate import migrate
 
 __all__ = ["DEFAULT_SERVER", "SERVER_VARIABLE", "Setup", "Template", "ThrowawayDatabase"]
 
-SERVER_VARIABLE = "INBOX_TEST_DATABASE_URL"
+SERVER_VARIABLE = "INBOX_PYTEST_DATABASE_URL"
 """The environment variable naming the PostgreSQL server for throwaway databases."""
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 

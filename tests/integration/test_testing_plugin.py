@@ -259,7 +259,7 @@ def test_inbox_database__an_unreachable_server_is_one_line_naming_the_setting(
     result.stdout.fnmatch_lines(
         [
             "cannot create or drop a throwaway database on postgresql://postgres@127.0.0.1:1/x:"
-            " connection failed: * (set INBOX_TEST_DATABASE_URL or the inbox_database_url ini"
+            " connection failed: * (set INBOX_PYTEST_DATABASE_URL or the inbox_database_url ini"
             " option to a server whose role may create databases)",
         ]
     )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import faults
+from .. import faults, logs
 from ..consumption import Backoff
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
@@ -223,6 +223,7 @@ class FastStreamInbox:
             await self._check(broker)
 
     async def _check(self, broker: Any) -> None:
+        logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)
         subscriptions: dict[int, Subscription] = {}
