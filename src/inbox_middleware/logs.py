@@ -8,7 +8,8 @@ to those handlers, once. Under ``faststream run``, FastStream configures only it
 Python's last-resort handler (WARNING and above, no timestamp, no level). At a worker's
 start-up `follow` then gives the library's logger a fallback that hands each record to
 the framework's handler (FastStream's format and stream), at the framework's level; it
-stands aside, record by record, as soon as the root logger gets a handler, so
+stands aside, record by record, as soon as the root logger or the library's gets a
+handler, so
 configuring logging later never doubles a line. The library's own command
 (``inbox-middleware outbox run``) configures logging as ``dramatiq`` does (`configure`).
 """
@@ -35,7 +36,7 @@ class _Fallback(logging.Handler):
         self.stderr.setFormatter(logging.Formatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:  # configured since: the record propagates there
+        if _configured(logging.getLogger(LIBRARY)):  # since: the record goes there
             return
         targets = logging.getLogger(self.framework).handlers if self.framework else []
         for handler in targets or [self.stderr]:

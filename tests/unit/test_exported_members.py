@@ -59,6 +59,8 @@ PUBLIC = {
     "inbox_middleware.dramatiq.testing": {"DramatiqCheck"},
     "inbox_middleware.faststream.testing": {"FastStreamCheck", "FastStreamMessage"},
     "inbox_middleware.faststream.testbroker": {"guarded", "guard_test_broker"},
+    "inbox_middleware.logs": {"FORMAT", "configure", "follow"},
+    "inbox_middleware.dramatiq.boot": {"EXIT_STATUS", "refuse_boot"},
     "inbox_middleware.throwaway": {
         "DEFAULT_SERVER",
         "SERVER_VARIABLE",
