@@ -68,3 +68,18 @@ async def test_test_broker__guarded_app_checks_at_start_and_quarantines_without_
     with pg_engine.connect() as conn:
         assert effects(conn, 7) == 1
         assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+
+
+async def test_test_broker__the_documented_conflict_test_passes(pg_async_engine, pg_engine, queue):
+    from .test_testing_plugin import snippet
+
+    inbox = FastStreamInbox(pg_async_engine)
+    broker, (subscriber, _, _) = app("rabbit", inbox, queue)
+
+    @subscriber
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    await snippet().conflict_on_the_test_broker(broker, queue)
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1

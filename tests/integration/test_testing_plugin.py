@@ -8,7 +8,9 @@ the concurrent scenario on SQLite.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -22,6 +24,16 @@ from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
+
+SNIPPET = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "testing_plugin.py"
+
+
+def snippet() -> Any:
+    spec = importlib.util.spec_from_file_location("docs_snippet_testing_plugin", SNIPPET)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def counter(engine: Any):
@@ -198,6 +210,10 @@ def test_plugin__actor_parameters_named_like_the_identity_need_message_with(
     assert (order.args, order.kwargs) == ((7, 10), {"producer": "the-shop", "tenant": "eu"})
     assert order.options["inbox_producer"] == "p"
     check.redelivered(order).assert_one_effect()
+    # And the documented form builds the same kind of message
+    documented = snippet().order_for_an_actor_with_a_producer_parameter(check)
+    assert (documented.args, documented.kwargs) == ((7, 10), {"producer": "the-shop"})
+    assert documented.options["inbox_message_id"] == "o-1"
 
 
 def test_inbox_database__a_migrated_database_of_the_tests_own_dropped_after(
@@ -269,3 +285,34 @@ def pg_admin() -> Any:
     import psycopg
 
     return psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True)
+
+
+def test_inbox_database__the_documented_setup_adds_the_users_tables(pytester: pytest.Pytester):
+    # Given the documented conftest override and fixture use
+    pytester.makeini(
+        "[pytest]\nfilterwarnings = error\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makeconftest(
+        f"import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('snippet', {str(SNIPPET)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "inbox_database_setup = module.inbox_database_setup\n"
+        "engines = module.engines\n"
+    )
+    pytester.makepyfile(
+        """
+        from sqlalchemy import text
+        from conftest import engines
+
+        def test_it(inbox_database):
+            engine, async_engine = engines(inbox_database)
+            assert async_engine.url.drivername == "postgresql+asyncpg"
+            with engine.connect() as conn:
+                assert conn.scalar(text("SELECT count(*) FROM credits")) == 0
+                assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 0
+            engine.dispose()
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
