@@ -20,6 +20,8 @@ from inbox_middleware.storage import migrate
 from .apps import domain
 from .support import database, services
 
+pytest_plugins = ["pytester"]  # the plugin's own tests run users' suites
+
 
 @pytest.fixture(scope="session")
 def database_name() -> Iterator[str]:

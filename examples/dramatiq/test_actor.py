@@ -10,30 +10,22 @@ runs through the real inbox and a real PostgreSQL database, on Dramatiq's stub b
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from sqlalchemy import text
 
 HERE = Path(__file__).resolve().parent
-SERVER = os.environ.get("TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
 
 
 @pytest.fixture
-def database_url() -> Iterator[str]:
-    """A throwaway database for this test."""
-    name = f"inbox_example_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(f"{SERVER}/postgres", autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{SERVER.replace('postgresql://', 'postgresql+psycopg://')}/{name}"
-    with psycopg.connect(f"{SERVER}/postgres", autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+def database_url(inbox_database: Any) -> str:
+    """A throwaway database for this test, with the inbox tables (the plugin's
+    ``inbox_database`` fixture: created from a template, dropped after the test)."""
+    return str(inbox_database.url)
 
 
 @pytest.fixture

@@ -48,11 +48,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
+import importlib
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +61,11 @@ from sqlalchemy import Engine, event, func, select
 from .exceptions import ConfigurationError
 from .identity import MessageIdentity
 from .storage import InboxSchema
+from .throwaway import Setup, Template, ThrowawayDatabase, migrate_inbox, server_from
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from .dramatiq.testing import DramatiqCheck
+    from .faststream.testing import FastStreamCheck, FastStreamMessage
 
 __all__ = [
     "DramatiqCheck",
@@ -72,8 +73,27 @@ __all__ = [
     "FastStreamMessage",
     "InboxCheck",
     "ScenarioResult",
+    "ThrowawayDatabase",
     "inbox_check",
+    "inbox_database",
+    "inbox_database_setup",
 ]
+
+_FRAMEWORK_NAMES = {
+    "DramatiqCheck": "dramatiq",
+    "FastStreamCheck": "faststream",
+    "FastStreamMessage": "faststream",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Each framework's half is imported when asked for: the plugin loads in every test
+    # session of a project with the library installed, which may have only one of them.
+    if name in _FRAMEWORK_NAMES:
+        module = importlib.import_module(f".{_FRAMEWORK_NAMES[name]}.testing", __package__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Effect = Callable[[], Any]
 """Returns a number that grows by one each time the handler's effect happens (a row count,
@@ -302,416 +322,6 @@ def _fresh(claims: int, identity: MessageIdentity) -> None:
         )
 
 
-# -- Dramatiq ------------------------------------------------------------------------------
-
-
-class DramatiqCheck:
-    """Runs one inbox actor under the scenarios; see the module."""
-
-    def __init__(
-        self,
-        actor: Any,
-        effect: Effect,
-        *,
-        threads: int = 8,
-        hold: float = 0.2,
-        timeout: float = 30.0,
-        worker: Any = None,
-    ) -> None:
-        from .dramatiq.middleware import InboxMiddleware
-
-        self.actor, self.effect = actor, effect
-        self.broker = actor.broker
-        self.threads, self.hold, self.timeout = threads, hold, timeout
-        self.worker = worker
-        middleware = next(
-            (m for m in self.broker.middleware if isinstance(m, InboxMiddleware)), None
-        )
-        if middleware is None:
-            raise ConfigurationError(
-                f"the broker of actor {actor.actor_name!r} has no InboxMiddleware: "
-                "broker.add_middleware(InboxMiddleware(engine)) before declaring the actor"
-            )
-        bound = middleware._actors.get(actor.actor_name)
-        if bound is None:
-            raise ConfigurationError(
-                f"actor {actor.actor_name!r} is not an inbox actor: declare it with "
-                "inbox_consumer='...'"
-            )
-        self.consumer: str = bound.consumer
-        self.asynchronous: bool = bound.is_async
-        self._async_engine: AsyncEngine | None = None
-        if bound.is_async:
-            assert middleware.async_inbox is not None
-            self.naming: InboxSchema = middleware.async_inbox.naming
-            self._async_engine = middleware.async_inbox.engine
-            self.engine: Engine = self._async_engine.sync_engine
-        else:
-            assert middleware.inbox is not None
-            self.naming = middleware.inbox.naming
-            self.engine = middleware.inbox.engine
-
-    def message(
-        self,
-        *args: Any,
-        producer: str,
-        message_id: str,
-        tenant: str | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """A message for the actor, carrying a producer intent id."""
-        from .dramatiq.middleware import identity
-
-        options = identity(producer=producer, message_id=message_id, tenant=tenant)
-        return self.actor.message_with_options(args=args, kwargs=kwargs, **options)
-
-    def redelivered(self, message: Any, times: int = 3) -> ScenarioResult:
-        waves = [[_renamed(message)] for _ in range(times)]
-        return self._run(REDELIVERED, message, waves)
-
-    def crash_between_commit_and_ack(self, message: Any) -> ScenarioResult:
-        return self._run(CRASH, message, [[message], [message]])
-
-    def concurrent_duplicates(self, message: Any, copies: int = 8) -> ScenarioResult:
-        _refuse_sqlite(self.engine)
-        return self._run(CONCURRENT, message, [[_renamed(message) for _ in range(copies)]])
-
-    # -- running -------------------------------------------------------------------------
-
-    def _run(self, scenario: str, message: Any, waves: list[list[Any]]) -> ScenarioResult:
-        from .dramatiq.payload import identity_options
-
-        identity = identity_options(message.options)
-        claims, quarantined, poisoned = _claim_queries(self.naming, identity, self.consumer)
-        _fresh(self._count(claims), identity)
-        before = self.effect()
-        conflicts_before, poison_before = self._count(quarantined), self._count(poisoned)
-        hold = _Hold(self.engine, self.hold, self.asynchronous)
-        tally, unsettled = _Tally(), 0
-        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._worker() as worker, self._recording() as recorder, holding:
-            for wave in waves:
-                outcomes = recorder.current = _Outcomes({m.message_id for m in wave}, len(wave))
-                for copy in wave:
-                    self.broker.enqueue(copy)
-                unsettled += self._settle(outcomes)
-                worker.join()  # acknowledged before the next wave is sent
-                recorder.current = None
-                tally.add(outcomes)
-        conflicts = self._count(quarantined) - conflicts_before
-        poison = self._count(poisoned) - poison_before
-        return ScenarioResult(
-            scenario=scenario,
-            intent=_name(identity),
-            deliveries=sum(len(wave) for wave in waves),
-            processed=tally.processed,
-            duplicates=tally.skipped - conflicts - poison,
-            conflicts=conflicts,
-            poison=poison,
-            failures=tuple(tally.failures),
-            claims=self._count(claims),
-            effect=self.effect() - before,
-            overlapped=tally.overlapped(hold.first_done),
-            unsettled=unsettled,
-        )
-
-    def _settle(self, outcomes: _Outcomes) -> int:
-        """Wait until every message of the wave is settled; how many were not."""
-        assert outcomes.expected is not None
-        deadline = time.monotonic() + self.timeout
-        while len(outcomes.settled) < len(outcomes.expected):
-            if time.monotonic() > deadline:
-                return len(outcomes.expected) - len(outcomes.settled)
-            time.sleep(0.01)
-        return 0
-
-    def _count(self, query: Any) -> int:
-        if self._async_engine is None:
-            with self.engine.connect() as conn:
-                return int(conn.execute(query).scalar_one())
-        from dramatiq.asyncio import get_event_loop_thread
-
-        async_engine = self._async_engine
-
-        async def count() -> int:
-            async with async_engine.connect() as conn:
-                return int((await conn.execute(query)).scalar_one())
-
-        loop_thread = get_event_loop_thread()
-        if loop_thread is None:
-            raise ConfigurationError(
-                f"actor {self.actor.actor_name!r} is async: its broker needs dramatiq's "
-                "AsyncIO middleware, started (broker.emit_after('process_boot'))"
-            )
-        return int(loop_thread.run_coroutine(count()))
-
-    @contextlib.contextmanager
-    def _worker(self) -> Iterator[Any]:
-        if self.worker is not None:
-            yield self.worker
-            return
-        import dramatiq
-
-        worker = dramatiq.Worker(self.broker, worker_threads=self.threads, worker_timeout=100)
-        worker.start()
-        try:
-            yield worker
-        finally:
-            worker.stop()
-
-    @contextlib.contextmanager
-    def _recording(self) -> Iterator[Any]:
-        recorder = _dramatiq_recorder()
-        # First in the list: its after_* hooks run last, once Retries has decided.
-        self.broker.middleware.insert(0, recorder)
-        try:
-            yield recorder
-        finally:
-            self.broker.middleware.remove(recorder)
-
-
-def _renamed(message: Any) -> Any:
-    """The same intent and payload as a new broker message (its own message id)."""
-    return message.copy(message_id=str(uuid.uuid4()))
-
-
-def _dramatiq_recorder() -> Any:
-    """A Dramatiq middleware reporting the outcomes of the current wave's messages."""
-    from dramatiq import Middleware
-
-    class Recorder(Middleware):
-        current: _Outcomes | None = None
-
-        def before_process_message(self, broker: Any, message: Any) -> None:
-            if self.current is not None and self.current.ours(message.message_id):
-                self.current.begin(message.message_id)
-
-        def after_process_message(
-            self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
-        ) -> None:
-            if self.current is None or not self.current.ours(message.message_id):
-                return
-            if exception is None:
-                self.current.end("processed", message.message_id)
-            else:  # retried later, unless Retries gave up (then it failed the message)
-                final = bool(getattr(message, "failed", False))
-                self.current.end(type(exception).__name__, message.message_id, final)
-
-        def after_skip_message(self, broker: Any, message: Any) -> None:
-            if self.current is not None and self.current.ours(message.message_id):
-                self.current.end("skipped", message.message_id)
-
-    return Recorder()
-
-
-# -- FastStream ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FastStreamMessage:
-    """A body and identity headers, and where to publish them."""
-
-    body: Any
-    headers: Mapping[str, str]
-    publish: Mapping[str, Any]
-    """Keyword arguments for ``broker.publish`` naming the destination (``queue=...``,
-    ``stream=...``, ``subject=...``) and anything else it needs."""
-
-    @property
-    def identity(self) -> MessageIdentity:
-        from .faststream.payload import headers_identity
-
-        return headers_identity(self.headers)
-
-
-class FastStreamCheck:
-    """Runs a FastStream broker's inbox subscriber under the scenarios; see the module."""
-
-    def __init__(
-        self,
-        broker: Any,
-        effect: Effect,
-        *,
-        inbox: Any = None,
-        hold: float = 0.2,
-        timeout: float = 30.0,
-    ) -> None:
-        from .faststream.middleware import InboxMiddlewareFactory
-
-        self.broker, self.effect = broker, effect
-        self.hold, self.timeout = hold, timeout
-        if inbox is None:
-            factories = [
-                m for m in broker.config.broker_middlewares if isinstance(m, InboxMiddlewareFactory)
-            ]
-            if not factories:
-                raise ConfigurationError(
-                    "the broker has no inbox middleware: create it with "
-                    "middlewares=[inbox.middleware]"
-                )
-            inbox = factories[0].inbox
-        self.inbox = inbox
-        self.naming: InboxSchema = inbox.storage.naming
-        self.async_engine: AsyncEngine = inbox.storage.engine
-
-    def message(
-        self,
-        body: Any,
-        *,
-        producer: str,
-        message_id: str,
-        tenant: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        **publish: Any,
-    ) -> FastStreamMessage:
-        """A message with identity headers; ``publish`` names its destination as
-        ``broker.publish`` wants it (``queue="orders"``, ``stream="orders"``, ...)."""
-        from .faststream.payload import identity_headers
-
-        stamped = identity_headers(producer=producer, message_id=message_id, tenant=tenant)
-        return FastStreamMessage(body, {**(headers or {}), **stamped}, publish)
-
-    async def redelivered(self, message: FastStreamMessage, times: int = 3) -> ScenarioResult:
-        return await self._run(REDELIVERED, message, [1] * times)
-
-    async def crash_between_commit_and_ack(self, message: FastStreamMessage) -> ScenarioResult:
-        return await self._run(CRASH, message, [1, 1])
-
-    async def concurrent_duplicates(
-        self, message: FastStreamMessage, copies: int = 8
-    ) -> ScenarioResult:
-        _refuse_sqlite(self.async_engine.sync_engine)
-        return await self._run(CONCURRENT, message, [copies])
-
-    # -- running -------------------------------------------------------------------------
-
-    async def _run(
-        self, scenario: str, message: FastStreamMessage, waves: list[int]
-    ) -> ScenarioResult:
-        await self.inbox.check(self.broker)  # what inbox.guard(broker) runs at start-up
-        identity = message.identity
-        claims, quarantined, poisoned = _claim_queries(self.naming, identity, None)
-        _fresh(await self._count(claims), identity)
-        before = await _call(self.effect)
-        conflicts_before = await self._count(quarantined)
-        poison_before = await self._count(poisoned)
-        hold = _Hold(self.async_engine.sync_engine, self.hold, asynchronous=True)
-        tally, unsettled = _Tally(), 0
-        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._recording(identity) as recorder, holding:
-            for size in waves:
-                outcomes = recorder.current = _Outcomes(None, size)
-                publish = [
-                    self.broker.publish(
-                        message.body, headers=dict(message.headers), **message.publish
-                    )
-                    for _ in range(size)
-                ]
-                await asyncio.gather(*publish)
-                unsettled += await self._settle(outcomes)
-                recorder.current = None
-                tally.add(outcomes)
-        conflicts = await self._count(quarantined) - conflicts_before
-        poison = await self._count(poisoned) - poison_before
-        return ScenarioResult(
-            scenario=scenario,
-            intent=_name(identity),
-            deliveries=sum(waves),
-            processed=tally.processed,
-            duplicates=tally.skipped - conflicts - poison,
-            conflicts=conflicts,
-            poison=poison,
-            failures=tuple(tally.failures),
-            claims=await self._count(claims),
-            effect=await _call(self.effect) - before,
-            overlapped=tally.overlapped(hold.first_done),
-            unsettled=unsettled,
-        )
-
-    async def _settle(self, outcomes: _Outcomes) -> int:
-        """Wait until every delivery of the wave was processed or skipped; how many were
-        not. A failed one is redelivered by a real broker; a test broker never redelivers,
-        so once every delivery has some outcome and none arrives for a second, it is over."""
-        deadline = time.monotonic() + self.timeout
-        quiet_since, seen = time.monotonic(), -1
-        while outcomes.final < outcomes.size:
-            count = outcomes.final + len(outcomes.failures)
-            if count != seen:
-                seen, quiet_since = count, time.monotonic()
-            elif count >= outcomes.size and time.monotonic() - quiet_since > 1:
-                break
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.01)
-        return outcomes.size - outcomes.final
-
-    async def _count(self, query: Any) -> int:
-        async with self.async_engine.connect() as conn:
-            return int((await conn.execute(query)).scalar_one())
-
-    @contextlib.contextmanager
-    def _recording(self, identity: MessageIdentity) -> Iterator[Any]:
-        recorder = _FastStreamRecorder(identity)
-        middleware = recorder.middleware()
-        self.broker.insert_middleware(middleware)  # outermost: it sees skipped ones too
-        try:
-            yield recorder
-        finally:
-            config = self.broker.config
-            for part in getattr(config, "configs", (config,)):
-                kept = tuple(m for m in part.broker_middlewares if m is not middleware)
-                if len(kept) != len(part.broker_middlewares):
-                    part.broker_middlewares = kept
-
-
-class _FastStreamRecorder:
-    """Reports the outcomes of the deliveries that carry the scenario's intent."""
-
-    def __init__(self, identity: MessageIdentity) -> None:
-        self.identity = identity
-        self.current: _Outcomes | None = None
-
-    def ours(self, headers: Mapping[str, Any]) -> bool:
-        from .faststream.payload import headers_identity
-
-        try:
-            return headers_identity(headers).key("") == self.identity.key("")
-        except Exception:
-            return False
-
-    def middleware(self) -> Any:
-        from faststream import BaseMiddleware
-        from faststream.exceptions import AckMessage
-
-        recorder = self
-
-        class Recorder(BaseMiddleware):
-            async def consume_scope(self, call_next: Any, msg: Any) -> Any:
-                outcomes = recorder.current
-                if outcomes is None or not recorder.ours(msg.headers or {}):
-                    return await call_next(msg)
-                outcomes.begin()
-                try:
-                    result = await call_next(msg)
-                except AckMessage:
-                    outcomes.end("skipped")
-                    raise
-                except BaseException as exc:
-                    outcomes.end(type(exc).__name__, final=False)
-                    raise
-                outcomes.end("processed")
-                return result
-
-        return Recorder
-
-
-async def _call(effect: Effect) -> float:
-    value = effect()
-    if inspect.isawaitable(value):
-        value = await value
-    return float(value)
-
-
 # -- the pytest plugin ---------------------------------------------------------------------
 
 
@@ -731,6 +341,8 @@ class InboxCheck:
         """Check a Dramatiq actor declared with ``inbox_consumer``. ``effect`` counts what
         the actor did (synchronously); ``worker``: your running worker, else one is
         started per scenario with ``threads`` threads."""
+        from .dramatiq.testing import DramatiqCheck
+
         return DramatiqCheck(
             actor, effect, threads=threads, hold=hold, timeout=timeout, worker=worker
         )
@@ -746,6 +358,8 @@ class InboxCheck:
     ) -> FastStreamCheck:
         """Check the inbox subscribers of a FastStream broker (give the `FastStreamInbox`
         when the broker has several). ``effect`` may be a coroutine function."""
+        from .faststream.testing import FastStreamCheck
+
         return FastStreamCheck(broker, effect, inbox=inbox, hold=hold, timeout=timeout)
 
 
@@ -754,3 +368,66 @@ def inbox_check() -> InboxCheck:
     """Run your own actor or subscriber under redelivery, a crash between commit and ack,
     and concurrent duplicates, and assert one effect (`inbox_middleware.testing`)."""
     return InboxCheck()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("inbox-middleware")
+    group.addoption(
+        "--inbox-database-url",
+        default=None,
+        help="PostgreSQL server for the inbox_database fixture's throwaway databases "
+        "(a role that may create databases); else $INBOX_PYTEST_DATABASE_URL, the "
+        "inbox_database_url ini option, or postgresql://postgres@127.0.0.1:5432/postgres",
+    )
+    parser.addini(
+        "inbox_database_url",
+        "PostgreSQL server for the inbox_database fixture's throwaway databases",
+        default=None,
+    )
+
+
+@pytest.fixture(scope="session")
+def inbox_database_setup() -> Setup:
+    """What the template database holds: the inbox tables. Override it in your
+    ``conftest.py`` to add your own schema (the callable gets a connection in a
+    transaction)::
+
+        @pytest.fixture(scope="session")
+        def inbox_database_setup():
+            def setup(conn):
+                migrate(conn)                   # the inbox tables
+                Base.metadata.create_all(conn)  # your tables
+            return setup
+    """
+    return migrate_inbox
+
+
+@pytest.fixture(scope="session")
+def _inbox_database_template(
+    request: pytest.FixtureRequest, inbox_database_setup: Setup
+) -> Iterator[Template]:
+    config = request.config
+    server = server_from(
+        config.getoption("--inbox-database-url"), config.getini("inbox_database_url")
+    )
+    template = Template(server, inbox_database_setup)
+    yield template
+    template.close()
+
+
+@pytest.fixture
+def inbox_database(_inbox_database_template: Template) -> Iterator[ThrowawayDatabase]:
+    """A PostgreSQL database of this test's own, with the schema of
+    ``inbox_database_setup`` (the inbox tables), dropped after the test: ``.url`` for a
+    synchronous engine (psycopg), ``.async_url`` for an `AsyncEngine` (asyncpg)."""
+    problem = None
+    try:
+        database = _inbox_database_template.clone()
+    except ConfigurationError as exc:
+        problem = str(exc)
+    if problem is not None:  # one line naming the setting, not a chain of tracebacks
+        pytest.fail(problem, pytrace=False)
+    try:
+        yield database
+    finally:
+        _inbox_database_template.drop(database)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import make_url, select
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
@@ -119,6 +120,21 @@ def test_cli_outbox_run__burst_delivers_what_is_due_and_exits(pg_url, pg_engine,
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip().startswith("dispatched 3, retried 0, failed 0")
     assert sorted(remote.applied) == ["e-0", "e-1", "e-2"]
+    # The log, configured by the command: a start-up line saying what it dispatches, from
+    # where, how often it polls; every line with a timestamp, its level and logger
+    print(ran.stderr)
+    started = re.search(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}     INFO - inbox_middleware.outbox: "
+        r"outbox dispatcher started: dispatching to (.+) from (\S+), polling every 1.0s, "
+        r"batch 100, lease 60.0s$",
+        ran.stderr,
+        re.MULTILINE,
+    )
+    assert started, ran.stderr
+    assert started[2] == make_url(pg_url).render_as_string(hide_password=True)
+    assert "remote" in started[1]
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} +[A-Z]+ - ", x) for x in lines)
 
 
 def test_cli_outbox_run__refuses_sqlite_and_a_bad_target_with_one_line(sqlite_engine, pg_url):

@@ -8,6 +8,9 @@ the concurrent scenario on SQLite.
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -21,6 +24,16 @@ from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
+
+SNIPPET = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "testing_plugin.py"
+
+
+def snippet() -> Any:
+    spec = importlib.util.spec_from_file_location("docs_snippet_testing_plugin", SNIPPET)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def counter(engine: Any):
@@ -174,3 +187,132 @@ def test_result__explains_every_problem_at_once():
         "1 deliveries were never settled",
     ):
         assert part in message
+
+
+def test_plugin__actor_parameters_named_like_the_identity_need_message_with(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    # Given an actor with parameters named producer and tenant
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+    def add_credit(account_id: int, delta: int, producer: str, tenant: str = "") -> None:
+        assert (producer, tenant) == ("the-shop", "eu")
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    check = inbox_check.dramatiq(add_credit, effect=counter(pg_engine))
+    # Then check.message(...) refuses to guess, and message_with keeps them apart
+    with pytest.raises(TypeError, match="use check.message_with"):
+        check.message(7, 10, producer="p", message_id="m", tenant="eu")
+    order = check.message_with(
+        args=(7, 10), kwargs={"producer": "the-shop", "tenant": "eu"}, producer="p", message_id="m"
+    )
+    assert (order.args, order.kwargs) == ((7, 10), {"producer": "the-shop", "tenant": "eu"})
+    assert order.options["inbox_producer"] == "p"
+    check.redelivered(order).assert_one_effect()
+    # And the documented form builds the same kind of message
+    documented = snippet().order_for_an_actor_with_a_producer_parameter(check)
+    assert (documented.args, documented.kwargs) == ((7, 10), {"producer": "the-shop"})
+    assert documented.options["inbox_message_id"] == "o-1"
+
+
+def test_inbox_database__a_migrated_database_of_the_tests_own_dropped_after(
+    pytester: pytest.Pytester,
+):
+    # Given a user's test suite using the fixture twice, in sync and async code
+    pytester.makeini(
+        "[pytest]\nasyncio_mode = auto\nfilterwarnings = error\n"
+        "asyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        NAMES = []
+
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_sync(inbox_database, n):
+            engine = create_engine(inbox_database.url)
+            with engine.begin() as conn:
+                assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 0
+                conn.execute(text("CREATE TABLE mine (id int)"))  # no other test sees it
+            engine.dispose()
+            NAMES.append(inbox_database.name)
+            print("DATABASE", inbox_database.name)
+
+        async def test_async(inbox_database):
+            engine = create_async_engine(inbox_database.async_url)
+            async with engine.connect() as conn:
+                assert await conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 0
+            await engine.dispose()
+            assert len(set(NAMES)) == 2
+        """
+    )
+    # When it runs
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    # Then each test had its own migrated database, and none is left behind
+    result.assert_outcomes(passed=3)
+    names = re.findall(r"DATABASE (\w+)", result.stdout.str())
+    assert len(names) == 2
+    with pg_admin() as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = ANY(%s)", (names,)
+        ).fetchone()
+    assert left == (0,)
+
+
+def test_inbox_database__an_unreachable_server_is_one_line_naming_the_setting(
+    pytester: pytest.Pytester,
+):
+    pytester.makepyfile("def test_it(inbox_database):\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--inbox-database-url", "postgresql://postgres@127.0.0.1:1/x"
+    )
+    result.assert_outcomes(errors=1)
+    assert "Traceback" not in result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "cannot create or drop a throwaway database on postgresql://postgres@127.0.0.1:1/x:"
+            " connection failed: * (set INBOX_PYTEST_DATABASE_URL or the inbox_database_url ini"
+            " option to a server whose role may create databases)",
+        ]
+    )
+
+
+def pg_admin() -> Any:
+    import psycopg
+
+    return psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True)
+
+
+def test_inbox_database__the_documented_setup_adds_the_users_tables(pytester: pytest.Pytester):
+    # Given the documented conftest override and fixture use
+    pytester.makeini(
+        "[pytest]\nfilterwarnings = error\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makeconftest(
+        f"import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('snippet', {str(SNIPPET)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "inbox_database_setup = module.inbox_database_setup\n"
+        "engines = module.engines\n"
+    )
+    pytester.makepyfile(
+        """
+        from sqlalchemy import text
+        from conftest import engines
+
+        def test_it(inbox_database):
+            engine, async_engine = engines(inbox_database)
+            assert async_engine.url.drivername == "postgresql+asyncpg"
+            with engine.connect() as conn:
+                assert conn.scalar(text("SELECT count(*) FROM credits")) == 0
+                assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 0
+            engine.dispose()
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

@@ -13,6 +13,7 @@ from typing import Any
 import click
 from sqlalchemy import Connection
 
+from .. import logs
 from ..exceptions import ConfigurationError
 from ..outbox.destination import Destination
 from ..outbox.dispatcher import Backoff, Dispatcher, require_postgresql
@@ -66,6 +67,14 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     help="Seconds in-flight deliveries may take after SIGTERM [default: the delivery timeout].",
 )
 @click.option("--burst", is_flag=True, help="Exit once no effect is due.")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+    envvar="INBOX_LOG_LEVEL",
+    help="Unless logging is configured already (by the destinations module, say).",
+)
 def run_command(
     database_url: str,
     schema: str | None,
@@ -82,6 +91,7 @@ def run_command(
     listen: bool,
     shutdown_grace: float | None,
     burst: bool,
+    log_level: str,
 ) -> None:
     """Deliver due effects until SIGTERM or SIGINT.
 
@@ -100,6 +110,7 @@ def run_command(
         with engine.connect() as conn:
             check_schema(conn, naming)
         destinations = load_destinations(target, path)
+        logs.configure(log_level.upper())  # after the module, which may configure its own
         dispatcher = Dispatcher(
             engine,
             destinations,

@@ -59,6 +59,7 @@ from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
+from .boot import refuse_boot
 from .context import current_async_session, current_session, identity
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
@@ -407,6 +408,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 asyncio.run(_check_async(self.async_inbox))
                 _check_pool(self.async_inbox.engine.sync_engine, worker.worker_threads)
         except Exception as exc:
+            refuse_boot(_boot_error(exc))  # the dramatiq command: one line, exit status 3
             # A MiddlewareError, or Dramatiq would log this and start the worker anyway.
             raise WorkerBootError(_boot_error(exc)) from exc
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import faults
+from .. import faults, logs
 from ..consumption import Backoff
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
@@ -37,6 +37,7 @@ from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
 from .processing import Subscription
+from .testbroker import guard_test_broker, guarded
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
@@ -218,6 +219,7 @@ class FastStreamInbox:
 
         guarded_start.__inbox_guarded__ = self  # type: ignore[attr-defined]
         broker.start = guarded_start  # type: ignore[attr-defined]
+        guard_test_broker(self, broker)
         return broker
 
     async def check(self, broker: Any) -> None:
@@ -228,6 +230,7 @@ class FastStreamInbox:
             await self._check(broker)
 
     async def _check(self, broker: Any) -> None:
+        logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)
         subscriptions: dict[int, Subscription] = {}
@@ -286,7 +289,9 @@ class FastStreamInbox:
         if key in self._subscriptions:
             return self._subscriptions[key]
         if key not in self._refused:
-            logger.warning(
+            # A guarded broker under a test broker: its fakes come after the check.
+            log = logger.debug if guarded(self, broker) else logger.warning
+            log(
                 "the inbox start-up check did not run before this broker started; running it "
                 "now. Wrap the broker with inbox.guard(broker) so that a subscriber the inbox "
                 "cannot protect is refused before it consumes anything"

@@ -190,8 +190,12 @@ class Dispatcher:
             self._aborting.set()
         listener = asyncio.create_task(self._listen()) if self.listen else None
         logger.info(
-            "outbox dispatcher started: destinations %s, batch %d, lease %ss",
-            ", ".join(self.destinations),
+            "outbox dispatcher started: dispatching to %s from %s, polling every %ss%s, "
+            "batch %d, lease %ss",
+            ", ".join(self.destinations) or "no destination",
+            self.engine.url.render_as_string(hide_password=True),
+            self.poll_interval,
+            " and on NOTIFY" if self.listen else "",
             self.batch_size,
             self.lease,
         )

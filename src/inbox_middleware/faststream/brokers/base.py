@@ -73,6 +73,11 @@ class BrokerAdapter:
     async def prepare(self, destinations: Iterable[str]) -> None:
         """Declare the quarantine and dead-letter destinations durably, before consuming."""
 
+    def declare_publisher(self, destination: str) -> None:
+        """Declare ``destination`` as a publisher of the broker (a test broker gives each
+        publisher an in-memory subscriber, so publishing there needs none of the test's)."""
+        self.broker.publisher(destination)
+
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
         """Publish ``item``'s body durably to ``destination`` with ``headers``; return only
         once the broker has it (confirmed), raise otherwise."""

@@ -1,0 +1,270 @@
+"""The Dramatiq half of the users' pytest plugin (`inbox_middleware.testing`): runs one
+inbox actor under the scenarios, on the actor's broker and a worker of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine
+
+from ..exceptions import ConfigurationError
+from ..storage import InboxSchema
+from ..testing import (
+    CONCURRENT,
+    CRASH,
+    REDELIVERED,
+    Effect,
+    ScenarioResult,
+    _claim_queries,
+    _fresh,
+    _Hold,
+    _name,
+    _Outcomes,
+    _refuse_sqlite,
+    _Tally,
+)
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["DramatiqCheck"]
+
+_IDENTITY_NAMES = {"producer", "message_id", "tenant"}
+
+
+class DramatiqCheck:
+    """Runs one inbox actor under the scenarios; see the module."""
+
+    def __init__(
+        self,
+        actor: Any,
+        effect: Effect,
+        *,
+        threads: int = 8,
+        hold: float = 0.2,
+        timeout: float = 30.0,
+        worker: Any = None,
+    ) -> None:
+        from .middleware import InboxMiddleware
+
+        self.actor, self.effect = actor, effect
+        self.broker = actor.broker
+        self.threads, self.hold, self.timeout = threads, hold, timeout
+        self.worker = worker
+        middleware = next(
+            (m for m in self.broker.middleware if isinstance(m, InboxMiddleware)), None
+        )
+        if middleware is None:
+            raise ConfigurationError(
+                f"the broker of actor {actor.actor_name!r} has no InboxMiddleware: "
+                "broker.add_middleware(InboxMiddleware(engine)) before declaring the actor"
+            )
+        bound = middleware._actors.get(actor.actor_name)
+        if bound is None:
+            raise ConfigurationError(
+                f"actor {actor.actor_name!r} is not an inbox actor: declare it with "
+                "inbox_consumer='...'"
+            )
+        self.consumer: str = bound.consumer
+        self.asynchronous: bool = bound.is_async
+        self._async_engine: AsyncEngine | None = None
+        if bound.is_async:
+            assert middleware.async_inbox is not None
+            self.naming: InboxSchema = middleware.async_inbox.naming
+            self._async_engine = middleware.async_inbox.engine
+            self.engine: Engine = self._async_engine.sync_engine
+        else:
+            assert middleware.inbox is not None
+            self.naming = middleware.inbox.naming
+            self.engine = middleware.inbox.engine
+
+    def message(
+        self,
+        *args: Any,
+        producer: str,
+        message_id: str,
+        tenant: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A message for the actor, carrying a producer intent id: ``args`` and ``kwargs``
+        are the actor's. For an actor with a parameter named ``producer``,
+        ``message_id`` or ``tenant``, which this form would take for the identity, use
+        `message_with` (this form is refused there)."""
+        shadowed = sorted(_IDENTITY_NAMES & self._parameters)
+        if shadowed:
+            raise TypeError(
+                f"actor {self.actor.actor_name!r} has a parameter named "
+                f"{', '.join(map(repr, shadowed))}, which check.message(...) takes for the "
+                "identity: use check.message_with(args=(...), kwargs={...}, producer=..., "
+                "message_id=...)"
+            )
+        return self.message_with(
+            args=args, kwargs=kwargs, producer=producer, message_id=message_id, tenant=tenant
+        )
+
+    def message_with(
+        self,
+        *,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        producer: str,
+        message_id: str,
+        tenant: str | None = None,
+    ) -> Any:
+        """A message for the actor with these arguments, carrying a producer intent id;
+        like Dramatiq's ``actor.message_with_options(args=, kwargs=)``, so no argument of
+        the actor is ever taken for the identity."""
+        from .middleware import identity
+
+        options = identity(producer=producer, message_id=message_id, tenant=tenant)
+        return self.actor.message_with_options(args=args, kwargs=dict(kwargs or {}), **options)
+
+    @property
+    def _parameters(self) -> set[str]:
+        try:
+            return set(inspect.signature(self.actor.fn).parameters)
+        except (TypeError, ValueError):
+            return set()
+
+    def redelivered(self, message: Any, times: int = 3) -> ScenarioResult:
+        waves = [[_renamed(message)] for _ in range(times)]
+        return self._run(REDELIVERED, message, waves)
+
+    def crash_between_commit_and_ack(self, message: Any) -> ScenarioResult:
+        return self._run(CRASH, message, [[message], [message]])
+
+    def concurrent_duplicates(self, message: Any, copies: int = 8) -> ScenarioResult:
+        _refuse_sqlite(self.engine)
+        return self._run(CONCURRENT, message, [[_renamed(message) for _ in range(copies)]])
+
+    # -- running -------------------------------------------------------------------------
+
+    def _run(self, scenario: str, message: Any, waves: list[list[Any]]) -> ScenarioResult:
+        from .payload import identity_options
+
+        identity = identity_options(message.options)
+        claims, quarantined, poisoned = _claim_queries(self.naming, identity, self.consumer)
+        _fresh(self._count(claims), identity)
+        before = self.effect()
+        conflicts_before, poison_before = self._count(quarantined), self._count(poisoned)
+        hold = _Hold(self.engine, self.hold, self.asynchronous)
+        tally, unsettled = _Tally(), 0
+        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
+        with self._worker() as worker, self._recording() as recorder, holding:
+            for wave in waves:
+                outcomes = recorder.current = _Outcomes({m.message_id for m in wave}, len(wave))
+                for copy in wave:
+                    self.broker.enqueue(copy)
+                unsettled += self._settle(outcomes)
+                worker.join()  # acknowledged before the next wave is sent
+                recorder.current = None
+                tally.add(outcomes)
+        conflicts = self._count(quarantined) - conflicts_before
+        poison = self._count(poisoned) - poison_before
+        return ScenarioResult(
+            scenario=scenario,
+            intent=_name(identity),
+            deliveries=sum(len(wave) for wave in waves),
+            processed=tally.processed,
+            duplicates=tally.skipped - conflicts - poison,
+            conflicts=conflicts,
+            poison=poison,
+            failures=tuple(tally.failures),
+            claims=self._count(claims),
+            effect=self.effect() - before,
+            overlapped=tally.overlapped(hold.first_done),
+            unsettled=unsettled,
+        )
+
+    def _settle(self, outcomes: _Outcomes) -> int:
+        """Wait until every message of the wave is settled; how many were not."""
+        assert outcomes.expected is not None
+        deadline = time.monotonic() + self.timeout
+        while len(outcomes.settled) < len(outcomes.expected):
+            if time.monotonic() > deadline:
+                return len(outcomes.expected) - len(outcomes.settled)
+            time.sleep(0.01)
+        return 0
+
+    def _count(self, query: Any) -> int:
+        if self._async_engine is None:
+            with self.engine.connect() as conn:
+                return int(conn.execute(query).scalar_one())
+        from dramatiq.asyncio import get_event_loop_thread
+
+        async_engine = self._async_engine
+
+        async def count() -> int:
+            async with async_engine.connect() as conn:
+                return int((await conn.execute(query)).scalar_one())
+
+        loop_thread = get_event_loop_thread()
+        if loop_thread is None:
+            raise ConfigurationError(
+                f"actor {self.actor.actor_name!r} is async: its broker needs dramatiq's "
+                "AsyncIO middleware, started (broker.emit_after('process_boot'))"
+            )
+        return int(loop_thread.run_coroutine(count()))
+
+    @contextlib.contextmanager
+    def _worker(self) -> Iterator[Any]:
+        if self.worker is not None:
+            yield self.worker
+            return
+        import dramatiq
+
+        worker = dramatiq.Worker(self.broker, worker_threads=self.threads, worker_timeout=100)
+        worker.start()
+        try:
+            yield worker
+        finally:
+            worker.stop()
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[Any]:
+        recorder = _dramatiq_recorder()
+        # First in the list: its after_* hooks run last, once Retries has decided.
+        self.broker.middleware.insert(0, recorder)
+        try:
+            yield recorder
+        finally:
+            self.broker.middleware.remove(recorder)
+
+
+def _renamed(message: Any) -> Any:
+    """The same intent and payload as a new broker message (its own message id)."""
+    return message.copy(message_id=str(uuid.uuid4()))
+
+
+def _dramatiq_recorder() -> Any:
+    """A Dramatiq middleware reporting the outcomes of the current wave's messages."""
+    from dramatiq import Middleware
+
+    class Recorder(Middleware):
+        current: _Outcomes | None = None
+
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            if self.current is not None and self.current.ours(message.message_id):
+                self.current.begin(message.message_id)
+
+        def after_process_message(
+            self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+        ) -> None:
+            if self.current is None or not self.current.ours(message.message_id):
+                return
+            if exception is None:
+                self.current.end("processed", message.message_id)
+            else:  # retried later, unless Retries gave up (then it failed the message)
+                final = bool(getattr(message, "failed", False))
+                self.current.end(type(exception).__name__, message.message_id, final)
+
+        def after_skip_message(self, broker: Any, message: Any) -> None:
+            if self.current is not None and self.current.ours(message.message_id):
+                self.current.end("skipped", message.message_id)
+
+    return Recorder()

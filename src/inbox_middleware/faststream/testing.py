@@ -1,0 +1,240 @@
+"""The FastStream half of the users' pytest plugin (`inbox_middleware.testing`): runs a
+broker's inbox subscriber under the scenarios, on a test broker or a real, started one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..exceptions import ConfigurationError
+from ..identity import MessageIdentity
+from ..storage import InboxSchema
+from ..testing import (
+    CONCURRENT,
+    CRASH,
+    REDELIVERED,
+    Effect,
+    ScenarioResult,
+    _claim_queries,
+    _fresh,
+    _Hold,
+    _name,
+    _Outcomes,
+    _refuse_sqlite,
+    _Tally,
+)
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["FastStreamCheck", "FastStreamMessage"]
+
+
+@dataclass(frozen=True)
+class FastStreamMessage:
+    """A body and identity headers, and where to publish them."""
+
+    body: Any
+    headers: Mapping[str, str]
+    publish: Mapping[str, Any]
+    """Keyword arguments for ``broker.publish`` naming the destination (``queue=...``,
+    ``stream=...``, ``subject=...``) and anything else it needs."""
+
+    @property
+    def identity(self) -> MessageIdentity:
+        from .payload import headers_identity
+
+        return headers_identity(self.headers)
+
+
+class FastStreamCheck:
+    """Runs a FastStream broker's inbox subscriber under the scenarios; see the module."""
+
+    def __init__(
+        self,
+        broker: Any,
+        effect: Effect,
+        *,
+        inbox: Any = None,
+        hold: float = 0.2,
+        timeout: float = 30.0,
+    ) -> None:
+        from .middleware import InboxMiddlewareFactory
+
+        self.broker, self.effect = broker, effect
+        self.hold, self.timeout = hold, timeout
+        if inbox is None:
+            factories = [
+                m for m in broker.config.broker_middlewares if isinstance(m, InboxMiddlewareFactory)
+            ]
+            if not factories:
+                raise ConfigurationError(
+                    "the broker has no inbox middleware: create it with "
+                    "middlewares=[inbox.middleware]"
+                )
+            inbox = factories[0].inbox
+        self.inbox = inbox
+        self.naming: InboxSchema = inbox.storage.naming
+        self.async_engine: AsyncEngine = inbox.storage.engine
+
+    def message(
+        self,
+        body: Any,
+        *,
+        producer: str,
+        message_id: str,
+        tenant: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **publish: Any,
+    ) -> FastStreamMessage:
+        """A message with identity headers; ``publish`` names its destination as
+        ``broker.publish`` wants it (``queue="orders"``, ``stream="orders"``, ...)."""
+        from .payload import identity_headers
+
+        stamped = identity_headers(producer=producer, message_id=message_id, tenant=tenant)
+        return FastStreamMessage(body, {**(headers or {}), **stamped}, publish)
+
+    async def redelivered(self, message: FastStreamMessage, times: int = 3) -> ScenarioResult:
+        return await self._run(REDELIVERED, message, [1] * times)
+
+    async def crash_between_commit_and_ack(self, message: FastStreamMessage) -> ScenarioResult:
+        return await self._run(CRASH, message, [1, 1])
+
+    async def concurrent_duplicates(
+        self, message: FastStreamMessage, copies: int = 8
+    ) -> ScenarioResult:
+        _refuse_sqlite(self.async_engine.sync_engine)
+        return await self._run(CONCURRENT, message, [copies])
+
+    # -- running -------------------------------------------------------------------------
+
+    async def _run(
+        self, scenario: str, message: FastStreamMessage, waves: list[int]
+    ) -> ScenarioResult:
+        await self.inbox.check(self.broker)  # what inbox.guard(broker) runs at start-up
+        identity = message.identity
+        claims, quarantined, poisoned = _claim_queries(self.naming, identity, None)
+        _fresh(await self._count(claims), identity)
+        before = await _call(self.effect)
+        conflicts_before = await self._count(quarantined)
+        poison_before = await self._count(poisoned)
+        hold = _Hold(self.async_engine.sync_engine, self.hold, asynchronous=True)
+        tally, unsettled = _Tally(), 0
+        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
+        with self._recording(identity) as recorder, holding:
+            for size in waves:
+                outcomes = recorder.current = _Outcomes(None, size)
+                publish = [
+                    self.broker.publish(
+                        message.body, headers=dict(message.headers), **message.publish
+                    )
+                    for _ in range(size)
+                ]
+                await asyncio.gather(*publish)
+                unsettled += await self._settle(outcomes)
+                recorder.current = None
+                tally.add(outcomes)
+        conflicts = await self._count(quarantined) - conflicts_before
+        poison = await self._count(poisoned) - poison_before
+        return ScenarioResult(
+            scenario=scenario,
+            intent=_name(identity),
+            deliveries=sum(waves),
+            processed=tally.processed,
+            duplicates=tally.skipped - conflicts - poison,
+            conflicts=conflicts,
+            poison=poison,
+            failures=tuple(tally.failures),
+            claims=await self._count(claims),
+            effect=await _call(self.effect) - before,
+            overlapped=tally.overlapped(hold.first_done),
+            unsettled=unsettled,
+        )
+
+    async def _settle(self, outcomes: _Outcomes) -> int:
+        """Wait until every delivery of the wave was processed or skipped; how many were
+        not. A failed one is redelivered by a real broker; a test broker never redelivers,
+        so once every delivery has some outcome and none arrives for a second, it is over."""
+        deadline = time.monotonic() + self.timeout
+        quiet_since, seen = time.monotonic(), -1
+        while outcomes.final < outcomes.size:
+            count = outcomes.final + len(outcomes.failures)
+            if count != seen:
+                seen, quiet_since = count, time.monotonic()
+            elif count >= outcomes.size and time.monotonic() - quiet_since > 1:
+                break
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        return outcomes.size - outcomes.final
+
+    async def _count(self, query: Any) -> int:
+        async with self.async_engine.connect() as conn:
+            return int((await conn.execute(query)).scalar_one())
+
+    @contextlib.contextmanager
+    def _recording(self, identity: MessageIdentity) -> Iterator[Any]:
+        recorder = _FastStreamRecorder(identity)
+        middleware = recorder.middleware()
+        self.broker.insert_middleware(middleware)  # outermost: it sees skipped ones too
+        try:
+            yield recorder
+        finally:
+            config = self.broker.config
+            for part in getattr(config, "configs", (config,)):
+                kept = tuple(m for m in part.broker_middlewares if m is not middleware)
+                if len(kept) != len(part.broker_middlewares):
+                    part.broker_middlewares = kept
+
+
+class _FastStreamRecorder:
+    """Reports the outcomes of the deliveries that carry the scenario's intent."""
+
+    def __init__(self, identity: MessageIdentity) -> None:
+        self.identity = identity
+        self.current: _Outcomes | None = None
+
+    def ours(self, headers: Mapping[str, Any]) -> bool:
+        from .payload import headers_identity
+
+        try:
+            return headers_identity(headers).key("") == self.identity.key("")
+        except Exception:
+            return False
+
+    def middleware(self) -> Any:
+        from faststream import BaseMiddleware
+        from faststream.exceptions import AckMessage
+
+        recorder = self
+
+        class Recorder(BaseMiddleware):
+            async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+                outcomes = recorder.current
+                if outcomes is None or not recorder.ours(msg.headers or {}):
+                    return await call_next(msg)
+                outcomes.begin()
+                try:
+                    result = await call_next(msg)
+                except AckMessage:
+                    outcomes.end("skipped")
+                    raise
+                except BaseException as exc:
+                    outcomes.end(type(exc).__name__, final=False)
+                    raise
+                outcomes.end("processed")
+                return result
+
+        return Recorder
+
+
+async def _call(effect: Effect) -> float:
+    value = effect()
+    if inspect.isawaitable(value):
+        value = await value
+    return float(value)

@@ -1,0 +1,85 @@
+"""A guarded FastStream app under FastStream's own test brokers: the start-up check runs
+when the test broker starts (no warning that it did not), and the inbox's quarantine and
+dead-letter publishes reach the test broker's fakes (no subscriber of the test's)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from faststream.rabbit import RabbitBroker, TestRabbitBroker
+from faststream.redis import RedisBroker, StreamSub, TestRedisBroker
+from sqlalchemy import text
+
+from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
+
+from ..apps.domain import apply_credit_async, effects
+
+
+def app(kind: str, inbox: FastStreamInbox, queue: str) -> tuple[Any, Any]:
+    if kind == "rabbit":
+        broker: Any = RabbitBroker(middlewares=[inbox.middleware])
+        subscriber = broker.subscriber(queue, dependencies=[inbox.consumer("billing")])
+        return inbox.guard(broker), (subscriber, TestRabbitBroker, {"queue": queue})
+    broker = RedisBroker(middlewares=[inbox.middleware])
+    subscriber = broker.subscriber(
+        stream=StreamSub(queue, group="billing", consumer="c1", claim_min_idle_time=30_000),
+        dependencies=[inbox.consumer("billing")],
+    )
+    return inbox.guard(broker), (subscriber, TestRedisBroker, {"stream": queue})
+
+
+@pytest.mark.parametrize("kind", ["rabbit"])
+async def test_test_broker__guarded_app_checks_at_start_and_quarantines_without_help(
+    kind, pg_async_engine, pg_engine, queue, caplog
+):
+    # Given a guarded app, as the user's module builds it, with no subscriber on the
+    # quarantine or dead-letter destinations
+    inbox = FastStreamInbox(pg_async_engine)
+    broker, (subscriber, test_broker, where) = app(kind, inbox, queue)
+
+    @subscriber
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    caplog.set_level(logging.DEBUG, logger="inbox_middleware")
+    async with test_broker(broker) as test:
+        # When one intent is sent, then sent again with another payload (a conflict),
+        # and a message without identity (a dead letter)
+        first = identity_headers(producer="orders", message_id="o-1")
+        await test.publish({"account": 7, "delta": 10}, headers=first, **where)
+        await test.publish({"account": 7, "delta": 99}, headers=first, **where)
+        await test.publish({"account": 7, "delta": 1}, **where)
+        declared = {p.routing(): p for p in broker.publishers}
+        quarantined = declared[f"{queue}.quarantine"].mock
+        rejected = declared[f"{queue}.dead-letter"].mock
+        assert (quarantined.call_count, rejected.call_count) == (1, 1)
+        assert quarantined.call_args.args[0] == {"account": 7, "delta": 99}
+    # Then the check ran when the test broker started, the conflict and the dead letter
+    # reached the test broker's fakes, the effect happened once, and nothing warned
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("inbox_middleware")]
+    assert any(m.startswith("inbox consumer billing protects") for m in messages)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w.split(":")[0] for w in warnings] == [
+        "identity conflict",
+        "rejecting a message for inbox consumer billing to " + f"{queue}.dead-letter",
+    ]
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
+        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+
+
+async def test_test_broker__the_documented_conflict_test_passes(pg_async_engine, pg_engine, queue):
+    from .test_testing_plugin import snippet
+
+    inbox = FastStreamInbox(pg_async_engine)
+    broker, (subscriber, _, _) = app("rabbit", inbox, queue)
+
+    @subscriber
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    await snippet().conflict_on_the_test_broker(broker, queue)
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
