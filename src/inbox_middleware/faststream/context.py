@@ -9,16 +9,24 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Annotated
+from functools import partial
+from typing import Annotated, Any
 
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, HandlerTransactionError
 from ..identity import MessageIdentity
 from ..protocol import Decision
 
-__all__ = ["BatchItem", "InboxBatch", "InboxSession", "current_attempt"]
+__all__ = [
+    "BatchItem",
+    "InboxBatch",
+    "InboxSession",
+    "ManualSettling",
+    "current_attempt",
+    "refuse_manual_settling",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +96,37 @@ together with the message's claim, before the message is acknowledged. Its ``com
 
 InboxBatch = Annotated[tuple[BatchItem, ...], Depends(_batch, cast=False)]
 """In a batch handler: a `BatchItem` for every message of the batch, in delivery order."""
+
+
+class ManualSettling:
+    """While the handler runs, the message's ``ack``, ``nack`` and ``reject`` raise."""
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+        self.saved = {
+            name: message.__dict__[name]
+            for name in ("ack", "nack", "reject")
+            if name in getattr(message, "__dict__", {})
+        }
+        for name in ("ack", "nack", "reject"):
+            setattr(message, name, partial(_refused, name))
+
+    def restore(self) -> None:
+        for name in ("ack", "nack", "reject"):
+            if name in self.saved:
+                setattr(self.message, name, self.saved[name])
+            else:
+                self.message.__dict__.pop(name, None)
+
+
+def refuse_manual_settling(message: Any) -> ManualSettling:
+    """Until ``restore()``, the message's own ``ack``, ``nack`` and ``reject`` raise."""
+    return ManualSettling(message)
+
+
+async def _refused(name: str, *args: Any, **kwargs: Any) -> None:
+    exception = {"ack": "AckMessage", "nack": "NackMessage", "reject": "RejectMessage"}[name]
+    raise HandlerTransactionError(
+        f"the handler called message.{name}(), but the inbox settles this message itself, "
+        f"after its commit or rollback: raise faststream.exceptions.{exception} instead"
+    )

@@ -10,7 +10,7 @@ from faststream import BaseMiddleware
 from faststream.message import SourceType
 
 from .context import current_attempt
-from .processing import HandedBack
+from .outcome import HandedBack
 
 if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo

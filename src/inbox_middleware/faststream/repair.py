@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from ..headers import MESSAGE_ID
 from ..repair import RepairError, StoredMessage
 from .brokers.base import text_headers
-from .processing import CONFLICT_HEADER, REJECTED_HEADER, REPAIR_HEADER
+from .outcome import CONFLICT_HEADER, REJECTED_HEADER, REPAIR_HEADER
 
 __all__ = ["FastStreamRepublisher"]
 

@@ -1,0 +1,177 @@
+"""A batch subscriber's messages: claimed, handled and committed as a whole.
+
+The batch's settlement is the batch's own (processed, or handed back); after the commit,
+conflicts are quarantined and messages without a usable identity dead-lettered one by
+one. `_tell_batch` is where the broker is told.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from .. import consumption as core
+from .. import faults
+from ..consumption import RejectRequested, Unfit
+from ..exceptions import IdentityError, InboxError, PayloadNotHashable, TransientError
+from ..metrics import metrics
+from ..protocol import Decision, Delivery, Verdict
+from .brokers import Item
+from .context import BatchItem
+from .outcome import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
+
+if TYPE_CHECKING:
+    from .processing import Subscription
+
+__all__ = ["consume_batch"]
+
+logger = logging.getLogger("inbox_middleware.faststream")
+
+CallNext = Callable[[Any], Awaitable[Any]]
+
+
+async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) -> Any:
+    """A batch is claimed, handled and committed as a whole: the settlement is the
+    batch's (processed, or handed back); conflicts are quarantined and messages
+    without a usable identity dead-lettered one by one, after the commit."""
+    items = sub.adapter.items(message)
+    claims: list[tuple[int, Delivery]] = []
+    rejected: dict[int, InboxError] = {}
+    for index, item in enumerate(items):
+        try:
+            claims.append((index, sub.delivery(item)))
+        except (IdentityError, PayloadNotHashable) as exc:
+            metrics.missing_identity(sub.consumer.name, core.identity_reason(exc), "rejected")
+            rejected[index] = exc
+    key = ("batch", claims[0][1].key if claims else bytes(items[0].body[:64]))
+
+    async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
+        decided = {index: verdict for (index, _), verdict in zip(claims, verdicts, strict=True)}
+        first = [index for index, _ in claims if decided[index].runs_handler]
+        view = await _view(message, first)
+        seen = _batch_items(items, claims, decided, rejected)
+        return await sub.body(call_next, view, seen)(session)
+
+    outcome = None
+    reject: InboxError | None = None
+    try:
+        if claims:
+            outcome = await sub.storage.process_batch([c for _, c in claims], body)
+    except (RejectRequested, Unfit) as exc:
+        reject = exc if isinstance(exc, Unfit) else InboxError(str(exc))
+    except Exception as exc:
+        return await _tell_batch(sub, message, key, error=exc)
+    try:
+        if reject is not None:
+            for index, item in enumerate(items):
+                await _dead_letter(sub, message, item, index, reject)
+        else:
+            verdicts = outcome.verdicts if outcome is not None else ()
+            for (index, claim), verdict in zip(claims, verdicts, strict=True):
+                if verdict.decision is Decision.CONFLICT and not verdict.shadow:
+                    await _quarantine(sub, items[index], claim, verdict)
+            for index, error in rejected.items():
+                await _dead_letter(sub, message, items[index], index, error)
+    except Exception as exc:
+        return await _tell_batch(sub, message, key, error=exc)
+    if outcome is None or reject is not None:
+        return await _tell_batch(sub, message, key)
+    ran = any(verdict.runs_handler for verdict in outcome.verdicts)
+    return await _tell_batch(sub, message, key, result=outcome.result, ran=ran)
+
+
+async def _tell_batch(
+    sub: Subscription,
+    message: Any,
+    key: Hashable,
+    *,
+    error: Exception | None = None,
+    result: Any = None,
+    ran: bool = False,
+) -> Any:
+    """Tell the broker a batch's settlement: the one place that does, for batches."""
+    faults.at("settle", None)
+    name = sub.consumer.name
+    if error is not None:
+        wait = sub.backoff.next(key)
+        await sub.adapter.retry_later(message, wait)
+        logger.warning(
+            "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
+            name,
+            type(error).__name__,
+            error,
+            wait,
+        )
+        if isinstance(error, TransientError):
+            raise HandedBack(f"{type(error).__name__}: {error}") from error
+        raise error
+    sub.backoff.forget(key)
+    await sub.adapter.ack(message)
+    if ran and result is not ACKED:
+        return result
+    raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
+
+
+async def _quarantine(sub: Subscription, item: Item, claim: Delivery, verdict: Verdict) -> None:
+    details = core.conflict_details(claim, verdict)
+    faults.at("quarantine_publish", claim.identity.message_id)
+    headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
+    await sub.adapter.publish(sub.quarantine, item, headers)
+    metrics.moved(sub.consumer.name, "quarantine")
+
+
+async def _dead_letter(
+    sub: Subscription, message: Any, item: Item, index: int, error: InboxError
+) -> None:
+    logger.error(
+        "rejecting a message for inbox consumer %s to %s: %s",
+        sub.consumer.name,
+        sub.dead_letter or f"the {sub.adapter.name} dead-letter path",
+        error,
+        extra={"inbox_event": "rejected", "inbox_consumer": sub.consumer.name},
+    )
+    details = core.rejection_details(error, sub.consumer.name, sub.adapter.source)
+    faults.at("dead_letter_publish", message_id_of(item.headers))
+    if sub.dead_letter is None:
+        await sub.adapter.reject(message, [index])
+        return
+    headers = {**item.headers, REJECTED_HEADER: json.dumps(details)}
+    await sub.adapter.publish(sub.dead_letter, item, headers)
+
+
+def _batch_items(
+    items: list[Item],
+    claims: list[tuple[int, Delivery]],
+    decided: dict[int, Verdict],
+    rejected: dict[int, InboxError],
+) -> tuple[BatchItem, ...]:
+    identities = {index: claim.identity for index, claim in claims}
+    return tuple(
+        BatchItem(
+            index,
+            decided[index].decision if index in decided else None,
+            identities.get(index),
+            str(rejected[index]) if index in rejected else None,
+        )
+        for index in range(len(items))
+    )
+
+
+async def _view(message: Any, first: list[int]) -> Any:
+    """The batch as the handler sees it: its first-seen messages only, in order."""
+    decoded = await message.decode()
+    kept = [decoded[index] for index in first]
+
+    async def decoder(_: Any) -> Any:
+        return kept
+
+    view = copy.copy(message)
+    view.set_decoder(decoder)
+    if message.batch_headers:
+        view.batch_headers = [message.batch_headers[index] for index in first]
+    return view

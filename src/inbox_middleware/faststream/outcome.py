@@ -1,0 +1,66 @@
+"""What the FastStream adapter tells FastStream: the exceptions that end a settled
+message's consume scope, and the headers a quarantined, dead-lettered or repaired message
+carries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from faststream.exceptions import AckMessage, NackMessage
+
+__all__ = [
+    "ACKED",
+    "CONFLICT_HEADER",
+    "REJECTED_HEADER",
+    "REPAIR_HEADER",
+    "HandedBack",
+    "Skipped",
+    "message_id_of",
+]
+
+CONFLICT_HEADER = "x-inbox-conflict"
+"""On a quarantined message: JSON with the conflict's details and its quarantine row id."""
+
+REJECTED_HEADER = "x-inbox-rejected"
+"""On a dead-lettered message: JSON with the consumer and the reason."""
+
+REPAIR_HEADER = "x-inbox-repair"
+"""On a redriven or accepted message: the row it repairs (``poison:12``, ``quarantine:7``)."""
+
+
+class Skipped(AckMessage):
+    """Settled by the inbox without running the handler (duplicate, conflict, rejected)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class HandedBack(NackMessage):
+    """Rolled back by the inbox and handed back to the broker for a later redelivery."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class _Acknowledged:
+    """The handler raised `AckMessage`: its work commits, then the message is acked."""
+
+
+ACKED = _Acknowledged()
+
+
+def message_id_of(headers: Mapping[str, Any]) -> str | None:
+    """The ``x-inbox-message-id`` header as text, if there is one."""
+    value = headers.get("x-inbox-message-id")
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
