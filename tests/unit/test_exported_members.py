@@ -61,7 +61,13 @@ PUBLIC = {
     "inbox_middleware.faststream.testing": {"FastStreamCheck", "FastStreamMessage"},
     "inbox_middleware.faststream.testbroker": {"guarded", "guard_test_broker"},
     "inbox_middleware.logs": {"FORMAT", "configure", "follow"},
-    "inbox_middleware.dramatiq.boot": {"EXIT_STATUS", "refuse_boot"},
+    "inbox_middleware.dramatiq.boot": {
+        "EXIT_STATUS",
+        "QuietSkips",
+        "WorkerBootError",
+        "check_database",
+        "refuse_boot",
+    },
     "inbox_middleware.throwaway": {
         "DEFAULT_SERVER",
         "SERVER_VARIABLE",

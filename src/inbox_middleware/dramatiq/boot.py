@@ -1,4 +1,5 @@
-"""How a worker that must not start says so under the ``dramatiq`` command.
+"""A worker's start: the checks that must pass before it consumes, and how a worker
+that must not start says so under the ``dramatiq`` command.
 
 Raising `MiddlewareError` from ``before_worker_boot`` is what makes Dramatiq treat the
 failure as fatal; under the ``dramatiq`` command the worker process then dies with the
@@ -12,11 +13,24 @@ returns. Outside the command (a `dramatiq.Worker` started in code, a test), the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import sys
+import threading
+from typing import TYPE_CHECKING
 
-__all__ = ["EXIT_STATUS", "refuse_boot"]
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import MiddlewareError
+from sqlalchemy import Engine
+
+from ..exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..storage import Inbox
+    from ..storage.aio import AsyncInbox
+
+__all__ = ["EXIT_STATUS", "QuietSkips", "WorkerBootError", "check_database", "refuse_boot"]
 
 EXIT_STATUS = 3
 
@@ -35,3 +49,85 @@ def refuse_boot(reason: str) -> None:
     for handler in logging.getLogger().handlers:  # the process ends without atexit
         handler.flush()
     raise SystemExit(EXIT_STATUS)
+
+
+class WorkerBootError(ConfigurationError, MiddlewareError):
+    """The worker must not start: the database is unreachable, or the inbox's schema or
+    database settings are wrong."""
+
+
+def check_database(inbox: Inbox | None, async_inbox: AsyncInbox | None, threads: int) -> None:
+    """Refuse to start a worker whose database would break the guarantee: unreachable,
+    tables missing or out of date, ``synchronous_commit`` off."""
+    try:
+        if inbox is not None:
+            inbox.check()
+            _check_pool(inbox.engine, threads)
+        if async_inbox is not None:
+            asyncio.run(_check_async(async_inbox))
+            _check_pool(async_inbox.engine.sync_engine, threads)
+    except Exception as exc:
+        refuse_boot(_boot_error(exc))  # the dramatiq command: one line, exit status 3
+        # A MiddlewareError, or Dramatiq would log this and start the worker anyway.
+        raise WorkerBootError(_boot_error(exc)) from exc
+
+
+async def _check_async(inbox: AsyncInbox) -> None:
+    # Runs on a private event loop before Dramatiq's starts: its connections must not
+    # outlive this loop, so the pool is emptied before returning.
+    try:
+        await inbox.check()
+    finally:
+        await inbox.engine.dispose()
+
+
+def _boot_error(exc: Exception) -> str:
+    if isinstance(exc, ConfigurationError) or exc.__class__.__module__.startswith(
+        "inbox_middleware"
+    ):
+        return str(exc)
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return (
+        "the inbox cannot reach its database, so the worker does not start: "
+        f"{text[0] if text else type(exc).__name__}"
+    )
+
+
+def _check_pool(engine: Engine, threads: int) -> None:
+    pool = engine.pool
+    size = getattr(pool, "size", None)
+    overflow = getattr(pool, "_max_overflow", 0)
+    if callable(size) and overflow >= 0 and size() + overflow < threads:
+        logger.warning(
+            "the connection pool holds at most %d connections for %d worker threads: threads "
+            "will wait for connections; set pool_size (plus max_overflow) to at least %d",
+            size() + overflow,
+            threads,
+            threads,
+        )
+
+
+class QuietSkips(logging.Filter):
+    """Drops Dramatiq's "Message ... was skipped." warning for messages the inbox settled
+    (a duplicate is normal traffic, and the inbox logged it already)."""
+
+    _LOGGER = "dramatiq.worker.WorkerThread"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._settled = threading.local()
+
+    def install(self) -> None:
+        target = logging.getLogger(self._LOGGER)
+        if self not in target.filters:
+            target.addFilter(self)
+
+    def mark(self, message: MessageProxy) -> None:
+        self._settled.message_id = message.message_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Message %s was skipped." or not record.args:
+            return True
+        args = record.args if isinstance(record.args, tuple) else (record.args,)
+        settled = getattr(self._settled, "message_id", None)
+        return getattr(args[0], "message_id", None) != settled or settled is None

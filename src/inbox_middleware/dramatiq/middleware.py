@@ -25,7 +25,6 @@ with a delay and skip this copy (a hand-back, which spends no retry).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Sequence
@@ -59,7 +58,7 @@ from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
-from .boot import refuse_boot
+from .boot import QuietSkips, WorkerBootError, check_database
 from .context import current_async_session, current_session, identity
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
@@ -91,11 +90,6 @@ class ActorConfigurationError(ConfigurationError, MiddlewareError):
     A `MiddlewareError`, because Dramatiq logs and swallows any other exception raised
     while an actor is declared, which would leave the actor running unprotected.
     """
-
-
-class WorkerBootError(ConfigurationError, MiddlewareError):
-    """The worker must not start: the database is unreachable, or the inbox's schema or
-    database settings are wrong."""
 
 
 class InboxMiddleware(dramatiq.Middleware):
@@ -208,7 +202,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self._actors: dict[str, InboxActor] = {}
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
-        self._quiet = _QuietSkips()
+        self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
 
     # The consumer settings, read from the policy (set them when creating the middleware).
@@ -400,17 +394,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self._quiet.install()
         if not (self.check_database and self._actors):
             return
-        try:
-            if self.inbox is not None:
-                self.inbox.check()
-                _check_pool(self.inbox.engine, worker.worker_threads)
-            if self.async_inbox is not None:
-                asyncio.run(_check_async(self.async_inbox))
-                _check_pool(self.async_inbox.engine.sync_engine, worker.worker_threads)
-        except Exception as exc:
-            refuse_boot(_boot_error(exc))  # the dramatiq command: one line, exit status 3
-            # A MiddlewareError, or Dramatiq would log this and start the worker anyway.
-            raise WorkerBootError(_boot_error(exc)) from exc
+        check_database(self.inbox, self.async_inbox, worker.worker_threads)
 
     def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         # asyncpg connections belong to Dramatiq's event loop; close them on it while it
@@ -423,69 +407,8 @@ class InboxMiddleware(dramatiq.Middleware):
             loop_thread.run_coroutine(self.async_inbox.engine.dispose())
 
 
-class _QuietSkips(logging.Filter):
-    """Drops Dramatiq's "Message ... was skipped." warning for messages the inbox settled
-    (a duplicate is normal traffic, and the inbox logged it already)."""
-
-    _LOGGER = "dramatiq.worker.WorkerThread"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._settled = threading.local()
-
-    def install(self) -> None:
-        target = logging.getLogger(self._LOGGER)
-        if self not in target.filters:
-            target.addFilter(self)
-
-    def mark(self, message: MessageProxy) -> None:
-        self._settled.message_id = message.message_id
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != "Message %s was skipped." or not record.args:
-            return True
-        args = record.args if isinstance(record.args, tuple) else (record.args,)
-        settled = getattr(self._settled, "message_id", None)
-        return getattr(args[0], "message_id", None) != settled or settled is None
-
-
-async def _check_async(inbox: AsyncInbox) -> None:
-    # Runs on a private event loop before Dramatiq's starts: its connections must not
-    # outlive this loop, so the pool is emptied before returning.
-    try:
-        await inbox.check()
-    finally:
-        await inbox.engine.dispose()
-
-
-def _boot_error(exc: Exception) -> str:
-    if isinstance(exc, ConfigurationError) or exc.__class__.__module__.startswith(
-        "inbox_middleware"
-    ):
-        return str(exc)
-    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    return (
-        "the inbox cannot reach its database, so the worker does not start: "
-        f"{text[0] if text else type(exc).__name__}"
-    )
-
-
 def _option_name(actor: dramatiq.Actor[Any, Any], option: str) -> str:
     try:
         return validate_name(actor.options[option], option, max_length=MAX_NAME_LENGTH)
     except IdentityError as exc:
         raise ConfigurationError(f"actor {actor.actor_name!r}: {exc}") from None
-
-
-def _check_pool(engine: Engine, threads: int) -> None:
-    pool = engine.pool
-    size = getattr(pool, "size", None)
-    overflow = getattr(pool, "_max_overflow", 0)
-    if callable(size) and overflow >= 0 and size() + overflow < threads:
-        logger.warning(
-            "the connection pool holds at most %d connections for %d worker threads: threads "
-            "will wait for connections; set pool_size (plus max_overflow) to at least %d",
-            size() + overflow,
-            threads,
-            threads,
-        )
