@@ -11,18 +11,17 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
-from sqlalchemy import Engine, create_engine, make_url
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from .exceptions import InboxError
+from .exceptions import ConfigurationError, InboxError
 from .storage import LATEST_VERSION, InboxSchema, check_schema, migrate, render_sql
+from .storage.engines import sync_engine
 from .storage.migrate import schema_version
 
 __all__ = ["main", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_SYNC_DRIVERS = {"postgresql": "postgresql+psycopg", "sqlite": "sqlite"}
 
 
 def database_options(command: F) -> F:
@@ -47,16 +46,12 @@ def database_options(command: F) -> F:
 
 
 def connect(database_url: str) -> Engine:
-    """A synchronous engine for ``database_url``, whatever driver the URL names."""
-    url = make_url(database_url)
-    driver = _SYNC_DRIVERS.get(url.get_backend_name())
-    if driver is None:
-        raise click.UsageError(
-            f"inbox-middleware supports PostgreSQL and SQLite, not {url.get_backend_name()}"
-        )
-    if url.get_backend_name() == "postgresql" and url.get_driver_name() not in ("psycopg",):
-        url = url.set(drivername=driver)
-    return create_engine(url, pool_size=1) if driver != "sqlite" else create_engine(url)
+    """A synchronous engine for ``database_url``, whatever driver the URL names; safe
+    behind a transaction pooler (`storage.engines`)."""
+    try:
+        return sync_engine(database_url)
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

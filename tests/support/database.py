@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 from inbox_middleware.storage import migrate
 
 from ..apps import domain
-from .services import POSTGRES, with_database
+from .services import POSTGRES_SERVER, with_database
 
 
 def _digest() -> str:
@@ -31,7 +31,9 @@ def _digest() -> str:
 
 
 def _admin() -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(POSTGRES.replace("postgresql+psycopg", "postgresql"), autocommit=True)
+    # The server itself, never a pooler: the template's advisory lock is session-level.
+    url = POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
+    return psycopg.connect(url, autocommit=True)
 
 
 def create_run_database() -> str:
@@ -56,7 +58,7 @@ def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str
     building = f"{template}_building"
     admin.execute(f'DROP DATABASE IF EXISTS "{building}"')
     admin.execute(f'CREATE DATABASE "{building}"')
-    engine = create_engine(with_database(POSTGRES, building), poolclass=None)
+    engine = create_engine(with_database(POSTGRES_SERVER, building), poolclass=None)
     try:
         migrate(engine)
         with engine.begin() as conn:
