@@ -7,9 +7,11 @@ reused across runs. Each run's database is dropped when the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
+from collections.abc import Iterator
 from importlib import resources
 
 import psycopg
@@ -71,6 +73,21 @@ def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str
         (template,),
     ).fetchall():
         admin.execute(f'DROP DATABASE IF EXISTS "{stale[0]}"')
+
+
+@contextlib.contextmanager
+def scratch_database(**settings: str) -> Iterator[str]:
+    """Another database cloned from the template, with ``settings`` as its defaults
+    (ALTER DATABASE ... SET), the way they reach every session, through a pooler too."""
+    name = f"inbox_scratch_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with _admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "inbox_tpl_{_digest()}"')
+        for setting, value in settings.items():
+            admin.execute(f'ALTER DATABASE "{name}" SET {setting} = {value}')
+    try:
+        yield name
+    finally:
+        drop_database(name)
 
 
 def drop_database(name: str) -> None:

@@ -48,3 +48,18 @@ def with_database(url: str, database: str, driver: str = "psycopg") -> str:
     """``url`` pointed at another database, with a SQLAlchemy driver name."""
     parts = urlsplit(url)
     return parts._replace(scheme=f"postgresql+{driver}", path=f"/{database}").geturl()
+
+
+def postgres_address() -> tuple[str, int]:
+    """Host and port of ``INBOX_TEST_POSTGRES`` (the server, or the pooler in front)."""
+    parts = urlsplit(POSTGRES)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
+def via_port(url: str, port: int) -> str:
+    """``url`` pointed at 127.0.0.1:``port`` (a test's proxy in front of the database)."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return parts._replace(
+        netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}"
+    ).geturl()
