@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
 from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware.metrics import serve
 from inbox_middleware.protocol import Decision, Delivery
 from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
 
@@ -29,6 +30,7 @@ from ..support.dispatchers import DispatcherProcess
 from ..support.engines import pgbouncer_snippet
 from ..support.http_remote import Remote
 from ..support.workers import wait_for
+from .test_metrics import Scrape
 from .test_outbox import dispatcher, running
 
 OUTBOX = InboxSchema().tables.outbox
@@ -227,3 +229,14 @@ def test_pgbouncer_snippet__engines_run_a_statement_many_times_and_claim(
             await engine.dispose()
 
     assert asyncio.run(asyncpg_runs()) is Decision.FIRST
+
+
+def test_metrics_endpoint_given_a_url__reads_the_tables_at_every_scrape(pg_url, pg_engine):
+    # Given the endpoint's own engine (a URL), read afresh at each of 12 scrapes
+    with Session(pg_engine) as session, session.begin():
+        outbox.add(session, destination="remote", payload={}, effect_id="backlog")
+    with serve(0, engine=pg_url, cache_seconds=0) as server:
+        scrapes = [Scrape(server.url) for _ in range(12)]
+    # Then every read succeeded, the last as the first
+    assert [s.value("inbox_table_stats_up") for s in scrapes] == [1] * 12
+    assert scrapes[-1].value("inbox_outbox_pending", destination="remote") == 1

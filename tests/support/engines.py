@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from . import services
@@ -29,20 +29,28 @@ def pgbouncer_snippet() -> Any:
 
 
 def sync_engine(url: str, **options: Any) -> Engine:
-    if services.THROUGH_POOLER and url.startswith("postgresql"):
-        return pgbouncer_snippet().psycopg_engine(url, **_without_connect_args(options))
-    return create_engine(url, **options)
+    if not (services.THROUGH_POOLER and url.startswith("postgresql")):
+        return create_engine(url, **options)
+    extra = options.pop("connect_args", {})
+    return _connecting_with(pgbouncer_snippet().psycopg_engine(url, **options), extra)
 
 
 def async_engine(url: str, **options: Any) -> AsyncEngine:
-    if services.THROUGH_POOLER:
-        return pgbouncer_snippet().asyncpg_engine(url, **_without_connect_args(options))
-    return create_async_engine(url, **options)
+    if not services.THROUGH_POOLER:
+        return create_async_engine(url, **options)
+    extra = options.pop("connect_args", {})
+    engine = pgbouncer_snippet().asyncpg_engine(url, **options)
+    _connecting_with(engine.sync_engine, extra)
+    return engine
 
 
-def _without_connect_args(options: dict[str, Any]) -> dict[str, Any]:
-    # The snippet owns connect_args; a test that sets its own (a server setting) adds it.
-    extra = options.pop("connect_args", None)
+def _connecting_with(engine: Engine, extra: dict[str, Any]) -> Engine:
+    """The snippet's engine, with a test's own connect arguments (an application name)
+    added to the snippet's."""
     if extra:
-        raise AssertionError(f"through the pooler, set {extra} another way")
-    return options
+
+        @event.listens_for(engine, "do_connect")
+        def _add(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+            cparams.update(extra)
+
+    return engine
