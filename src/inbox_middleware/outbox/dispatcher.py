@@ -309,8 +309,8 @@ class Dispatcher:
                             "outbox dispatcher: a NOTIFY sent through the engine did not reach "
                             "the LISTEN connection (%s) within %ss: they do not share a session-"
                             "level path (a transaction pooler such as PgBouncer in transaction "
-                            "mode?). Wake-ups are off; polling every %ss. Give listen_url a "
-                            "connection to the server itself to wake on NOTIFY.",
+                            "mode?). Wake-ups are off; polling every %ss. Give listen_url "
+                            "(--listen-url) a connection to the server itself to wake on NOTIFY.",
                             url.render_as_string(hide_password=True),
                             _PROBE_TIMEOUT,
                             self.poll_interval,
