@@ -79,9 +79,8 @@ def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str
 def scratch_database(**settings: str) -> Iterator[str]:
     """Another database cloned from the template, with ``settings`` as its defaults
     (ALTER DATABASE ... SET), the way they reach every session, through a pooler too."""
-    name = f"inbox_scratch_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    name = create_run_database()  # builds the template again if another run dropped it
     with _admin() as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "inbox_tpl_{_digest()}"')
         for setting, value in settings.items():
             admin.execute(f'ALTER DATABASE "{name}" SET {setting} = {value}')
     try:
