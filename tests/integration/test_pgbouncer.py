@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from inbox_middleware import outbox
 from inbox_middleware.identity import MessageIdentity, hash_json
 from inbox_middleware.metrics import serve
 from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
+from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema, engines
 
 from ..support import services
 from ..support.dispatchers import DispatcherProcess
@@ -33,6 +35,7 @@ from ..support.workers import wait_for
 from .test_metrics import Scrape
 from .test_outbox import dispatcher, running
 
+ROOT = Path(__file__).resolve().parents[2]
 OUTBOX = InboxSchema().tables.outbox
 NO_WAKE_UPS = "did not reach the LISTEN connection"
 # The server session running the statement, its lock_timeout, and the value it would
@@ -197,25 +200,29 @@ async def test_async_claim__lock_timeout_ends_with_the_claim_transaction(pg_asyn
     assert after == reset != "1500ms"
 
 
-def test_pgbouncer_snippet__engines_run_a_statement_many_times_and_claim(
-    pg_url, pg_async_url, pg_engine
+@pytest.mark.parametrize("factories", ["the guide's snippet", "storage.engines"])
+def test_pooler_safe_engines__run_a_statement_many_times_and_claim(
+    factories, pg_url, pg_async_url, pg_engine
 ):
-    # The guide's engines (docs/snippets/pgbouncer.py), on whatever INBOX_TEST_POSTGRES is:
-    # twenty runs of one statement, well past psycopg's prepare threshold of five
-    snippet = pgbouncer_snippet()
-    engine = snippet.psycopg_engine(pg_url, pool_size=2)
+    # The guide's engines (docs/snippets/pgbouncer.py) and the library's own, on whatever
+    # INBOX_TEST_POSTGRES is: twenty runs of one statement, past psycopg's threshold of five
+    if factories == "storage.engines":
+        make_sync, make_async = engines.sync_engine, engines.async_engine
+    else:
+        make_sync = pgbouncer_snippet().psycopg_engine
+        make_async = pgbouncer_snippet().asyncpg_engine
+    engine = make_sync(pg_url, pool_size=2)
     try:
         for _ in range(20):
             with engine.begin() as conn:
                 assert conn.scalar(text("SELECT count(*) FROM consumer_inbox")) == 0
-        assert Inbox(engine).process(delivery("m-1"), lambda session: None).decision is (
-            Decision.FIRST
-        )
+        outcome = Inbox(engine).process(delivery("m-1"), lambda session: None)
+        assert outcome.decision is Decision.FIRST
     finally:
         engine.dispose()
 
     async def asyncpg_runs() -> Decision:
-        engine = snippet.asyncpg_engine(pg_async_url, pool_size=2)
+        engine = make_async(pg_async_url, pool_size=2)
         try:
             for _ in range(20):
                 async with engine.begin() as conn:
@@ -240,3 +247,39 @@ def test_metrics_endpoint_given_a_url__reads_the_tables_at_every_scrape(pg_url, 
     # Then every read succeeded, the last as the first
     assert [s.value("inbox_table_stats_up") for s in scrapes] == [1] * 12
     assert scrapes[-1].value("inbox_outbox_pending", destination="remote") == 1
+
+
+ASYNCPG_PROCESS = """
+import asyncio, sys
+from sqlalchemy import text
+from tests.support.engines import async_engine
+
+async def main():
+    engine = async_engine(sys.argv[1], pool_size=2)
+    try:
+        for n in range(200):
+            async with engine.begin() as conn:
+                assert await conn.scalar(text(f"SELECT {n % 7}")) == n % 7
+    finally:
+        await engine.dispose()
+
+asyncio.run(main())
+"""
+
+
+def test_asyncpg_engines_in_two_processes__never_collide_on_a_statement_name(pg_async_url):
+    # Two processes, each numbering its statements from 1 (asyncpg's default names):
+    # through a transaction pooler their names meet in one server session, unless each
+    # statement has a unique name, as the guide's engine gives it
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", ASYNCPG_PROCESS, pg_async_url],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs

@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib.util
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from . import services
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["async_engine", "pgbouncer_snippet", "sync_engine"]
 
@@ -37,6 +39,8 @@ def sync_engine(url: str, **options: Any) -> Engine:
 
 def async_engine(url: str, **options: Any) -> AsyncEngine:
     if not services.THROUGH_POOLER:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         return create_async_engine(url, **options)
     extra = options.pop("connect_args", {})
     engine = pgbouncer_snippet().asyncpg_engine(url, **options)

@@ -70,6 +70,7 @@ PUBLIC = {
         "producer_contract",
     },
     "inbox_middleware.explain": {"FORMAT", "SCHEMA", "explain"},
+    "inbox_middleware.storage.engines": {"async_engine", "pooler_connect_args", "sync_engine"},
 }
 
 
