@@ -13,12 +13,12 @@ import dramatiq
 import pytest
 from dramatiq.middleware import AsyncIO, Retries
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.storage import migrate
 
 from .apps import domain
 from .support import database, services
+from .support.engines import async_engine, sync_engine
 
 pytest_plugins = ["pytester"]  # the plugin's own tests run users' suites
 
@@ -43,7 +43,7 @@ def pg_async_url(database_name: str) -> str:
 
 @pytest.fixture(scope="session")
 def pg_engine_session(pg_url: str) -> Iterator[Engine]:
-    engine = create_engine(pg_url, pool_size=20, max_overflow=10)
+    engine = sync_engine(pg_url, pool_size=20, max_overflow=10)
     yield engine
     engine.dispose()
 
@@ -57,7 +57,7 @@ def pg_engine(pg_engine_session: Engine, pg_url: str) -> Engine:
 
 @pytest.fixture
 async def pg_async_engine(pg_engine: Engine, pg_async_url: str) -> Any:
-    engine = create_async_engine(pg_async_url, pool_size=20)
+    engine = async_engine(pg_async_url, pool_size=20)
     yield engine
     await engine.dispose()
 

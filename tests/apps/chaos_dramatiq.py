@@ -20,10 +20,10 @@ from typing import Any
 
 import dramatiq
 from dramatiq.middleware import Middleware
-from sqlalchemy import create_engine
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
+from ..support.engines import sync_engine
 from . import chaos_domain
 
 ENV = os.environ
@@ -79,7 +79,7 @@ def _broker() -> dramatiq.Broker:
 logging.getLogger("inbox_middleware").setLevel(logging.WARNING)
 broker = _broker()
 broker.add_middleware(Outcomes())
-engine = create_engine(
+engine = sync_engine(
     ENV["CHAOS_DATABASE_URL"],
     pool_size=int(ENV.get("CHAOS_POOL_SIZE", "8")),
     max_overflow=0,

@@ -22,10 +22,10 @@ from typing import Any
 
 from faststream import BaseMiddleware, FastStream
 from faststream.exceptions import AckMessage
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
+from ..support.engines import async_engine
 from . import chaos_domain
 
 ENV = os.environ
@@ -79,7 +79,7 @@ def _broker(middlewares: list[Any]) -> Any:
 
 # One line per skipped duplicate would dominate the log; conflicts still log a warning.
 logging.getLogger("inbox_middleware").setLevel(logging.WARNING)
-engine = create_async_engine(
+engine = async_engine(
     ENV["CHAOS_DATABASE_URL"],
     pool_size=CONCURRENCY + 2,  # a connection per message in hand, and failure records
     max_overflow=0,

@@ -23,11 +23,11 @@ from typing import Any
 
 import dramatiq
 from dramatiq.middleware import CurrentMessage, Middleware
-from sqlalchemy import create_engine
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 from inbox_middleware.storage import InboxSchema
 
+from ..support.engines import sync_engine
 from .domain import apply_credit
 
 ENV = os.environ
@@ -87,7 +87,7 @@ def _broker() -> dramatiq.Broker:
 broker = _broker()
 broker.add_middleware(CrashPoints())
 broker.add_middleware(CurrentMessage())
-engine = create_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
+engine = sync_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 broker.add_middleware(
     InboxMiddleware(
         engine,

@@ -25,10 +25,10 @@ import time
 from typing import Any
 
 from faststream import BaseMiddleware, FastStream
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
+from ..support.engines import async_engine
 from .domain import apply_credit_async
 
 ENV = os.environ
@@ -92,7 +92,7 @@ def _broker(middlewares: list[Any]) -> Any:
     return NatsBroker(url, middlewares=middlewares)
 
 
-engine = create_async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
+engine = async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 inbox = FastStreamInbox(engine, lock_timeout=30, retry_backoff=(0.1, 1.0))
 broker = _broker([CrashPoints, inbox.middleware])
 app = FastStream(inbox.guard(broker))

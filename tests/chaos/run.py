@@ -30,7 +30,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from ..apps import chaos_domain
-from ..support import servers
+from ..support import servers, services
 from ..support.cutting_proxy import CuttingProxy
 from .ledger import Ledger, check
 from .plan import Plan, make_plan
@@ -316,7 +316,10 @@ def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Re
     if target.kill_every is not None:
         config.kill_every = target.kill_every
     url = make_url(database_url)
-    admin_url = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    # The harness's own connection goes to the server itself, past any pooler.
+    server = make_url(services.POSTGRES_SERVER)
+    admin_url = url.set(drivername="postgresql", host=server.host, port=server.port)
+    admin_url = admin_url.render_as_string(hide_password=False)
     admin = Admin(admin_url)
     _reset(admin)
     proxy = CuttingProxy((url.host or "127.0.0.1", url.port or 5432))
@@ -376,6 +379,22 @@ def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Re
             if config.broker == "rabbitmq":
                 servers.ensure_rabbitmq()
             admin.close()
+
+
+def _sessions(admin: Admin) -> dict[str, int]:
+    """Database connections per worker: the server's sessions, or through a transaction
+    pooler (which shares its server sessions among clients) the pooler's clients."""
+    if not services.THROUGH_POOLER:
+        rows = admin.query(
+            "SELECT application_name, count(*) FROM pg_stat_activity "
+            "WHERE application_name LIKE %s GROUP BY 1",
+            (f"{APPLICATION}%",),
+        )
+        return dict(rows)
+    host, port = services.postgres_address()
+    with psycopg.connect(f"postgresql://postgres@{host}:{port}/pgbouncer", autocommit=True) as c:
+        clients = c.execute("SHOW CLIENTS").fetchall()
+    return dict(Counter(row[17] for row in clients if str(row[17]).startswith(APPLICATION)))
 
 
 def _reset(admin: Admin) -> None:
@@ -546,12 +565,7 @@ def _pools(admin: Admin, fleet: Fleet) -> tuple[dict[str, dict[str, int]], int, 
         for name in fleet.names:
             stats = fleet.stats(name)
             pools[name] = dict(stats["pool"]) if stats else {"size": 0, "checkedout": -1, "idle": 0}
-        rows = admin.query(
-            "SELECT application_name, count(*) FROM pg_stat_activity "
-            "WHERE application_name LIKE %s GROUP BY 1",
-            (f"{APPLICATION}%",),
-        )
-        sessions = dict(rows)
+        sessions = _sessions(admin)
         problems = [
             f"worker {name}: pool {pool} with {sessions.get(APPLICATION + name, 0)} sessions"
             for name, pool in pools.items()

@@ -10,8 +10,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import create_engine, select, text
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware.exceptions import (
@@ -25,6 +24,8 @@ from inbox_middleware.protocol import Decision, Delivery
 from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support import database, services
+from ..support.engines import async_engine, sync_engine
 from ..support.proxy import Proxy
 
 
@@ -329,7 +330,7 @@ def test_claim__deadlock_between_handlers_is_retried_in_process(pg_engine):
 
 
 def test_claim__runs_at_read_committed_even_on_a_repeatable_read_engine(pg_url, pg_engine):
-    engine = create_engine(pg_url, isolation_level="REPEATABLE READ")
+    engine = sync_engine(pg_url, isolation_level="REPEATABLE READ")
     try:
         inbox = Inbox(engine)
         levels = []
@@ -342,21 +343,22 @@ def test_claim__runs_at_read_committed_even_on_a_repeatable_read_engine(pg_url, 
         engine.dispose()
 
 
-def test_check__refuses_synchronous_commit_off(pg_url, pg_engine):
-    engine = create_engine(pg_url, connect_args={"options": "-c synchronous_commit=off"})
-    try:
-        with pytest.raises(PrerequisiteError, match="synchronous_commit is off"):
-            Inbox(engine).check()
-    finally:
-        engine.dispose()
+def test_check__refuses_synchronous_commit_off(pg_engine):
+    # Set on the database, as it must be behind PgBouncer (which refuses a connection's
+    # "options"), and as the sessions of any pooler pick it up
+    with database.scratch_database(synchronous_commit="off") as name:
+        engine = sync_engine(services.with_database(services.POSTGRES, name))
+        try:
+            with pytest.raises(PrerequisiteError, match="synchronous_commit is off"):
+                Inbox(engine).check()
+        finally:
+            engine.dispose()
 
 
 def test_claim__database_down_at_claim_time_is_transient_and_loses_nothing(pg_engine, pg_url):
     # Given an engine that reaches PostgreSQL through a proxy we can break
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_engine(
-        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
-    )
+    proxy = Proxy(services.postgres_address())
+    engine = sync_engine(services.via_port(pg_url, proxy.port), pool_pre_ping=True)
     inbox = Inbox(engine)
     try:
         inbox.process(delivery("warm-up"), credit(account=9))
@@ -377,8 +379,8 @@ def test_claim__database_down_at_claim_time_is_transient_and_loses_nothing(pg_en
 
 
 def test_claim__connection_cut_mid_transaction_commits_nothing(pg_engine, pg_url):
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_engine(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    proxy = Proxy(services.postgres_address())
+    engine = sync_engine(services.via_port(pg_url, proxy.port))
     inbox = Inbox(engine)
 
     def cut_after_writes(session: Session) -> None:
@@ -504,8 +506,8 @@ async def test_async_claim__lock_timeout_hands_the_message_back(pg_async_engine,
 
 
 async def test_async_claim__database_down_at_claim_time_is_transient(pg_async_url, pg_engine):
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_async_engine(pg_async_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    proxy = Proxy(services.postgres_address())
+    engine = async_engine(services.via_port(pg_async_url, proxy.port))
     inbox = AsyncInbox(engine)
 
     async def handler(session) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import dramatiq
 import pytest
 from dramatiq.middleware import Middleware
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from inbox_middleware.dramatiq import (
     InboxMiddleware,
@@ -24,6 +24,7 @@ from inbox_middleware.exceptions import ClaimInProgress, InvalidIdentity
 from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support import engines, services
 from ..support.dramatiq_worker import drain, running_worker
 from ..support.proxy import Proxy
 from ..support.workers import wait_for
@@ -297,9 +298,7 @@ def test_dramatiq__sixteen_concurrent_deliveries_in_threads_have_one_effect(
 
 
 def test_dramatiq__async_actor_is_protected_too(broker, queue, pg_engine, pg_async_url, recorder):
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    async_engine = create_async_engine(pg_async_url)
+    async_engine = engines.async_engine(pg_async_url)
     broker.add_middleware(InboxMiddleware(pg_engine, async_engine=async_engine))
 
     @dramatiq.actor(queue_name=queue, inbox_consumer="billing-async")
@@ -353,10 +352,8 @@ def test_dramatiq__database_down_at_claim_time_retries_and_loses_nothing(
     broker, queue, pg_url, pg_engine, recorder
 ):
     # Given a worker whose database connection runs through a proxy we can break
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_engine(
-        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
-    )
+    proxy = Proxy(services.postgres_address())
+    engine = engines.sync_engine(services.via_port(pg_url, proxy.port), pool_pre_ping=True)
     broker.add_middleware(InboxMiddleware(engine))
 
     @dramatiq.actor(queue_name=queue, inbox_consumer="billing")

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from faststream import AckPolicy
 from sqlalchemy import Engine, select, text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import (
@@ -25,6 +24,8 @@ from inbox_middleware.identity import MissingIdentity
 from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit_async, balance, effects
+from ..support import services
+from ..support.engines import async_engine
 from ..support.faststream_brokers import KINDS, Harness, Seen, eventually, recorder
 from ..support.proxy import Proxy
 
@@ -300,10 +301,8 @@ async def test_faststream__database_down_at_claim_time_hands_back_and_loses_noth
 ):
     # Given an inbox whose database connection runs through a proxy we can break, and a
     # retry backoff from 0.2 s doubling up to 1 s
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_async_engine(
-        pg_async_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
-    )
+    proxy = Proxy(services.postgres_address())
+    engine = async_engine(services.via_port(pg_async_url, proxy.port), pool_pre_ping=True)
     inbox = FastStreamInbox(engine, retry_backoff=(0.2, 1.0))
     h.broker.add_middleware(inbox.middleware)
     inbox.guard(h.broker)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, select, text, update
+from sqlalchemy import Engine, select, text, update
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
@@ -24,6 +24,8 @@ from inbox_middleware.protocol import Decision, Delivery
 from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
+from ..support import services
+from ..support.engines import sync_engine
 from ..support.http_remote import Behaviour, Remote
 from ..support.proxy import Proxy
 from ..support.workers import wait_for
@@ -291,7 +293,7 @@ def test_dispatcher__retries_after_an_ambiguous_timeout_and_the_remote_applies_o
 def test_dispatcher__two_dispatchers_deliver_each_effect_once(pg_url, pg_engine, remote):
     # Given 1,000 effects and two dispatchers with their own connections, started at once
     ids = record(pg_engine, 1000)
-    engines = [create_engine(pg_url, pool_size=2) for _ in range(2)]
+    engines = [sync_engine(pg_url, pool_size=2) for _ in range(2)]
     racing = [dispatcher(engine, remote, batch_size=25) for engine in engines]
     try:
         threads = [d.start() for d in racing]
@@ -392,8 +394,17 @@ def test_dispatcher__leases_only_its_own_destinations(pg_engine, remote):
     }
 
 
-def test_dispatcher__listen_wakes_it_without_waiting_for_the_poll(pg_engine, remote):
-    d = dispatcher(pg_engine, remote, poll_interval=60.0, listen=True)
+def test_dispatcher__listen_wakes_it_without_waiting_for_the_poll(pg_engine, database_name, remote):
+    # Through a transaction pooler, LISTEN needs the server itself (test_pgbouncer.py
+    # shows the warning and the polling without it)
+    listen_url = services.with_database(services.POSTGRES_SERVER, database_name)
+    d = dispatcher(
+        pg_engine,
+        remote,
+        poll_interval=60.0,
+        listen=True,
+        listen_url=listen_url if services.THROUGH_POOLER else None,
+    )
     with running(d):
         time.sleep(1.0)  # idle, past its first (empty) poll
         with Session(pg_engine) as session, session.begin():
@@ -449,10 +460,8 @@ def test_backoff__exponential_capped_and_jittered():
 
 def test_dispatcher__outlives_a_database_outage(pg_url, pg_engine, remote, caplog):
     # Given a dispatcher whose database connections go through a proxy we can break
-    proxy = Proxy(("127.0.0.1", 5432))
-    engine = create_engine(
-        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
-    )
+    proxy = Proxy(services.postgres_address())
+    engine = sync_engine(services.via_port(pg_url, proxy.port), pool_pre_ping=True)
     try:
         with (
             caplog.at_level(logging.WARNING, "inbox_middleware.outbox"),

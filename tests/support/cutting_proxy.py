@@ -3,7 +3,8 @@
 `Proxy` cuts every live connection; a chaos run wants the interesting ones: those whose
 server session has a transaction open (a claim taken, the handler's writes done or under
 way, the commit not yet sent). PostgreSQL names each session's client port, which is the
-local port of the proxy's upstream socket, so the two can be matched exactly.
+local port of the proxy's upstream socket, so the two can be matched exactly (through
+PgBouncer, its admin console links them).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 
 import psycopg
 
+from . import services
 from .proxy import Proxy, _reset
 
 __all__ = ["CuttingProxy"]
@@ -21,6 +23,21 @@ MID_TRANSACTION = """
     WHERE application_name = ANY(%s) AND xact_start IS NOT NULL
       AND state IN ('active', 'idle in transaction')
 """
+
+
+def _client_ports_behind_pgbouncer(server_ports: set[int]) -> set[int]:
+    """Through PgBouncer the sessions' client ports are PgBouncer's own: its admin console
+    links each server connection (by its local port) to the client it serves now, whose
+    port is the local port of this proxy's upstream socket."""
+    host, port = services.postgres_address()
+    with psycopg.connect(
+        f"postgresql://postgres@{host}:{port}/pgbouncer", autocommit=True
+    ) as console:
+        servers = console.execute("SHOW SERVERS").fetchall()
+        clients = console.execute("SHOW CLIENTS").fetchall()
+    # columns: type, user, database, state, addr, port, local_addr, local_port, ..., ptr, link
+    linked = {server[14] for server in servers if server[7] in server_ports and server[14]}
+    return {int(client[5]) for client in clients if client[13] in linked}
 
 
 class CuttingProxy(Proxy):
@@ -49,7 +66,10 @@ class CuttingProxy(Proxy):
         transaction open right now (asked on ``admin``, a connection that does not pass
         through here)."""
         rows = admin.execute(MID_TRANSACTION, (applications,)).fetchall()
-        return self.cut_ports({int(port) for (port,) in rows if port is not None})
+        ports = {int(port) for (port,) in rows if port is not None}
+        if services.THROUGH_POOLER:
+            ports = _client_ports_behind_pgbouncer(ports)
+        return self.cut_ports(ports)
 
     def links(self) -> int:
         with self._lock:

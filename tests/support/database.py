@@ -7,9 +7,11 @@ reused across runs. Each run's database is dropped when the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
+from collections.abc import Iterator
 from importlib import resources
 
 import psycopg
@@ -18,7 +20,7 @@ from sqlalchemy import create_engine, text
 from inbox_middleware.storage import migrate
 
 from ..apps import domain
-from .services import POSTGRES, with_database
+from .services import POSTGRES_SERVER, with_database
 
 
 def _digest() -> str:
@@ -31,7 +33,9 @@ def _digest() -> str:
 
 
 def _admin() -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(POSTGRES.replace("postgresql+psycopg", "postgresql"), autocommit=True)
+    # The server itself, never a pooler: the template's advisory lock is session-level.
+    url = POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
+    return psycopg.connect(url, autocommit=True)
 
 
 def create_run_database() -> str:
@@ -56,7 +60,7 @@ def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str
     building = f"{template}_building"
     admin.execute(f'DROP DATABASE IF EXISTS "{building}"')
     admin.execute(f'CREATE DATABASE "{building}"')
-    engine = create_engine(with_database(POSTGRES, building), poolclass=None)
+    engine = create_engine(with_database(POSTGRES_SERVER, building), poolclass=None)
     try:
         migrate(engine)
         with engine.begin() as conn:
@@ -69,6 +73,20 @@ def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str
         (template,),
     ).fetchall():
         admin.execute(f'DROP DATABASE IF EXISTS "{stale[0]}"')
+
+
+@contextlib.contextmanager
+def scratch_database(**settings: str) -> Iterator[str]:
+    """Another database cloned from the template, with ``settings`` as its defaults
+    (ALTER DATABASE ... SET), the way they reach every session, through a pooler too."""
+    name = create_run_database()  # builds the template again if another run dropped it
+    with _admin() as admin:
+        for setting, value in settings.items():
+            admin.execute(f'ALTER DATABASE "{name}" SET {setting} = {value}')
+    try:
+        yield name
+    finally:
+        drop_database(name)
 
 
 def drop_database(name: str) -> None:

@@ -66,7 +66,7 @@ def _run(command: str, timeout: float) -> None:
 
 
 def _postgres_port() -> int:
-    return urlsplit(services.POSTGRES).port or 5432
+    return urlsplit(services.POSTGRES_SERVER).port or 5432
 
 
 def _postgres_cluster() -> tuple[str, str]:
@@ -89,7 +89,7 @@ def _pg_ctl(action: str) -> str:
 def postgres_answers() -> bool:
     import psycopg
 
-    url = services.POSTGRES.replace("postgresql+psycopg", "postgresql")
+    url = services.POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
     with psycopg.connect(url.rsplit("/", 1)[0] + "/postgres", connect_timeout=2) as conn:
         return conn.execute("SELECT 1").fetchone() == (1,)
 
@@ -111,7 +111,7 @@ def restart_postgres(timeout: float = 60) -> float:
     import psycopg
 
     with contextlib.suppress(psycopg.Error):
-        url = services.POSTGRES.replace("postgresql+psycopg", "postgresql")
+        url = services.POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
         with psycopg.connect(url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as conn:
             conn.execute("CHECKPOINT")
     started = time.monotonic()

@@ -2,6 +2,14 @@
 
 A missing service fails the run: these tests exist to exercise the real thing, and a
 skipped test proves nothing. `scripts/services` starts whatever is down.
+
+``INBOX_TEST_POSTGRES`` is what the tests' engines, workers and commands connect to: the
+server itself, or a transaction pooler in front of it (PgBouncer on 6432, as
+``scripts/test`` runs its second configuration). ``INBOX_TEST_POSTGRES_SERVER`` is the
+server itself, for what a pooler cannot carry: creating and dropping the run's database
+(under a session-level advisory lock), restarting the server, watching its sessions.
+When the two differ the run is through a pooler: the tests' engines are then configured
+as docs/how-to/pgbouncer.md tells users to (`engine_options`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from urllib.parse import urlsplit
 import pytest
 
 POSTGRES = os.environ.get("INBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+POSTGRES_SERVER = os.environ.get("INBOX_TEST_POSTGRES_SERVER", POSTGRES)
+THROUGH_POOLER = urlsplit(POSTGRES)[1:3] != urlsplit(POSTGRES_SERVER)[1:3]
 REDIS = os.environ.get("INBOX_TEST_REDIS", "redis://127.0.0.1:6379/15")
 RABBITMQ = os.environ.get("INBOX_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS = os.environ.get("INBOX_TEST_NATS", "nats://127.0.0.1:4222")
@@ -39,3 +49,18 @@ def with_database(url: str, database: str, driver: str = "psycopg") -> str:
     """``url`` pointed at another database, with a SQLAlchemy driver name."""
     parts = urlsplit(url)
     return parts._replace(scheme=f"postgresql+{driver}", path=f"/{database}").geturl()
+
+
+def postgres_address() -> tuple[str, int]:
+    """Host and port of ``INBOX_TEST_POSTGRES`` (the server, or the pooler in front)."""
+    parts = urlsplit(POSTGRES)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
+def via_port(url: str, port: int) -> str:
+    """``url`` pointed at 127.0.0.1:``port`` (a test's proxy in front of the database)."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return parts._replace(
+        netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}"
+    ).geturl()

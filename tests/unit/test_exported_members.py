@@ -156,6 +156,15 @@ PUBLIC = {
         "naming_from",
         "naming_options",
     },
+    "inbox_middleware.storage.engines": {
+        "async_engine",
+        "parse_url",
+        "pooler_connect_args",
+        "postgresql_driver",
+        "run_sync",
+        "sync_engine",
+        "uses_asyncio",
+    },
 }
 
 

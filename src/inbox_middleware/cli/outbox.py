@@ -61,6 +61,13 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     help="Also wake on NOTIFY (needs a session-level connection, not a transaction pooler).",
 )
 @click.option(
+    "--listen-url",
+    envvar="INBOX_OUTBOX_LISTEN_URL",
+    default=None,
+    help="Database URL of the LISTEN connection, when --database-url goes through a "
+    "transaction pooler (PgBouncer): the same database on the server itself. Implies --listen.",
+)
+@click.option(
     "--shutdown-grace",
     type=float,
     default=None,
@@ -89,6 +96,7 @@ def run_command(
     backoff_cap: float,
     poll_interval: float,
     listen: bool,
+    listen_url: str | None,
     shutdown_grace: float | None,
     burst: bool,
     log_level: str,
@@ -122,6 +130,7 @@ def run_command(
             backoff=Backoff(base=backoff_base, cap=backoff_cap),
             poll_interval=poll_interval,
             listen=listen,
+            listen_url=listen_url,
             shutdown_grace=shutdown_grace,
         )
         asyncio.run(_serve(dispatcher, burst))

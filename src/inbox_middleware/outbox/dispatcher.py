@@ -15,6 +15,14 @@ One batch::
     settle: UPDATE ... WHERE lease_token = T
     COMMIT ─────────────────────────> dispatched / pending again / failed
 
+Wake-ups (``listen``) need a session-level connection: LISTEN registers in one server
+session, and a transaction pooler (PgBouncer in transaction mode) hands that session to
+other clients between transactions, so notifications never reach the dispatcher. At
+start-up the dispatcher sends itself a probe NOTIFY the way `outbox.add` sends one
+(through ``engine``); if the LISTEN connection does not receive it, a warning says so and
+the dispatcher polls. ``listen_url`` points the LISTEN connection elsewhere (the server
+itself) while the leases still go through the pooler.
+
 A dispatcher that dies holds its leases until ``leased_until``; the lease also moved
 ``next_attempt_at`` there, so the effects are due again then and another dispatcher takes
 them over. Deliveries end (or are cancelled) before the lease does, so two dispatchers
@@ -40,7 +48,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import URL, Engine, make_url
+from sqlalchemy.exc import DBAPIError
 
 from ..exceptions import ConfigurationError
 from ..metrics import metrics
@@ -57,6 +66,7 @@ T = TypeVar("T")
 _LEASE_SPARE = 0.2  # the share of the lease no delivery may use: cancellation, clock drift
 _MIN_SHARE = 0.1  # a delivery with less than this share of delivery_timeout left is not started
 _MAX_ERROR = 2000
+_PROBE_TIMEOUT = 5.0  # seconds a probe NOTIFY may take to reach the LISTEN connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +129,11 @@ class Dispatcher:
       backoff: the delay between attempts.
       poll_interval: seconds between looks for due effects while idle.
       listen: also wake up on ``NOTIFY`` from ``outbox.add(..., notify=True)``. It needs
-        a session-level connection: not through a transaction pooler.
+        a session-level connection: through a transaction pooler, a start-up check warns
+        and the dispatcher polls (see ``listen_url``).
+      listen_url: the database URL of the LISTEN connection (implies ``listen``), when
+        ``engine`` goes through a transaction pooler: the same database, on the server
+        itself or through a session-mode pooler. Default: ``engine``'s URL.
       shutdown_grace: seconds in-flight deliveries may still take after `stop`; then
         they are cancelled and their leases released. Default: ``delivery_timeout``.
     """
@@ -137,11 +151,13 @@ class Dispatcher:
         backoff: Backoff | None = None,
         poll_interval: float = 1.0,
         listen: bool = False,
+        listen_url: str | URL | None = None,
         shutdown_grace: float | None = None,
     ) -> None:
         require_postgresql(engine)
-        if listen and engine.dialect.driver != "psycopg":
-            raise ConfigurationError("listen=True needs the psycopg driver")
+        listen = listen or listen_url is not None
+        if listen and listen_url is None and engine.dialect.driver != "psycopg":
+            raise ConfigurationError("listen=True needs the psycopg driver, or a listen_url")
         self.destinations = (
             destinations if isinstance(destinations, Destinations) else Destinations(destinations)
         )
@@ -166,6 +182,9 @@ class Dispatcher:
         self.backoff = backoff or Backoff()
         self.poll_interval = poll_interval
         self.listen = listen
+        self.listen_url = make_url(listen_url) if listen_url is not None else engine.url
+        self.listening = False
+        """True while a LISTEN connection that notifications are known to reach is open."""
         self.shutdown_grace = delivery_timeout if shutdown_grace is None else shutdown_grace
         self.stats = DispatcherStats()
         self._statements: OutboxStatements = statements_for(self.naming, "postgresql")
@@ -273,23 +292,61 @@ class Dispatcher:
                 wait.cancel()
 
     async def _listen(self) -> None:
-        """Keep a LISTEN connection open; each notification wakes the idle loop."""
+        """Keep a LISTEN connection open; each notification wakes the idle loop.
+
+        Each time it connects, a probe NOTIFY sent through the engine must reach it; if
+        none does (a transaction pooler in between), it warns once and gives up: the
+        dispatcher keeps polling.
+        """
         import psycopg
 
         assert self._wake is not None
-        url = self.engine.url.set(drivername="postgresql")
+        url = self.listen_url.set(drivername="postgresql")
         dsn = url.render_as_string(hide_password=False)
         channel = self._statements.channel  # validated identifiers: safe between quotes
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
                     await conn.execute(f'LISTEN "{channel}"')
+                    if not await self._probe(conn):
+                        logger.warning(
+                            "outbox dispatcher: a NOTIFY sent through the engine did not reach "
+                            "the LISTEN connection (%s) within %ss: they do not share a session-"
+                            "level path (a transaction pooler such as PgBouncer in transaction "
+                            "mode?). Wake-ups are off; polling every %ss. Give listen_url "
+                            "(--listen-url) a connection to the server itself to wake on NOTIFY.",
+                            url.render_as_string(hide_password=True),
+                            _PROBE_TIMEOUT,
+                            self.poll_interval,
+                        )
+                        return
+                    self.listening = True
+                    logger.info("outbox dispatcher: woken by NOTIFY on %s", channel)
                     self._wake.set()  # anything recorded while not listening
                     async for _ in conn.notifies():
                         self._wake.set()
-            except psycopg.Error as exc:
+            except (psycopg.Error, DBAPIError) as exc:
                 logger.warning("outbox LISTEN connection failed (%s); polling meanwhile", exc)
+            finally:
+                self.listening = False
             await asyncio.sleep(self.poll_interval)
+
+    async def _probe(self, conn: Any) -> bool:
+        """Whether a NOTIFY committed through the engine reaches ``conn`` in time."""
+        assert self._wake is not None
+        token = f"inbox-probe-{uuid.uuid4().hex}"
+        await asyncio.to_thread(self._send_probe, token)
+        async for notify in conn.notifies(timeout=_PROBE_TIMEOUT):
+            if notify.payload == token:
+                return True
+            self._wake.set()  # a real notification meanwhile
+        return False
+
+    def _send_probe(self, token: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                self._statements.probe, {"channel": self._statements.channel, "payload": token}
+            )
 
     # -- one batch ------------------------------------------------------------------------
 

@@ -81,6 +81,10 @@ class OutboxStatements:
 
         # -- notify: wake listening dispatchers when the transaction commits --------------
         self.notify: Executable = select(func.pg_notify(bindparam("channel", type_=Text), ""))
+        # -- probe: a dispatcher checks that a NOTIFY reaches its LISTEN connection -------
+        self.probe: Executable = select(
+            func.pg_notify(bindparam("channel", type_=Text), bindparam("payload", type_=Text))
+        )
 
         # -- counts: effects per status ---------------------------------------------------
         self.counts: Executable = select(outbox.c.status, func.count()).group_by(outbox.c.status)

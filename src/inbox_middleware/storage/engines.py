@@ -1,19 +1,44 @@
-"""Engines for the connections the library opens itself (the command line, the metrics
-server given a URL), with whichever PostgreSQL driver the installation has.
+"""Engines for the connections the library opens itself (the command line, ``inbox-middleware
+outbox run``, the metrics collector given a URL), with whichever PostgreSQL driver the
+installation has, and safe behind a transaction pooler.
 
 A URL naming no driver, or a driver that is not installed, is served by the first of
 psycopg, psycopg2 and asyncpg that is: ``inbox-middleware[faststream-rabbit]`` brings
 asyncpg only, ``inbox-middleware[dramatiq]`` psycopg. asyncpg has no synchronous API, so
 an engine over it (SQLAlchemy's async engine, seen through its ``sync_engine``) must be
 used under `run_sync`, which gives it the greenlet and event loop it needs.
+
+PgBouncer in transaction mode (``pool_mode = transaction``) lends each transaction whichever
+server connection is free. A prepared statement lives in one server session, so a driver
+that prepares a statement and then runs it by name breaks as soon as two transactions land
+on different server connections::
+
+    client (psycopg)                 PgBouncer          server session A    server session B
+    5th execution: PREPARE _pg3_0  ───────────────────> _pg3_0 created
+    next transaction: EXECUTE _pg3_0  ─────────────────────────────────────> does not exist
+    another client: PREPARE _pg3_0  ───────────────────> already exists
+
+So the library's own engines never run a statement by a name a server session must
+remember, pooler or not (on a direct connection this costs one parse per statement, for
+statements that run a few times a second at most):
+
+- psycopg: ``prepare_threshold=None``: never prepare.
+- asyncpg, as SQLAlchemy's asyncpg dialect documents for PgBouncer: asyncpg's statement
+  cache off (``statement_cache_size=0``), the dialect's own cache off
+  (``prepared_statement_cache_size=0``), and a unique name for each statement the dialect
+  still prepares (``prepared_statement_name_func``), so that no two clients collide in one
+  server session.
+
+Users' own engines need the same settings; docs/how-to/pgbouncer.md shows them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL, Engine, create_engine, make_url
 from sqlalchemy.exc import ArgumentError
@@ -21,7 +46,18 @@ from sqlalchemy.pool import NullPool
 
 from ..exceptions import ConfigurationError
 
-__all__ = ["parse_url", "postgresql_driver", "run_sync", "sync_engine", "uses_asyncio"]
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "async_engine",
+    "parse_url",
+    "pooler_connect_args",
+    "postgresql_driver",
+    "run_sync",
+    "sync_engine",
+    "uses_asyncio",
+]
 
 T = TypeVar("T")
 
@@ -63,6 +99,20 @@ def postgresql_driver(url: URL) -> str:
     return installed[0]
 
 
+def pooler_connect_args(driver: str) -> dict[str, Any]:
+    """The ``connect_args`` that keep ``driver``'s statements unnamed (empty for drivers
+    that never name them, such as SQLite's)."""
+    if driver == "psycopg":
+        return {"prepare_threshold": None}
+    if driver == "asyncpg":
+        return {
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "prepared_statement_name_func": _statement_name,
+        }
+    return {}
+
+
 def sync_engine(database_url: str | URL, **options: Any) -> Engine:
     """A synchronous engine for a PostgreSQL or SQLite URL (one connection unless
     ``options`` say otherwise). Over asyncpg, use it under `run_sync`."""
@@ -77,9 +127,9 @@ def sync_engine(database_url: str | URL, **options: Any) -> Engine:
         # Each run_sync has an event loop of its own, and an asyncpg connection belongs
         # to the loop that opened it: pool none.
         options.setdefault("poolclass", NullPool)
-        return create_async_engine(url, **options).sync_engine
+        return create_async_engine(url, connect_args=_merged(url, options), **options).sync_engine
     options.setdefault("pool_size", 1)
-    return create_engine(url, **options)
+    return create_engine(url, connect_args=_merged(url, options), **options)
 
 
 def uses_asyncio(database_url: str | URL) -> bool:
@@ -102,3 +152,25 @@ def _installed(module: str) -> bool:
         return False
     # SQLAlchemy drives asyncpg through greenlet (its asyncio extra).
     return module != "asyncpg" or importlib.util.find_spec("greenlet") is not None
+
+
+def async_engine(database_url: str | URL, **options: Any) -> AsyncEngine:
+    """An `AsyncEngine` for ``database_url`` (PostgreSQL through asyncpg or psycopg)."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    url = make_url(database_url)
+    if url.get_backend_name() != "postgresql":
+        raise ConfigurationError(
+            f"an asynchronous engine needs PostgreSQL, not {url.get_backend_name()}"
+        )
+    return create_async_engine(url, connect_args=_merged(url, options), **options)
+
+
+def _merged(url: URL, options: dict[str, Any]) -> dict[str, Any]:
+    """The pooler-safe arguments, under whatever the caller passed itself."""
+    own: dict[str, Any] = options.pop("connect_args", {})
+    return pooler_connect_args(url.get_driver_name()) | own
+
+
+def _statement_name() -> str:
+    return f"__asyncpg_{uuid.uuid4()}__"
