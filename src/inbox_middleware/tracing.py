@@ -203,6 +203,10 @@ class _Trace:
         elif kind == "CountFailure" and isinstance(answer, int):
             self.span.set_attribute("inbox.failed_attempts", answer)
 
+    def batch(self, size: int) -> None:
+        """This delivery is a batch of ``size`` messages, settled as a whole."""
+        _quietly(self.span.set_attribute, "inbox.batch_size", size)
+
     def settled(self, settlement: Settlement) -> None:
         """Name the settlement on the span and set its status from it."""
         from .consumption import DeadLettered, HandedBack, Poisoned, Quarantined
@@ -323,6 +327,9 @@ class _NoTrace(_NoClaim):
     __slots__ = ()
 
     trace_id = None
+
+    def batch(self, size: int) -> None:
+        pass
 
     def settled(self, settlement: object) -> None:
         return None

@@ -208,3 +208,41 @@ def test_tracing__the_monitoring_page_shows_the_trees_these_tests_produce():
     page = (DOCS / "how-to" / "monitoring.md").read_text()
     for tree in (FIRST, DUPLICATE, CONFLICT, HAND_BACK, POISON):
         assert f"\n{tree}\n" in page, tree
+
+
+async def test_tracing__a_batch_is_one_delivery_span_with_its_claim_and_commit(
+    pg_async_engine, pg_engine, spans
+):
+    # Given a batch subscriber on NATS JetStream with tracing on
+    from ..support.faststream_brokers import Seen, recorder
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.5), tracing=spans.provider)
+    harness = Harness("nats", [recorder(seen), inbox.middleware])
+    inbox.guard(harness.broker)
+
+    @harness.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        for body in bodies:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    try:
+        await harness.prepare_source()
+        async with harness.broker:
+            # When three messages arrive in one batch
+            for number in range(3):
+                await harness.publish(ORDER, ident(f"ord-{number}"))
+            await harness.broker.start()
+            await eventually(lambda: applied(pg_engine) == 3, what="the batch's effects")
+            await eventually(spans.deliveries, what="the batch's span")
+    finally:
+        await harness.cleanup()
+    # Then the batch is one delivery span, settled as processed, with its claim and commit
+    deliveries = spans.deliveries()
+    sizes = sum((span.attributes or {}).get("inbox.batch_size", 0) for span in deliveries)
+    assert sizes == 3
+    root = deliveries[0]
+    assert (root.attributes or {})["inbox.settlement"] == "processed"
+    names = [span.name for span in spans.children(root)]
+    assert "inbox.claim" in names
+    assert "inbox.commit" in names

@@ -40,6 +40,14 @@ async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) ->
     batch's (processed, or handed back); conflicts are quarantined and messages
     without a usable identity dead-lettered one by one, after the commit."""
     items = sub.adapter.items(message)
+    with sub.tracing.delivery(sub.consumer.name, items[0].headers if items else None) as trace:
+        trace.batch(len(items))
+        return await _consume(sub, call_next, message, items, trace)
+
+
+async def _consume(
+    sub: Subscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
+) -> Any:
     claims: list[tuple[int, Delivery]] = []
     rejected: dict[int, InboxError] = {}
     for index, item in enumerate(items):
@@ -65,7 +73,7 @@ async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) ->
     except (RejectRequested, Unfit) as exc:
         reject = exc if isinstance(exc, Unfit) else InboxError(str(exc))
     except Exception as exc:
-        return await _tell_batch(sub, message, key, error=exc)
+        return await _tell_batch(sub, trace, message, key, error=exc)
     try:
         if reject is not None:
             for index, item in enumerate(items):
@@ -78,15 +86,16 @@ async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) ->
             for index, error in rejected.items():
                 await _dead_letter(sub, message, items[index], index, error)
     except Exception as exc:
-        return await _tell_batch(sub, message, key, error=exc)
+        return await _tell_batch(sub, trace, message, key, error=exc)
     if outcome is None or reject is not None:
-        return await _tell_batch(sub, message, key)
+        return await _tell_batch(sub, trace, message, key)
     ran = any(verdict.runs_handler for verdict in outcome.verdicts)
-    return await _tell_batch(sub, message, key, result=outcome.result, ran=ran)
+    return await _tell_batch(sub, trace, message, key, result=outcome.result, ran=ran)
 
 
 async def _tell_batch(
     sub: Subscription,
+    trace: Any,
     message: Any,
     key: Hashable,
     *,
@@ -97,6 +106,7 @@ async def _tell_batch(
     """Tell the broker a batch's settlement: the one place that does, for batches."""
     faults.at("settle", None)
     name = sub.consumer.name
+    trace.settled(core.HandedBack(error, counted=False) if error else core.Processed(result))
     if error is not None:
         wait = sub.backoff.next(key)
         await sub.adapter.retry_later(message, wait)
