@@ -166,3 +166,38 @@ async def test_faststream_batch__failure_hands_back_the_batch_then_applies_each_
 def effects_now(engine: Engine) -> int:
     with engine.connect() as conn:
         return effects(conn, 7)
+
+
+async def test_faststream_batch__a_batch_that_always_fails_ends_in_poison_not_a_loop(
+    h, pg_async_engine, pg_engine, seen
+):
+    # Given a batch handler that fails every time, and max_attempts=2
+    from sqlalchemy import select
+
+    from inbox_middleware.storage import InboxSchema
+
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
+    h.broker.add_middleware(inbox.middleware)
+    inbox.guard(h.broker)
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        raise RuntimeError("the ledger service is broken")
+
+    poison = InboxSchema().tables.poison
+
+    def poisoned() -> list[str]:
+        with pg_engine.connect() as conn:
+            return [row.message_id for row in conn.execute(select(poison))]
+
+    # When a batch of three arrives
+    await h.prepare_source()
+    async with h.broker:
+        for number in range(3):
+            await h.publish(*order(f"p-{number}", 1))
+        await h.broker.start()
+        await eventually(lambda: len(poisoned()) == 3, timeout=30, what="three poison rows")
+        dead = await h.read(f"{h.source}.dead-letter")
+    # Then after its attempts each message is kept as poison and dead-lettered, not looped
+    assert sorted(poisoned()) == ["p-0", "p-1", "p-2"]
+    assert len(dead) == 3

@@ -1,6 +1,7 @@
 """A batch subscriber's messages: claimed, handled and committed as a whole.
 
-The batch's settlement is the batch's own (processed, or handed back); after the commit,
+The batch's settlement is the batch's own (processed, handed back, or, when its
+attempts run out, each message kept as poison and dead-lettered); after the commit,
 conflicts are quarantined and messages without a usable identity dead-lettered one by
 one. `_tell_batch` is where the broker is told.
 """
@@ -17,8 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from .. import consumption as core
 from .. import faults
-from ..consumption import RejectRequested, Unfit
-from ..exceptions import IdentityError, InboxError, PayloadNotHashable, TransientError
+from ..consumption import CountFailure, RecordPoison, RejectRequested, Unfit
+from ..exceptions import (
+    IdentityError,
+    InboxError,
+    PayloadNotHashable,
+    SchemaError,
+    TransientError,
+)
 from ..metrics import metrics
 from ..protocol import Decision, Delivery, Verdict
 from .brokers import Item
@@ -73,7 +80,9 @@ async def _consume(
     except (RejectRequested, Unfit) as exc:
         reject = exc if isinstance(exc, Unfit) else InboxError(str(exc))
     except Exception as exc:
-        return await _tell_batch(sub, trace, message, key, error=exc)
+        reject = await _failed(sub, claims, exc)
+        if reject is None:
+            return await _tell_batch(sub, trace, message, key, error=exc)
     try:
         if reject is not None:
             for index, item in enumerate(items):
@@ -91,6 +100,35 @@ async def _consume(
         return await _tell_batch(sub, trace, message, key)
     ran = any(verdict.runs_handler for verdict in outcome.verdicts)
     return await _tell_batch(sub, trace, message, key, result=outcome.result, ran=ran)
+
+
+async def _failed(
+    sub: Subscription, claims: list[tuple[int, Delivery]], exc: Exception
+) -> InboxError | None:
+    """Count a failed batch against each of its messages; when that was the last attempt
+    (or the failure is permanent), keep each as poison and return why the batch goes to
+    the dead-letter destination. None: hand it back (also when nothing could be counted)."""
+    if isinstance(exc, TransientError | SchemaError) or not claims:
+        return None
+    code = core.reason_code(exc, sub.policy.permanent_errors)
+    error = core.describe(exc)
+    limit = sub.policy.max_attempts
+    try:
+        counts = [await sub.storage.bookkeep(CountFailure(claim, error)) for _, claim in claims]
+        if code is None and (limit is None or max(counts) < limit):
+            metrics.handler_failure(sub.consumer.name, type(exc).__name__)
+            return None
+        code = code or (core.INBOX_ERROR if isinstance(exc, InboxError) else core.RETRIES_EXHAUSTED)
+        for (_, claim), attempts in zip(claims, counts, strict=True):
+            await sub.storage.bookkeep(RecordPoison(claim, code, error, attempts))
+            metrics.moved(sub.consumer.name, "poison")
+    except Exception:
+        logger.exception("could not record the failure of a batch of %s", sub.consumer.name)
+        return None
+    metrics.handler_failure(sub.consumer.name, code)
+    return InboxError(
+        f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
+    )
 
 
 async def _tell_batch(
