@@ -1,5 +1,6 @@
 """Traces of FastStream deliveries on the real RabbitMQ: the span tree of each settlement,
-and the producer's trace joined, from the headers or under FastStream's own middleware."""
+and the producer's trace joined, from the headers or under FastStream's own middleware.
+The docs' snippet (docs/snippets/monitoring_tracing.py) is loaded through `snippet()`."""
 
 from __future__ import annotations
 
