@@ -36,6 +36,13 @@ def report(
     """Log and count ``settlement`` of ``arrival`` for ``consumer``; ``where`` names the
     dead-letter path (``the dead-letter queue``, ``orders.dead-letter``), ``message`` the
     broker's id of the message (for a message without a usable identity of its own)."""
+    if type(settlement) is Duplicate or (
+        type(settlement) is Processed
+        and settlement.verdict is not None
+        and settlement.recovered is None
+        and settlement.expired is None
+    ):
+        return  # the common cases: logged where the claim decided them
     delivery = arrival.delivery
     fields = {
         "inbox_consumer": consumer,
