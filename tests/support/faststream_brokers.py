@@ -208,6 +208,22 @@ class Harness:
                     found.append((message.data or b"", dict(message.headers or {})))
         return found
 
+    async def read_at_least(
+        self, destination: str, count: int, *, timeout: float = 15
+    ) -> list[tuple[bytes, dict[str, Any]]]:
+        """Wait until ``destination`` holds ``count`` messages, and return them all: a
+        settlement records its row before it publishes, so a row can be seen first."""
+        found: list[tuple[bytes, dict[str, Any]]] = []
+
+        async def enough() -> bool:
+            nonlocal found
+            read = await self.read(destination)
+            found = found + read if self.kind == "rabbit" else read  # RabbitMQ consumes
+            return len(found) >= count
+
+        await eventually(enough, timeout=timeout, what=f"{count} messages at {destination}")
+        return found
+
     async def leftover(self) -> int:
         """Messages of the source not acknowledged (ready, pending or in flight), asked on a
         connection of its own. RabbitMQ: only accurate once the broker under test has
