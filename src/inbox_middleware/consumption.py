@@ -42,6 +42,7 @@ from .exceptions import (
     SchemaError,
     TransientError,
 )
+from .outputs import OUTPUTS_UNDELIVERABLE, Output
 from .protocol import Decision, Delivery, QuarantineRecord, Verdict
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "Duplicate",
     "HandBackRequested",
     "HandedBack",
+    "LoadOutputs",
     "Op",
     "Poisoned",
     "Process",
@@ -76,6 +78,7 @@ __all__ = [
     "drive",
     "drive_async",
     "expired",
+    "outputs_failed_steps",
     "reason_code",
     "rejection_details",
     "settle_steps",
@@ -139,6 +142,9 @@ class Arrival:
     outcomes_redeliver: bool = True
     """Whether a failed or handed-back delivery comes back as a redelivery (a nack does;
     Dramatiq retries with a new message), so that the redelivery limit subtracts them."""
+    keeps_outputs: bool = False
+    """Whether something downstream consumes the handler's result (publishers, a reply,
+    a pipeline step): it is then stored with the claim, and a duplicate loads it."""
 
     @property
     def consumer(self) -> str | None:
@@ -179,6 +185,8 @@ class Process:
     delivery: Delivery
     before_handler: Callable[[Verdict], None]
     repair_marker: str | None
+    keeps_outputs: bool = False
+    """Store the handler's result with the claim (see `Arrival.keeps_outputs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +224,14 @@ class RecordPoison:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadOutputs:
+    """Load the output stored with ``delivery``'s claim; answer the `Output`, or None
+    when nothing was stored (a claim from before outputs were kept)."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """Publish the message, confirmed, to its quarantine or dead-letter destination with
     ``details`` (what the repair tools read). Raise when the broker did not take it."""
@@ -231,6 +247,7 @@ Op = (
     | CountFailure
     | CountHandBack
     | RecordPoison
+    | LoadOutputs
     | Publish
 )
 
@@ -284,9 +301,11 @@ class Processed:
 
 @dataclass(frozen=True, slots=True)
 class Duplicate:
-    """Processed before (the same payload): the handler skipped, ack."""
+    """Processed before (the same payload): the handler skipped; publish ``output`` again
+    when one was stored, then ack."""
 
     verdict: Verdict
+    output: Output | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +422,9 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
                 )
 
     try:
-        outcome = yield Process(delivery, before_handler, arrival.repair_marker)
+        outcome = yield Process(
+            delivery, before_handler, arrival.repair_marker, arrival.keeps_outputs
+        )
     except BaseException as exc:
         return (yield from _failed(arrival, delivery, rules, exc))
     verdict: Verdict = outcome.verdict
@@ -412,7 +433,13 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         age = too_old[0] if too_old else None
         return Processed(outcome.result, verdict, recovered, outcome.attempts, age)
     if verdict.decision is Decision.DUPLICATE:
-        return Duplicate(verdict)
+        if not arrival.keeps_outputs:
+            return Duplicate(verdict)
+        try:
+            output = yield LoadOutputs(delivery)
+        except Exception as exc:
+            return (yield from _hand_back(exc, delivery))
+        return Duplicate(verdict, output)
     assert verdict.quarantine is not None
     details = conflict_details(delivery, verdict)
     try:
@@ -565,6 +592,33 @@ def _failed(
         yield from _hand_back(trouble, delivery)
         return HandedBack(exc, counted=False)
     return (yield from _dead_letter(Poisoned(code, record, error), delivery))
+
+
+def outputs_failed_steps(
+    arrival: Arrival, rules: Rules, exc: BaseException
+) -> Generator[Op, Any, Settlement]:
+    """The delivery committed, but publishing its outputs failed with ``exc``: the claim
+    (and the stored outputs) stay, the message is handed back, and its redelivery is a
+    duplicate that publishes them again. Counted as a failed attempt: when the attempts
+    run out, the message is kept as poison (``outputs_undeliverable``) and a redrive
+    publishes the outputs again."""
+    delivery = arrival.delivery
+    assert delivery is not None
+    if _transient(exc, arrival):
+        return (yield from _hand_back(exc, delivery))
+    error = describe(exc)
+    try:
+        attempts: int = yield CountFailure(delivery, error)
+        last = rules.max_attempts is not None and attempts >= rules.max_attempts
+        if not last and arrival.gives_up is not None:
+            last = arrival.gives_up(exc)
+        if not last:
+            return HandedBack(exc, counted=True)
+        record = yield RecordPoison(delivery, OUTPUTS_UNDELIVERABLE, error, attempts)
+    except Exception as trouble:
+        yield from _hand_back(trouble, delivery)
+        return HandedBack(exc, counted=False)
+    return (yield from _dead_letter(Poisoned(OUTPUTS_UNDELIVERABLE, record, error), delivery))
 
 
 def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from .exceptions import ConfigurationError
+from .outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = ["ConsumerPolicy", "ExpiredPolicy", "MissingIdentityPolicy", "check_missing_identity"]
 
@@ -50,6 +51,9 @@ class ConsumerPolicy:
       shadow: claim and decide as usual, but skip nothing (see the monitoring guide).
       retry_backoff: (first, limit) seconds before a hand-back is redelivered, doubling
         per hand-back of the same message.
+      max_output_bytes: the largest encoded result stored with a claim, where something
+        downstream consumes it (publishers, replies, pipelines); a larger one is a
+        permanent failure (``result_unstorable``). None: no limit.
     """
 
     missing_identity: MissingIdentityPolicy = "reject"
@@ -60,6 +64,7 @@ class ConsumerPolicy:
     expired_redelivery: ExpiredPolicy = "reject"
     shadow: bool = False
     retry_backoff: tuple[float, float] = (0.5, 30.0)
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
 
     def __post_init__(self) -> None:
         check_missing_identity(self.missing_identity)
@@ -67,7 +72,7 @@ class ConsumerPolicy:
             raise ConfigurationError(
                 f"expired_redelivery must be 'reject' or 'process', not {self.expired_redelivery!r}"
             )
-        for name in ("max_attempts", "redelivery_limit"):
+        for name in ("max_attempts", "redelivery_limit", "max_output_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigurationError(f"{name} must be a whole number of zero or more, or None")

@@ -104,3 +104,15 @@ def add_credit(account_id: int, delta: int) -> None:
     message = CurrentMessage.get_current_message()
     pause_point("in_body", message.message_id if message else "?")
     time.sleep(SLEEP)
+
+
+# A pipeline of two inbox actors: reserve's result is ship's argument.
+@dramatiq.actor(queue_name=QUEUE, inbox_consumer="stock", min_backoff=100, max_backoff=1000)
+def reserve(account_id: int, delta: int) -> dict[str, int]:
+    apply_credit(current_session(), "stock", account_id, delta)
+    return {"account_id": account_id + 1, "delta": delta * 2}
+
+
+@dramatiq.actor(queue_name=QUEUE, inbox_consumer="shipping", min_backoff=100, max_backoff=1000)
+def ship(order: dict[str, int]) -> None:
+    apply_credit(current_session(), "shipping", order["account_id"], order["delta"])

@@ -141,6 +141,34 @@ def test_crash__killed_worker_message_is_redelivered_and_applied_once(setup, pg_
         assert "was skipped" not in second.output()
 
 
+def test_crash__a_pipeline_continues_after_a_kill_between_commit_and_ack(
+    setup, broker_kind, queue, pg_engine
+):
+    start, producer, markers, _ = setup
+    # Given a pipeline of two inbox actors, and a worker that stops after the first
+    # step's commit, before its ack (and before Dramatiq's Pipelines would send step two)
+    broker = producer.broker
+    reserve = dramatiq.actor(
+        lambda account_id, delta: None, actor_name="reserve", queue_name=queue, broker=broker
+    )
+    ship = dramatiq.actor(lambda order: None, actor_name="ship", queue_name=queue, broker=broker)
+    first = start(INBOX_TEST_PAUSE_AT="after_commit")
+    step = reserve.message_with_options(
+        args=(7, 10), **identity(producer="orders", message_id="p-1")
+    )
+    dramatiq.pipeline([step, ship.message()], broker=broker).run()
+    wait_for((markers / "after_commit.paused").exists, timeout=30, what="after_commit")
+    # When it is killed there, and a fresh worker gets the first step again
+    first.kill()
+    second = start()
+    # Then the second step runs, once, with the first step's result
+    wait_for(lambda: applied(pg_engine, 8) == 1, timeout=30, what="the second step")
+    time.sleep(2)  # a step sent twice and applied twice would show up here
+    second.stop()
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), effects(conn, 8), balance(conn, 8)) == (1, 1, 20)
+
+
 def test_crash__sixteen_concurrent_deliveries_across_four_processes(setup, pg_engine):
     start, producer, _, tmp_path = setup
     # Given four worker processes with four threads each (each taking at most four

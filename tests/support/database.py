@@ -105,6 +105,7 @@ def truncate(engine_url: str) -> None:
                 "inbox_attempts",
                 "inbox_poison",
                 "inbox_retention",
+                "inbox_outputs",
                 *domain.TABLES,
             ]
         )

@@ -173,6 +173,48 @@ class Harness:
         else:
             await self.broker.publish(body, self.name, headers=headers, stream=self.stream)
 
+    def publisher(self, destination: str) -> Any:
+        """A publisher of this broker to ``destination`` (see `prepare_destination`)."""
+        if self.kind == "rabbit":
+            from faststream.rabbit import RabbitQueue
+
+            return self.broker.publisher(RabbitQueue(destination, durable=True), persist=True)
+        if self.kind == "redis":
+            return self.broker.publisher(stream=destination)
+        if self.kind == "kafka":
+            return self.broker.publisher(destination)
+        return self.broker.publisher(destination, stream=f"{self.stream}_OUT")
+
+    async def prepare_destination(self, destination: str) -> None:
+        """Create ``destination``, so that what is published there can be read back."""
+        if self.kind == "rabbit":
+            import aio_pika
+
+            connection = await aio_pika.connect(services.RABBITMQ)
+            async with connection:
+                channel = await connection.channel()
+                await channel.declare_queue(destination, durable=True)
+        elif self.kind == "nats":
+            import nats
+
+            client = await nats.connect(services.NATS)
+            try:
+                await client.jetstream().add_stream(
+                    name=f"{self.stream}_OUT", subjects=[destination]
+                )
+            finally:
+                await client.close()
+
+    async def request(self, body: Any, headers: dict[str, str]) -> Any:
+        """Send ``body`` as a request to the source and wait for the reply."""
+        if self.kind == "rabbit":
+            return await self.broker.request(body, self.name, headers=headers, timeout=10)
+        if self.kind == "nats":
+            return await self.broker.request(
+                body, self.name, headers=headers, stream=self.stream, timeout=10
+            )
+        raise AssertionError(f"no request-reply on {self.kind}")
+
     async def read(self, destination: str) -> list[tuple[bytes, dict[str, Any]]]:
         """Every message at ``destination`` (a quarantine or dead-letter one), oldest first.
         RabbitMQ: consumed by reading; call once, at the end of the test."""
@@ -192,16 +234,16 @@ class Harness:
             return [BinaryMessageFormatV1.parse(data[b"__data__"]) for _, data in entries]
         if self.kind == "kafka":
             return [(body, dict(headers)) for body, headers in await kafka.read(destination)]
-        from nats.js.errors import NotFoundError
+        from nats.js.errors import BadRequestError, NotFoundError
 
         js = self.broker.config.connection_state.stream
         try:
             stream = await js.find_stream_name_by_subject(destination)
-        except NotFoundError:
+        except (NotFoundError, BadRequestError):  # no stream keeps that subject (yet)
             return []
         info = await js.stream_info(stream)
         found = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
             with contextlib.suppress(NotFoundError):
                 message = await js.get_msg(stream, seq)
                 if message.subject == destination:
@@ -298,8 +340,8 @@ class Harness:
             connection = await aio_pika.connect(services.RABBITMQ)
             async with connection:
                 channel = await connection.channel()
-                for name in (self.name, f"{self.name}.quarantine", f"{self.name}.dead-letter"):
-                    await channel.queue_delete(name)
+                for suffix in ("", ".quarantine", ".dead-letter", ".out"):
+                    await channel.queue_delete(f"{self.name}{suffix}")
         elif self.kind == "redis":
             from redis.asyncio import Redis
 
@@ -310,7 +352,7 @@ class Harness:
             finally:
                 await client.aclose()
         elif self.kind == "kafka":
-            suffixes = ("", ".quarantine", ".dead-letter")
+            suffixes = ("", ".quarantine", ".dead-letter", ".out")
             await kafka.delete_topics(f"{self.name}{suffix}" for suffix in suffixes)
         else:
             import nats
@@ -318,7 +360,7 @@ class Harness:
 
             client = await nats.connect(services.NATS)
             try:
-                for stream in (self.stream, f"{self.stream}_inbox"):
+                for stream in (self.stream, f"{self.stream}_inbox", f"{self.stream}_OUT"):
                     with contextlib.suppress(NotFoundError):
                         await client.jetstream().delete_stream(stream)
             finally:

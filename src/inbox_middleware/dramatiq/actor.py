@@ -23,6 +23,7 @@ from dramatiq.common import q_name
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.shutdown import Shutdown
 from dramatiq.middleware.time_limit import TimeLimitExceeded
+from dramatiq.results import Results
 from sqlalchemy.orm import Session
 
 from .. import faults
@@ -42,10 +43,11 @@ from ..consumption import (
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
 from ..identity import MessageIdentity
 from ..metrics import metrics
+from ..outputs import Output, derived_identity, unstorable
 from ..protocol import Delivery
 from ..tracing import TRACE_OPTION
-from .context import session_var
-from .payload import BROKER_ID_PRODUCER, ActorPayload, actor_identity
+from .context import identity, session_var
+from .payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
 
 if TYPE_CHECKING:
@@ -100,6 +102,10 @@ class InboxActor:
         self.quarantine_queue = str(
             options.get("inbox_quarantine_queue", middleware.quarantine_queue)
         ).format(queue=q_name(actor.queue_name))
+        # on_success callbacks of an inbox actor are sent by the inbox, before the ack, with
+        # an identity derived from the message's, and again by a duplicate; Dramatiq's
+        # Callbacks middleware (after the ack, with no identity) must not send them too.
+        self.on_success: str | None = options.pop("on_success", None)
         original = actor.fn
         self.target: Callable[..., Any] = getattr(original, "__wrapped__", original)
         self.payload = ActorPayload(
@@ -139,6 +145,7 @@ class InboxActor:
             # Dramatiq retries a failure as a new message: only a delivery that ended
             # without an outcome comes back redelivered.
             "outcomes_redeliver": False,
+            "keeps_outputs": self.keeps_outputs(message),
         }
         try:
             return Arrival(self.delivery(message), **common)
@@ -157,6 +164,58 @@ class InboxActor:
             message, ident, consumer=self.consumer, handler_version=self.handler_version
         )
         return replace(delivery, shadow=True) if self.policy.shadow else delivery
+
+    # -- outputs ------------------------------------------------------------------------------
+
+    def keeps_outputs(self, message: MessageProxy) -> bool:
+        """Whether something consumes this message's result: a pipeline step, an
+        ``on_success`` callback, or the Results middleware storing it."""
+        options = message.options
+        if options.get("pipe_target") or options.get("on_success") or self.on_success:
+            return True
+        results = next((m for m in self.actor.broker.middleware if isinstance(m, Results)), None)
+        if results is None:
+            return False
+        stores = options.get("store_results")
+        if stores is None:
+            stores = self.actor.options.get("store_results", results.store_results)
+        return bool(stores)
+
+    def encode(self, result: Any) -> Output:
+        """The result as Dramatiq's encoder writes it into a message or a result backend."""
+        if result is None:
+            return Output(None)
+        encoder = dramatiq.get_encoder()
+        try:
+            body = encoder.encode(result)
+            encoder.decode(body)  # what a duplicate will read back
+        except Exception as exc:
+            raise unstorable(f"{type(exc).__name__}: {exc}") from exc
+        json = isinstance(encoder, dramatiq.JSONEncoder)
+        output = Output(body, "application/json" if json else None)
+        return output.checked(self.policy.max_output_bytes)
+
+    def replay(self, message: MessageProxy, delivery: Delivery, output: Output) -> Any:
+        """Send what follows the committed ``delivery`` (its pipeline step and on_success
+        callback), each with an identity derived from the delivery's, and answer the
+        stored result for the Results middleware. Runs before the ack; a failure here
+        fails the call (retried: the retry, a duplicate, sends them again)."""
+        result = dramatiq.get_encoder().decode(output.body) if output.body is not None else None
+        broker = self.actor.broker
+        target = message.options.get("pipe_target")
+        if target is not None:
+            step: dramatiq.Message[Any] = dramatiq.Message(**target)
+            if not (step.options.get("pipe_ignore") or self.actor.options.get("pipe_ignore")):
+                step = step.copy(args=(*step.args, result))
+            step = step.copy(options=_with_identity(step.options, delivery, "pipe"))
+            broker.enqueue(step, delay=step.options.get("delay"))
+            del message.options["pipe_target"]  # sent: Pipelines must not send it again
+        callback = message.options.pop("on_success", None) or self.on_success
+        if callback:
+            callee = broker.get_actor(callback)
+            options = _with_identity({}, delivery, "on_success")
+            callee.send_with_options(args=(message.asdict(), result), **options)
+        return result
 
     # -- the call ---------------------------------------------------------------------------
 
@@ -193,17 +252,20 @@ class InboxActor:
         """Perform one operation of the consumption core for this actor's message."""
         message_id = op.delivery.identity.message_id if isinstance(op, Process) else None
         match op:
-            case Process(delivery=delivery, before_handler=before, repair_marker=marker):
+            case Process(
+                delivery=delivery, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+            ):
                 faults.at("before_claim", message_id)
+                keep = delivery if keeps else None
                 if self.is_async:
-                    body = self._async_body(pending, args, kwargs)
+                    body = self._async_body(pending, args, kwargs, keep)
                     work = self._async_inbox.process(
                         delivery, body, before_handler=before, repair_marker=marker
                     )
                     return self._on_loop(work)
                 return self._inbox.process(
                     delivery,
-                    self._body(pending, args, kwargs),
+                    self._body(pending, args, kwargs, keep),
                     before_handler=before,
                     repair_marker=marker,
                 )
@@ -225,24 +287,48 @@ class InboxActor:
         return self._inbox.bookkeep(op)
 
     def _body(
-        self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        pending: Pending | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        keep: Delivery | None = None,
     ) -> Callable[[Session], Any]:
+        """The actor's transaction body; with ``keep``, its result is stored with that
+        claim and the body answers the `Output`."""
+
         def body(session: Session) -> Any:
             with _instructions(session, pending) as outcome:
                 outcome.result = self.target(*args, **kwargs)
-            return outcome.result
+            if keep is None or outcome.result is SKIPPED:
+                return outcome.result
+            output = self.encode(outcome.result)
+            self._store.store(session.connection(), keep, output)
+            return output
 
         return body
 
     def _async_body(
-        self, pending: Pending | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        pending: Pending | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
             with _instructions(session, pending) as outcome:
                 outcome.result = await self.target(*args, **kwargs)
-            return outcome.result
+            if keep is None or outcome.result is SKIPPED:
+                return outcome.result
+            output = self.encode(outcome.result)
+            store = self._store.store
+            await session.run_sync(lambda sync: store(sync.connection(), keep, output))
+            return output
 
         return body
+
+    @property
+    def _store(self) -> Any:
+        return (self._async_inbox if self.is_async else self._inbox).outputs
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -300,6 +386,19 @@ def _check_failed(pending: Pending | None) -> None:
     if pending is not None and pending.message.failed:
         pending.message.failed = False  # the inbox fails it itself, once it has settled
         raise RejectRequested("the actor called message.fail()")
+
+
+def _with_identity(options: dict[str, Any], delivery: Delivery, kind: str) -> dict[str, Any]:
+    """``options`` with an identity derived from ``delivery``, unless they carry one."""
+    if options.get(OPTION_MESSAGE_ID):
+        return options
+    derived = derived_identity(delivery, kind)
+    return {
+        **options,
+        **identity(
+            producer=derived.producer, message_id=derived.message_id, tenant=derived.tenant or None
+        ),
+    }
 
 
 def _message_id(pending: Pending) -> str | None:

@@ -53,6 +53,7 @@ from ..consumption import (
 from ..exceptions import ClaimInProgress, ConfigurationError, IdentityError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..outcomes import report
+from ..outputs import Output
 from ..policy import ConsumerPolicy, ExpiredPolicy, MissingIdentityPolicy
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
@@ -268,6 +269,16 @@ class InboxMiddleware(dramatiq.Middleware):
 
     # -- a message --------------------------------------------------------------------------
 
+    def before_enqueue(self, broker: Broker, message: dramatiq.Message[Any], delay: int) -> None:
+        if message.actor_name in self._actors and "group_completion_uuid" in message.options:
+            raise ActorConfigurationError(
+                f"actor {message.actor_name!r} is an inbox actor: a group with completion "
+                "callbacks cannot include it. Dramatiq's group barrier counts deliveries, not "
+                "messages, so a redelivered duplicate would complete the group early; chain "
+                "the steps with a pipeline instead, or give the group a plain actor that "
+                "sends to the inbox actor"
+            )
+
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._pending.value = None
         bound = self._actors.get(message.actor_name)
@@ -322,6 +333,10 @@ class InboxMiddleware(dramatiq.Middleware):
             case Processed(result=result) if result is SKIPPED:
                 self._quiet.mark(message)
                 raise SkipMessage(f"the actor of {bound.consumer} skipped it after committing")
+            case Processed(result=Output() as output) | Duplicate(output=Output() as output):
+                assert delivery is not None
+                self.backoffs[message.actor_name].forget(delivery.key)
+                return bound.replay(message, delivery, output)
             case Processed(result=result):
                 if delivery is not None:
                     self.backoffs[message.actor_name].forget(delivery.key)

@@ -26,6 +26,7 @@ from .. import faults, logs
 from ..consumption import Backoff
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
+from ..outputs import DEFAULT_MAX_OUTPUT_BYTES
 from ..policy import ConsumerPolicy, ExpiredPolicy
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
@@ -80,6 +81,9 @@ class FastStreamInbox:
         None: no check.
       expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
         reason ``expired_redelivery``) or ``process``; both are counted.
+      max_output_bytes: the largest encoded result stored with a claim for a subscriber
+        with publishers or a request's reply (so that a duplicate publishes it again); a
+        larger one is kept as poison (``result_unstorable``). None: no limit.
       check_database: check the schema and ``synchronous_commit`` at start-up.
       shadow: shadow mode for every inbox subscriber (``inbox.consumer(..., shadow=)``
         sets it per subscriber): claims are recorded and decided as usual, but nothing is
@@ -114,6 +118,7 @@ class FastStreamInbox:
         redelivery_limit: int | None = 10,
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
+        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
         check_database: bool = True,
         shadow: bool = False,
         tracing: Any = False,
@@ -135,6 +140,7 @@ class FastStreamInbox:
             expired_redelivery=expired_redelivery,
             shadow=shadow,
             retry_backoff=retry_backoff,
+            max_output_bytes=max_output_bytes,
         )
         self.quarantine = quarantine
         self.dead_letter = dead_letter

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from faststream import BaseMiddleware
@@ -27,6 +28,7 @@ class InboxMiddleware(BaseMiddleware):
     def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: FastStreamInbox) -> None:
         super().__init__(msg, context=context)
         self.inbox = inbox
+        self.finish: list[Any] = []
 
     async def consume_scope(
         self, call_next: Callable[[Any], Awaitable[Any]], msg: StreamMessage[Any]
@@ -49,7 +51,19 @@ class InboxMiddleware(BaseMiddleware):
             raise HandedBack(f"{type(exc).__name__}: {exc}") from exc
         if subscription is None:
             return await call_next(msg)
-        return await subscription.consume(call_next, msg)
+        return await subscription.consume(call_next, msg, self.finish)
+
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        # FastStream publishes a handler's result after the consume scope and before the
+        # middlewares exit: a delivery whose outputs it published is acknowledged here.
+        for finish in self.finish:
+            await finish(exc_val)
+        return False
 
 
 class InboxMiddlewareFactory:

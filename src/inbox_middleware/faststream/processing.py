@@ -32,6 +32,7 @@ them; a failure re-raises the handler's error, so FastStream logs it as usual.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Hashable
@@ -40,6 +41,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from faststream.exceptions import AckMessage, NackMessage, RejectMessage
+from faststream.message.utils import encode_message
+from faststream.response import ensure_response
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from .. import consumption as core
@@ -62,6 +65,7 @@ from ..consumption import (
     Settlement,
     Unfit,
     drive_async,
+    outputs_failed_steps,
     settle_steps,
 )
 from ..exceptions import (
@@ -73,6 +77,7 @@ from ..exceptions import (
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..outcomes import report
+from ..outputs import Output, unstorable
 from ..policy import ConsumerPolicy
 from ..protocol import Delivery
 from ..tracing import OFF, NoTracing, Tracing
@@ -108,6 +113,7 @@ __all__ = [
 logger = logging.getLogger("inbox_middleware.faststream")
 
 CallNext = Callable[[Any], Awaitable[Any]]
+Finish = Callable[[BaseException | None], Awaitable[None]]
 
 
 class Subscription:
@@ -141,6 +147,9 @@ class Subscription:
             chosen = dead_letter
         self.dead_letter = chosen.format(source=source) if chosen is not None else None
         self.backoff = backoff
+        subscriber = adapter.subscriber
+        self.publishes = any(call.handler._publishers for call in getattr(subscriber, "calls", ()))
+        self.replies = not getattr(subscriber, "_no_reply", False)
 
     @property
     def missing_identity(self) -> str:
@@ -159,7 +168,12 @@ class Subscription:
 
     # -- one message --------------------------------------------------------------------------
 
-    async def consume(self, call_next: CallNext, message: Any) -> Any:
+    async def consume(
+        self, call_next: CallNext, message: Any, finish: list[Finish] | None = None
+    ) -> Any:
+        """Settle one message. Where the handler's result is published (publishers, a
+        reply), the ack waits for the publish: a ``finish`` callback is appended, which the
+        middleware awaits once FastStream has published, with the error if it failed."""
         if self.adapter.batch:
             return await consume_batch(self, call_next, message)
         (item,) = self.adapter.items(message)
@@ -174,7 +188,32 @@ class Subscription:
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
                 settlement = core.HandedBack(exc, counted=False)
             trace.settled(settlement)
-            return await self._tell(message, item, arrival, settlement)
+            output = _published_output(settlement)
+            if output is None or finish is None:
+                return await self._tell(message, item, arrival, settlement)
+            if arrival.delivery is not None:
+                self.backoff.forget(arrival.delivery.key)
+            self._report(message, item, arrival, settlement)
+            finish.append(partial(self._after_publish, message, item, arrival))
+            return self.adapter.response(output)
+
+    async def _after_publish(
+        self, message: Any, item: Item, arrival: Arrival, error: BaseException | None
+    ) -> None:
+        """The outputs of a committed delivery were published (ack), or not: then the
+        message is handed back, and its redelivery, a duplicate, publishes them again."""
+        if error is None:
+            await self.adapter.ack(message)
+            return
+        try:
+            steps = outputs_failed_steps(arrival, self.policy, error)
+            perform = partial(self._perform, _no_handler, message, item)
+            settlement = await drive_async(steps, perform)
+        except Exception as exc:
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
+            settlement = core.HandedBack(exc, counted=False)
+        with contextlib.suppress(Skipped, HandedBack, type(error)):
+            await self._tell(message, item, arrival, settlement)
 
     def arrival(self, message: Any, item: Item) -> Arrival:
         marker = item.headers.get(REPAIR_HEADER)
@@ -184,6 +223,8 @@ class Subscription:
             "deliveries": self.adapter.deliveries(message),
             "redelivered": self.adapter.redelivered(message),
             "repair_marker": marker if isinstance(marker, str) else None,
+            "keeps_outputs": self.publishes
+            or (self.replies and bool(getattr(message, "reply_to", None))),
         }
         try:
             return Arrival(self.delivery(item), **common)
@@ -213,9 +254,11 @@ class Subscription:
     async def _perform(self, call_next: CallNext, message: Any, item: Item, op: Op) -> Any:
         """Perform one operation of the consumption core for this message."""
         match op:
-            case Process(delivery=claim, before_handler=before, repair_marker=marker):
+            case Process(
+                delivery=claim, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+            ):
                 faults.at("before_claim", claim.identity.message_id)
-                body = self.body(call_next, message)
+                body = self.body(call_next, message, keep=claim if keeps else None)
                 return await self.storage.process(
                     claim, body, before_handler=before, repair_marker=marker
                 )
@@ -234,13 +277,26 @@ class Subscription:
         return await self.storage.bookkeep(op)
 
     def body(
-        self, call_next: CallNext, message: Any, batch: tuple[BatchItem, ...] = ()
+        self,
+        call_next: CallNext,
+        message: Any,
+        batch: tuple[BatchItem, ...] = (),
+        keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Awaitable[Any]]:
+        """The handler's transaction body; with ``keep``, its result is encoded and stored
+        with that claim, and the body answers the `Output`."""
+
         async def body(session: AsyncSession) -> Any:
             token = set_attempt(Attempt(session, batch))
             refused = refuse_manual_settling(message)
             try:
-                return await call_next(message)
+                result = await call_next(message)
+                if keep is None or result is ACKED:
+                    return result
+                output = self.encode(result)
+                store = self.storage.outputs.store
+                await session.run_sync(lambda sync: store(sync.connection(), keep, output))
+                return output
             except (Skipped, HandedBack):
                 raise  # a nested inbox consumer's own settlement
             except AckMessage:
@@ -257,10 +313,23 @@ class Subscription:
 
         return body
 
-    async def _tell(
-        self, message: Any, item: Item, arrival: Arrival, settlement: Settlement
-    ) -> Any:
-        """Tell the broker what ``settlement`` means: the one place that does."""
+    def encode(self, result: Any) -> Output:
+        """``result`` as FastStream would publish it: the body its codec encodes, with the
+        content type and the headers of a returned `Response`."""
+        response = ensure_response(result)
+        if response.body is None:
+            return Output(None, None, _text_headers(response.headers))
+        producer = getattr(self.adapter.broker.config, "producer", None)
+        try:
+            body, content_type = encode_message(
+                response.body, getattr(producer, "serializer", None)
+            )
+        except Exception as exc:
+            raise unstorable(f"{type(exc).__name__}: {exc}") from exc
+        output = Output(bytes(body), content_type, _text_headers(response.headers))
+        return output.checked(self.policy.max_output_bytes)
+
+    def _report(self, message: Any, item: Item, arrival: Arrival, settlement: Settlement) -> None:
         where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
         try:  # whatever happens here, the broker is still told
             report(
@@ -273,6 +342,13 @@ class Subscription:
             faults.at("settle", message_id_of(item.headers))
         except Exception:
             logger.exception("could not report a settlement of %s", self.consumer.name)
+
+    async def _tell(
+        self, message: Any, item: Item, arrival: Arrival, settlement: Settlement
+    ) -> Any:
+        """Tell the broker what ``settlement`` means: the one place that does (a settlement
+        with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
+        self._report(message, item, arrival, settlement)
         claim = arrival.delivery
         key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
         name = self.consumer.name
@@ -306,6 +382,22 @@ class Subscription:
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
                     raise error  # the handler's: FastStream logs it with its traceback
                 raise HandedBack(f"{type(error).__name__}: {error}") from error
+
+
+def _published_output(settlement: Settlement) -> Output | None:
+    """The stored output this settlement publishes before the ack, if any."""
+    match settlement:
+        case Processed(result=Output() as output) | Duplicate(output=Output() as output):
+            return output
+    return None
+
+
+async def _no_handler(message: Any) -> Any:  # pragma: no cover - never called
+    raise AssertionError("the handler does not run when outputs failed to publish")
+
+
+def _text_headers(headers: dict[str, Any]) -> dict[str, str]:
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in headers.items()}
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:

@@ -42,6 +42,7 @@ from ..consumption import (
     CountFailure,
     CountHandBack,
     CountRedelivery,
+    LoadOutputs,
     Op,
     RecordPoison,
     RedeliveryCount,
@@ -57,6 +58,7 @@ from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, cla
 from .errors import Failure, as_transient, classify, from_driver, sqlstate, transient_error
 from .failures import FailureRecorder, mark_recovered
 from .migrate import check_schema
+from .outputs import OutputStatements
 from .session import InboxSession
 from .statements import ClaimStatements, DriverStatement
 from .tables import InboxSchema
@@ -154,6 +156,7 @@ class _Base:
         self._connection_options = _READ_COMMITTED if dialect == "postgresql" else {}
         self._isolation_known = dialect != "postgresql"
         self.recorder = FailureRecorder(self.naming, dialect)
+        self.outputs = OutputStatements(self.naming, dialect)
         # Hand-backs that could not be counted in the database (it was down): remembered
         # here while this process lives, so a broker's delivery count does not take them
         # for crashes. A worker that dies after a hand-back forgets them (a crash, then).
@@ -177,6 +180,8 @@ class _Base:
             case CountHandBack(delivery=delivery):
                 self.recorder.count_hand_back(conn, delivery, "handed back")
                 return None
+            case LoadOutputs(delivery=delivery):
+                return self.outputs.load(conn, delivery)
             case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
                 return self.recorder.record_poison(
                     conn, delivery, reason_code=reason, error=error, attempts=attempts

@@ -38,6 +38,7 @@ TABLES = (
     "inbox_attempts",
     "inbox_poison",
     "inbox_retention",
+    "inbox_outputs",
 )
 """Every table the library owns, without prefix."""
 
@@ -210,6 +211,18 @@ class InboxTables:
             Column("dominant_scenario", Text, nullable=False),
             Column("updated_at", _TIMESTAMP, nullable=False),
             Column("updated_by", Text),
+        )
+        self.outputs = Table(
+            name("inbox_outputs"),
+            self.metadata,
+            Column("consumer_name", Text, primary_key=True),
+            Column("producer_name", Text, primary_key=True),
+            Column("tenant", Text, primary_key=True),
+            Column("message_id", Text, primary_key=True),
+            Column("body", LargeBinary),
+            Column("content_type", Text),
+            Column("headers", _JSON, nullable=False),
+            Column("created_at", _TIMESTAMP, nullable=False),
         )
         self.version = Table(
             name("inbox_schema_version"),

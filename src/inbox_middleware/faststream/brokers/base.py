@@ -14,6 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from faststream.response import Response
+
+from ...outputs import Output
+
 __all__ = ["BrokerAdapter", "Item", "Peer"]
 
 
@@ -107,6 +111,16 @@ class BrokerAdapter:
         """Whether the broker says an earlier delivery of ``message`` ended without an
         outcome (its consumer died or lost the connection). False when it cannot tell."""
         return False
+
+    def response(self, output: Output) -> Any:
+        """What the handler returns to FastStream so that it publishes ``output``'s exact
+        bytes, with its content type, to the subscriber's publishers and reply."""
+        if output.body is None:
+            return None
+        headers = dict(output.headers)
+        if output.content_type:
+            headers["content-type"] = output.content_type
+        return Response(output.body, headers=headers)
 
     async def ack(self, message: Any) -> None:
         """Acknowledge ``message`` once the inbox has settled it (committed, skipped,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from faststream.rabbit import RabbitQueue
+from faststream.rabbit import RabbitQueue, RabbitResponse
 
+from ...outputs import Output
 from .base import BrokerAdapter, Item, _wait_then
 
 __all__ = ["RabbitAdapter"]
@@ -22,6 +23,14 @@ class RabbitAdapter(BrokerAdapter):
         # (read for every message).
         queue: RabbitQueue = self.subscriber.queue
         return f"{self.subscriber._outer_config.prefix}{queue.name}"
+
+    def response(self, output: Output) -> Any:
+        # The content type is a message property on RabbitMQ, not a header.
+        if output.body is None:
+            return None
+        return RabbitResponse(
+            output.body, headers=dict(output.headers), content_type=output.content_type
+        )
 
     async def prepare(self, destinations: Iterable[str]) -> None:
         # Durable, like the queues a repair tool would declare to read them back.

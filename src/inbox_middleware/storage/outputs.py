@@ -1,0 +1,68 @@
+"""Stored outputs (`outputs.Output`): their statements.
+
+The insert runs on the claim's own connection, inside its transaction, after the handler
+returned: the output commits with the claim and the domain change, or not at all. The
+table is insert-only; a row is written only for consumers whose outputs something uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ..outputs import Output
+from ..protocol import Delivery
+from .tables import InboxSchema
+
+__all__ = ["OutputStatements"]
+
+_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+
+
+class OutputStatements:
+    """Store and load the output of a claim, for one naming and dialect."""
+
+    def __init__(self, naming: InboxSchema, dialect: str) -> None:
+        outputs = naming.tables.outputs
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self._store = (
+            insert(outputs)
+            .values(
+                **{name: bindparam(name) for name in _KEY},
+                body=bindparam("body"),
+                content_type=bindparam("content_type"),
+                headers=bindparam("headers", type_=outputs.c.headers.type),
+                created_at=func.now(),
+            )
+            # A shadow-mode rerun of a duplicate keeps the first delivery's output.
+            .on_conflict_do_nothing()
+        )
+        self._load = select(outputs.c.body, outputs.c.content_type, outputs.c.headers).where(
+            *(outputs.c[name] == bindparam(name) for name in _KEY)
+        )
+
+    def store(self, conn: Connection, delivery: Delivery, output: Output) -> None:
+        """Write ``output`` in the transaction ``conn`` has open (the claim's)."""
+        conn.execute(
+            self._store,
+            _key(delivery)
+            | {
+                "body": output.body,
+                "content_type": output.content_type,
+                "headers": dict(output.headers),
+            },
+        )
+
+    def load(self, conn: Connection, delivery: Delivery) -> Output | None:
+        """The stored output of ``delivery``'s claim; None when nothing was stored."""
+        row = conn.execute(self._load, _key(delivery)).one_or_none()
+        if row is None:
+            return None
+        body = bytes(row.body) if row.body is not None else None
+        return Output(body, row.content_type, dict(row.headers or {}))
+
+
+def _key(delivery: Delivery) -> dict[str, Any]:
+    return dict(zip(_KEY, delivery.key, strict=True))

@@ -1,0 +1,149 @@
+"""A duplicate answers like the first delivery (FastStream): a subscriber's result, stored
+with its claim, is published again to its publishers and answers an RPC caller's retry;
+the source is acknowledged only after the result is published."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
+
+from ..apps.domain import apply_credit_async, effects
+from ..support.faststream_brokers import KINDS, Harness, Seen, eventually, recorder
+
+ORDER = {"account": 7, "delta": 10}
+
+
+def ident(message_id: str) -> dict[str, str]:
+    return identity_headers(producer="orders", message_id=message_id)
+
+
+@pytest.fixture
+def seen() -> Seen:
+    return Seen()
+
+
+@pytest.fixture
+def inbox(pg_async_engine: Any) -> FastStreamInbox:
+    return FastStreamInbox(pg_async_engine, lock_timeout=10, retry_backoff=(0.05, 0.5))
+
+
+async def _harness(kind: str, inbox: FastStreamInbox, seen: Seen) -> Harness:
+    harness = Harness(kind, [recorder(seen), inbox.middleware])
+    inbox.guard(harness.broker)
+    return harness
+
+
+@pytest.mark.parametrize("kind", ["rabbit", "nats"])
+async def test_outputs__a_retried_request_gets_the_first_reply(kind, inbox, pg_engine, seen):
+    # Given an inbox subscriber that answers requests with the stock it left
+    h = await _harness(kind, inbox, seen)
+    calls: list[int] = []
+
+    @h.subscribe(inbox.consumer("stock"))
+    async def reserve(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+        calls.append(1)
+        await apply_credit_async(session, "stock", body["account"], body["delta"])
+        return {"order_id": "rpc-1", "remaining": 100 - len(calls)}
+
+    try:
+        async with h.broker:
+            await h.broker.start()
+            # When the caller sends the request, and then retries it (the same identity)
+            first = await h.request(ORDER, ident("rpc-1"))
+            second = await h.request(ORDER, ident("rpc-1"))
+    finally:
+        await h.cleanup()
+    # Then the handler ran once, and both replies are the same answer, decoded alike
+    assert calls == [1]
+    assert first.body == b'{"order_id":"rpc-1","remaining":99}'
+    assert second.body == first.body
+    assert await second.decode() == {"order_id": "rpc-1", "remaining": 99}
+    assert second.content_type == first.content_type == "application/json"
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_outputs__a_duplicate_publishes_the_stored_result_again(kind, inbox, pg_engine, seen):
+    # Given an inbox subscriber whose result goes to a publisher
+    h = await _harness(kind, inbox, seen)
+    out = f"{h.source}.out"
+    publisher = h.publisher(out)
+
+    @publisher
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+        return {"credited": body["delta"], "note": "é"}
+
+    try:
+        await h.prepare_destination(out)
+        async with h.broker:
+            await h.broker.start()
+            # When a message is delivered, and then delivered again (its ack was lost)
+            await h.publish(ORDER, ident("o-1"))
+            await eventually(lambda: seen.outcomes, what="the first delivery")
+            await h.publish(ORDER, ident("o-1"))
+            await eventually(lambda: len(seen.outcomes) == 2, what="the duplicate")
+            results = await h.read_at_least(out, 2)
+        left = await h.leftover()
+    finally:
+        await h.cleanup()
+    # Then the effect is applied once, and both deliveries published the same bytes
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
+        stored = conn.execute(text("SELECT * FROM inbox_outputs")).mappings().one()
+    bodies = [body for body, _ in results]
+    assert bodies == [bodies[0], bodies[0]]
+    assert json.loads(bodies[0]) == {"credited": 10, "note": "é"}
+    assert bytes(stored["body"]) == bodies[0]
+    assert stored["content_type"] == "application/json"
+    assert left == 0
+
+
+async def test_outputs__a_result_that_cannot_be_published_is_kept_then_poisoned(
+    pg_async_engine, pg_engine, seen
+):
+    # Given a JetStream subscriber whose result goes to a subject no stream captures (every
+    # publish there fails: JetStream does not answer), and two attempts allowed
+    from faststream.nats import JStream
+
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
+    h = await _harness("nats", inbox, seen)
+    publisher = h.broker.publisher(
+        f"{h.source}.nowhere", stream=JStream(f"{h.stream}_NONE", declare=False)
+    )
+    runs: list[int] = []
+
+    @publisher
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+        runs.append(1)
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+        return {"credited": body["delta"]}
+
+    try:
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, ident("o-9"))
+            dead = await h.read_at_least(f"{h.source}.dead-letter", 1, timeout=30)
+            left = await h.leftover()
+    finally:
+        await h.cleanup()
+    # Then the effect committed once; the message was not acknowledged after the failed
+    # publish: it came back as a duplicate, which tried the stored result again, and when
+    # its attempts ran out it was kept as poison, its claim and result still stored
+    assert runs == [1]
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
+        assert conn.scalar(text("SELECT count(*) FROM inbox_outputs")) == 1
+        poison = conn.execute(text("SELECT reason_code, attempts FROM inbox_poison")).one()
+    assert tuple(poison) == ("outputs_undeliverable", 2)
+    ((_, headers),) = dead
+    assert json.loads(headers["x-inbox-rejected"])["reason_code"] == "outputs_undeliverable"
+    assert left == 0
