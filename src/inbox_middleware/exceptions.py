@@ -9,7 +9,8 @@ InboxError
 │   └── InvalidIdentity           a value is too long, empty, not text, ...
 ├── PayloadNotHashable            the payload has no canonical form
 ├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
-│   └── TransactionAborted        the handler swallowed a database error: nothing can commit
+│   ├── TransactionAborted        the handler swallowed a database error: nothing can commit
+│   └── DirectPublishRefused      the handler published directly (direct_publish="refuse")
 ├── PermanentError                raised by a handler: retrying cannot help (poison message)
 ├── SchemaError                   tables missing or older than this version expects
 └── TransientError                the attempt rolled back; the message must be retried later
@@ -31,6 +32,8 @@ __all__ = [
     "ClaimInProgress",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "DirectPublishRefused",
+    "DirectPublishWarning",
     "HandlerTransactionError",
     "IdentityError",
     "InboxError",
@@ -114,6 +117,17 @@ class TransactionAborted(HandlerTransactionError):
     attempt instead of acknowledging a message whose effects were never committed. Run a
     statement that is expected to fail in ``session.begin_nested()``.
     """
+
+
+class DirectPublishRefused(HandlerTransactionError):
+    """A handler published or sent a message directly while its inbox attempt was open,
+    with ``direct_publish="refuse"``: it would leave before the commit (sent even if the
+    attempt rolls back) and a duplicate would not send it again. Record it with
+    ``outbox.add`` instead."""
+
+
+class DirectPublishWarning(RuntimeWarning):
+    """The warning for the same, with ``direct_publish="warn"`` (the default)."""
 
 
 class PermanentError(InboxError):

@@ -262,7 +262,8 @@ def purge(
 ) -> int:
     """Delete claims processed more than ``older_than`` ago, batch by batch; return how many.
 
-    Call `check_window` first. Failure counts older than the window go too.
+    Call `check_window` first. Failure counts and stored outputs older than the window go
+    too (an output is written in its claim's transaction, so it is as old as its claim).
     """
     if batch_size <= 0:
         raise ConfigurationError("batch_size must be positive")
@@ -281,6 +282,7 @@ def purge(
             time.sleep(pause)
     with engine.begin() as conn:
         conn.execute(statements[1], params)
+        conn.execute(statements[3], params)
     return total
 
 
@@ -298,8 +300,8 @@ class RetentionRefused(ConfigurationError):
 
 
 @cache
-def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any]:
-    inbox, attempts = naming.tables.inbox, naming.tables.attempts
+def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any, Any]:
+    inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
         cutoff = func.datetime("now", func.printf("-%f seconds", bindparam("seconds")))
@@ -325,7 +327,11 @@ def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any]
         or_(consumer.is_(None), attempts.c.consumer_name == consumer),
     )
     count = select(func.count()).select_from(inbox).where(old)
-    return batch, failures, count
+    stored = delete(outputs).where(
+        outputs.c.created_at < cutoff,
+        or_(consumer.is_(None), outputs.c.consumer_name == consumer),
+    )
+    return batch, failures, count, stored
 
 
 # -- redeliveries older than the window ---------------------------------------------------

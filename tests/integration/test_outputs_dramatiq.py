@@ -136,3 +136,49 @@ def test_outputs__a_group_with_completion_callbacks_refuses_an_inbox_actor(broke
 def _effects(engine: Any, account: int) -> int:
     with engine.connect() as conn:
         return effects(conn, account)
+
+
+def test_outputs__a_direct_send_from_an_actor_is_warned(broker, queue, pg_engine, inbox):
+    # Given an inbox actor that sends a follow-up directly from its body
+    from inbox_middleware.exceptions import DirectPublishWarning
+
+    @dramatiq.actor(queue_name=queue)
+    def notify(account_id: int) -> None: ...
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        notify.send(account_id)
+
+    # When it runs, then a warning names the outbox, and the pipeline of the inbox's own
+    # sends (after the commit) does not warn
+    with pytest.warns(DirectPublishWarning, match="outbox.add"):
+        with running_worker(broker) as worker:
+            add_credit.send_with_options(args=(7, 10), **ident("w-1"))
+            drain(broker, queue, worker)
+    assert _effects(pg_engine, 7) == 1
+
+
+def test_outputs__a_refused_direct_send_rolls_the_attempt_back(broker, queue, pg_engine, pg_url):
+    from inbox_middleware.dramatiq.middleware import DirectSendRefused
+
+    broker.add_middleware(InboxMiddleware(pg_engine, direct_publish="refuse"))
+    raised: list[BaseException] = []
+
+    @dramatiq.actor(queue_name=queue)
+    def notify(account_id: int) -> None: ...
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0)
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        try:
+            notify.send(account_id)
+        except DirectSendRefused as exc:
+            raised.append(exc)
+            raise
+
+    with running_worker(broker) as worker:
+        add_credit.send_with_options(args=(7, 10), **ident("w-2"))
+        drain(broker, queue, worker)
+    assert len(raised) == 1 and "outbox.add" in str(raised[0])
+    assert _effects(pg_engine, 7) == 0

@@ -147,3 +147,48 @@ async def test_outputs__a_result_that_cannot_be_published_is_kept_then_poisoned(
     ((_, headers),) = dead
     assert json.loads(headers["x-inbox-rejected"])["reason_code"] == "outputs_undeliverable"
     assert left == 0
+
+
+@pytest.mark.parametrize("policy", ["warn", "refuse"])
+async def test_outputs__a_direct_publish_from_a_handler_is_warned_or_refused(
+    pg_async_engine, pg_engine, seen, policy
+):
+    # Given a handler that publishes a follow-up directly, inside its inbox attempt
+    from inbox_middleware.exceptions import DirectPublishWarning
+
+    inbox = FastStreamInbox(
+        pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=1, direct_publish=policy
+    )
+    h = await _harness("rabbit", inbox, seen)
+    out = f"{h.source}.out"
+
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+        await h.broker.publish({"shipped": True}, out, persist=True)
+
+    try:
+        await h.prepare_destination(out)
+        with pytest.warns(DirectPublishWarning) if policy == "warn" else _no_warning():
+            async with h.broker:
+                await h.broker.start()
+                await h.publish(ORDER, ident("d-1"))
+                await eventually(lambda: seen.outcomes, what="the delivery")
+                sent = await h.read(out)
+    finally:
+        await h.cleanup()
+    # Then: warned, the publish went out and the effect committed; or refused, nothing
+    # went out and the attempt was rolled back (kept as poison, max_attempts=1)
+    with pg_engine.connect() as conn:
+        applied = effects(conn, 7)
+        poison = conn.scalar(text("SELECT reason_code FROM inbox_poison"))
+    if policy == "warn":
+        assert (applied, len(sent), poison) == (1, 1, None)
+    else:
+        assert (applied, len(sent), poison) == (0, 0, "inbox_error")
+
+
+def _no_warning() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()

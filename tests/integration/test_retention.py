@@ -108,6 +108,30 @@ def test_purge__deletes_only_claims_older_than_the_window(pg_engine):
     assert sorted(kept) == [f"new-{n}" for n in range(5)]
 
 
+def test_purge__takes_the_stored_outputs_with_their_claims(pg_engine):
+    # Given claims with stored outputs, some older than the window
+    from inbox_middleware.outputs import Output
+
+    inbox = Inbox(pg_engine)
+
+    def claim(message_id: str) -> None:
+        delivery = Delivery("c", MessageIdentity("p", message_id), hash_json(message_id, "s"))
+        output = Output(b'{"ok":true}', "application/json")
+        inbox.process(delivery, lambda s: inbox.outputs.store(s.connection(), delivery, output))
+
+    for n in range(3):
+        claim(f"old-{n}")
+    age_claims(pg_engine, 40)
+    with pg_engine.begin() as conn:
+        conn.execute(text("UPDATE inbox_outputs SET created_at = now() - interval '40 days'"))
+    claim("new-0")
+    # When the purge runs, then the old outputs go with their claims, the new one stays
+    assert purge(pg_engine, NAMING, timedelta(days=30)) == 3
+    with pg_engine.connect() as conn:
+        kept = conn.execute(select(NAMING.tables.outputs.c.message_id)).scalars().all()
+    assert kept == ["new-0"]
+
+
 @pytest.fixture
 def credit(stub_broker, pg_engine, queue):
     def declare(**settings):

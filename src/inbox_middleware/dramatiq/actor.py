@@ -46,7 +46,7 @@ from ..metrics import metrics
 from ..outputs import Output, derived_identity, unstorable
 from ..protocol import Delivery
 from ..tracing import TRACE_OPTION
-from .context import identity, session_var
+from .context import CONSUMER_INFO, identity, session_var
 from .payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
 
@@ -297,7 +297,7 @@ class InboxActor:
         claim and the body answers the `Output`."""
 
         def body(session: Session) -> Any:
-            with _instructions(session, pending) as outcome:
+            with _instructions(session, pending, self.consumer) as outcome:
                 outcome.result = self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
@@ -315,7 +315,7 @@ class InboxActor:
         keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            with _instructions(session, pending) as outcome:
+            with _instructions(session, pending, self.consumer) as outcome:
                 outcome.result = await self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
@@ -357,11 +357,14 @@ class _Outcome:
 
 
 @contextlib.contextmanager
-def _instructions(session: Session | AsyncSession, pending: Pending | None) -> Iterator[_Outcome]:
+def _instructions(
+    session: Session | AsyncSession, pending: Pending | None, consumer: str
+) -> Iterator[_Outcome]:
     """Run the actor's body with its session, and turn Dramatiq's own instructions into
     the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
     ``message.fail()`` a rejection."""
     outcome = _Outcome()
+    session.info[CONSUMER_INFO] = consumer
     token = session_var.set(session)
     try:
         yield outcome

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only 
 
 __all__ = ["current_async_session", "current_session", "identity"]
 
+CONSUMER_INFO = "inbox_middleware.consumer"
+"""The key of the inbox consumer's name in the running actor's ``session.info``."""
+
 session_var: ContextVar[Session | AsyncSession | None] = ContextVar(
     "inbox_middleware_session", default=None
 )

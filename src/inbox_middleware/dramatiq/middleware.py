@@ -38,7 +38,7 @@ from dramatiq.common import q_name
 from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
 from sqlalchemy import Engine
 
-from .. import faults
+from .. import direct, faults
 from ..consumption import (
     Backoff,
     DeadLettered,
@@ -50,17 +50,19 @@ from ..consumption import (
     Quarantined,
     Settlement,
 )
-from ..exceptions import ClaimInProgress, ConfigurationError, IdentityError
+from ..direct import DirectPublishPolicy
+from ..direct import check_policy as check_direct_publish
+from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..outcomes import report
-from ..outputs import Output
+from ..outputs import DEFAULT_MAX_OUTPUT_BYTES, Output
 from ..policy import ConsumerPolicy, ExpiredPolicy, MissingIdentityPolicy
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
 from .boot import QuietSkips, WorkerBootError, check_database
-from .context import current_async_session, current_session, identity
+from .context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
 
@@ -93,6 +95,11 @@ class ActorConfigurationError(ConfigurationError, MiddlewareError):
     """
 
 
+class DirectSendRefused(DirectPublishRefused, MiddlewareError):
+    """`DirectPublishRefused` for Dramatiq, which passes only a `MiddlewareError` raised
+    while a message is enqueued on to the code that sent it."""
+
+
 class InboxMiddleware(dramatiq.Middleware):
     """Deduplicates every actor declared with ``inbox_consumer`` in its own transaction.
 
@@ -123,6 +130,15 @@ class InboxMiddleware(dramatiq.Middleware):
         reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: verify the database, the schema and its settings when a worker
         boots; a worker that cannot reach the database refuses to start.
+      max_output_bytes: the largest encoded result stored with a claim for an actor whose
+        result something consumes (Results, a pipeline step, ``on_success``), so that a
+        duplicate answers it again; a larger one is kept as poison (``result_unstorable``).
+        None: no limit.
+      direct_publish: what a message sent from inside an inbox actor's body gets (it is
+        enqueued before the commit, and a duplicate does not send it again; the outbox is
+        the way): ``warn`` (a `DirectPublishWarning`), ``refuse``
+        (`DirectPublishRefused`) or ``allow``. Pipeline steps and ``on_success``
+        callbacks are not direct sends: the inbox sends them after the commit.
       shadow: shadow mode for every inbox actor (``inbox_shadow`` sets it per actor):
         claims are recorded and decided as usual, but nothing is skipped; a would-be
         duplicate or conflict runs the actor and is counted
@@ -164,6 +180,8 @@ class InboxMiddleware(dramatiq.Middleware):
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
+        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+        direct_publish: DirectPublishPolicy = "warn",
         shadow: bool = False,
         tracing: Any = False,
     ) -> None:
@@ -192,7 +210,9 @@ class InboxMiddleware(dramatiq.Middleware):
             retention_window=retention_window,
             expired_redelivery=expired_redelivery,
             shadow=shadow,
+            max_output_bytes=max_output_bytes,
         )
+        self.direct_publish = check_direct_publish(direct_publish)
         self.quarantine_queue = quarantine_queue
         self.quarantine_publisher = quarantine_publisher
         self.in_progress_delay = in_progress_delay
@@ -270,6 +290,13 @@ class InboxMiddleware(dramatiq.Middleware):
     # -- a message --------------------------------------------------------------------------
 
     def before_enqueue(self, broker: Broker, message: dramatiq.Message[Any], delay: int) -> None:
+        session = session_var.get()
+        if session is not None:  # sent from inside an inbox actor's body, before its commit
+            consumer = session.info.get(CONSUMER_INFO, "?")
+            try:
+                direct.check(self.direct_publish, consumer, f"a send to {message.actor_name!r}")
+            except DirectPublishRefused as exc:
+                raise DirectSendRefused(str(exc)) from None
         if message.actor_name in self._actors and "group_completion_uuid" in message.options:
             raise ActorConfigurationError(
                 f"actor {message.actor_name!r} is an inbox actor: a group with completion "

@@ -50,6 +50,7 @@ class BatchItem:
 class Attempt:
     session: AsyncSession
     batch: tuple[BatchItem, ...] = ()
+    consumer: str = ""
 
 
 _attempt: ContextVar[Attempt | None] = ContextVar("inbox_middleware_faststream", default=None)

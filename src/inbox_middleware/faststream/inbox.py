@@ -24,6 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
 from ..consumption import Backoff
+from ..direct import DirectPublishPolicy
+from ..direct import check_policy as check_direct_publish
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..outputs import DEFAULT_MAX_OUTPUT_BYTES
@@ -84,6 +86,11 @@ class FastStreamInbox:
       max_output_bytes: the largest encoded result stored with a claim for a subscriber
         with publishers or a request's reply (so that a duplicate publishes it again); a
         larger one is kept as poison (``result_unstorable``). None: no limit.
+      direct_publish: what a publish made from inside an inbox handler gets (it leaves
+        before the commit, and a duplicate does not repeat it; the outbox is the way):
+        ``warn`` (a `DirectPublishWarning`), ``refuse`` (`DirectPublishRefused`) or
+        ``allow``. The handler's result, published to the subscriber's publishers or
+        as a reply, is not a direct publish: it is stored and published after the commit.
       check_database: check the schema and ``synchronous_commit`` at start-up.
       shadow: shadow mode for every inbox subscriber (``inbox.consumer(..., shadow=)``
         sets it per subscriber): claims are recorded and decided as usual, but nothing is
@@ -119,6 +126,7 @@ class FastStreamInbox:
         retention_window: timedelta | None = None,
         expired_redelivery: ExpiredPolicy = "reject",
         max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+        direct_publish: DirectPublishPolicy = "warn",
         check_database: bool = True,
         shadow: bool = False,
         tracing: Any = False,
@@ -147,6 +155,7 @@ class FastStreamInbox:
         self.canonical_form = canonical_form
         self.backoff = Backoff(*retry_backoff)
         self.check_database = check_database
+        self.direct_publish = check_direct_publish(direct_publish)
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from faststream import BaseMiddleware
 from faststream.message import SourceType
 
+from .. import direct
 from .context import current_attempt
 from .outcome import HandedBack
 
@@ -52,6 +53,13 @@ class InboxMiddleware(BaseMiddleware):
         if subscription is None:
             return await call_next(msg)
         return await subscription.consume(call_next, msg, self.finish)
+
+    async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
+        attempt = current_attempt()
+        if attempt is not None:  # the handler publishes before its transaction commits
+            where = getattr(cmd, "destination", None) or "a destination"
+            direct.check(self.inbox.direct_publish, attempt.consumer, f"a publish to {where!r}")
+        return await call_next(cmd)
 
     async def after_processed(
         self,

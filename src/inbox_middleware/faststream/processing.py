@@ -287,7 +287,7 @@ class Subscription:
         with that claim, and the body answers the `Output`."""
 
         async def body(session: AsyncSession) -> Any:
-            token = set_attempt(Attempt(session, batch))
+            token = set_attempt(Attempt(session, batch, self.consumer.name))
             refused = refuse_manual_settling(message)
             try:
                 result = await call_next(message)
