@@ -69,7 +69,9 @@ async def test_outputs__a_retried_request_gets_the_first_reply(kind, inbox, pg_e
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_outputs__a_duplicate_publishes_the_stored_result_again(kind, inbox, pg_engine, seen):
+async def test_outputs__a_duplicate_publishes_the_stored_result_again(
+    kind, inbox, pg_engine, seen, recwarn
+):
     # Given an inbox subscriber whose result goes to a publisher
     h = await _harness(kind, inbox, seen)
     out = f"{h.source}.out"
@@ -100,6 +102,10 @@ async def test_outputs__a_duplicate_publishes_the_stored_result_again(kind, inbo
         stored = conn.execute(text("SELECT * FROM inbox_outputs")).mappings().one()
     bodies = [body for body, _ in results]
     assert bodies == [bodies[0], bodies[0]]
+    # ... each copy with the same identity, derived from the message's, for the next inbox
+    identities = [(h["x-inbox-producer"], h["x-inbox-message-id"]) for _, h in results]
+    assert identities[0] == identities[1]
+    assert identities[0][0] == "billing" and identities[0][1].startswith("out.result.0.")
     assert json.loads(bodies[0]) == {"credited": 10, "note": "é"}
     assert bytes(stored["body"]) == bodies[0]
     assert stored["content_type"] == "application/json"

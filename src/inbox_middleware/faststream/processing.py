@@ -77,7 +77,8 @@ from ..exceptions import (
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..outcomes import report
-from ..outputs import Output, unstorable
+from ..headers import MESSAGE_ID, PRODUCER, TENANT
+from ..outputs import Output, derived_identity, unstorable
 from ..policy import ConsumerPolicy
 from ..protocol import Delivery
 from ..tracing import OFF, NoTracing, Tracing
@@ -293,7 +294,7 @@ class Subscription:
                 result = await call_next(message)
                 if keep is None or result is ACKED:
                     return result
-                output = self.encode(result)
+                output = self.encode(result, keep)
                 store = self.storage.outputs.store
                 await session.run_sync(lambda sync: store(sync.connection(), keep, output))
                 return output
@@ -313,12 +314,20 @@ class Subscription:
 
         return body
 
-    def encode(self, result: Any) -> Output:
+    def encode(self, result: Any, claim: Delivery) -> Output:
         """``result`` as FastStream would publish it: the body its codec encodes, with the
-        content type and the headers of a returned `Response`."""
+        content type and the headers of a returned `Response`, and an identity derived
+        from ``claim`` (unless the handler gave one), so an inbox downstream deduplicates
+        the copy a duplicate publishes."""
         response = ensure_response(result)
+        headers = _text_headers(response.headers)
+        if MESSAGE_ID not in headers:
+            derived = derived_identity(claim, "result")
+            headers |= {PRODUCER: derived.producer, MESSAGE_ID: derived.message_id}
+            if derived.tenant:
+                headers[TENANT] = derived.tenant
         if response.body is None:
-            return Output(None, None, _text_headers(response.headers))
+            return Output(None, None, headers)
         producer = getattr(self.adapter.broker.config, "producer", None)
         try:
             body, content_type = encode_message(
@@ -326,7 +335,7 @@ class Subscription:
             )
         except Exception as exc:
             raise unstorable(f"{type(exc).__name__}: {exc}") from exc
-        output = Output(bytes(body), content_type, _text_headers(response.headers))
+        output = Output(bytes(body), content_type, headers)
         return output.checked(self.policy.max_output_bytes)
 
     def _report(self, message: Any, item: Item, arrival: Arrival, settlement: Settlement) -> None:

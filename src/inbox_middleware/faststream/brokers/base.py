@@ -115,8 +115,6 @@ class BrokerAdapter:
     def response(self, output: Output) -> Any:
         """What the handler returns to FastStream so that it publishes ``output``'s exact
         bytes, with its content type, to the subscriber's publishers and reply."""
-        if output.body is None:
-            return None
         headers = dict(output.headers)
         if output.content_type:
             headers["content-type"] = output.content_type

@@ -26,8 +26,6 @@ class RabbitAdapter(BrokerAdapter):
 
     def response(self, output: Output) -> Any:
         # The content type is a message property on RabbitMQ, not a header.
-        if output.body is None:
-            return None
         return RabbitResponse(
             output.body, headers=dict(output.headers), content_type=output.content_type
         )
