@@ -11,6 +11,7 @@ global lookup. The points, in the order a delivery meets them::
     handler             the handler is about to run, inside the claim's transaction
     commit              the handler returned; COMMIT is about to be sent
     after_commit        COMMIT returned; the broker has not been told yet
+    outputs_published   FastStream published the stored outputs; the ack is next
     settle              the broker is about to be told the outcome (ack, nack, fail)
     record              a failure, hand-back or poison row is about to be written
     quarantine_publish  a conflicting message is about to be published to quarantine
@@ -30,6 +31,7 @@ POINTS = (
     "handler",
     "commit",
     "after_commit",
+    "outputs_published",
     "settle",
     "record",
     "quarantine_publish",

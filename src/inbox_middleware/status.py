@@ -107,6 +107,7 @@ def _tables(naming: InboxSchema) -> dict[str, Table]:
         "inbox_attempts": t.attempts,
         "inbox_poison": t.poison,
         "inbox_retention": t.retention,
+        "inbox_outputs": t.outputs,
     }
 
 

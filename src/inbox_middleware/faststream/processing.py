@@ -204,6 +204,7 @@ class Subscription:
         """The outputs of a committed delivery were published (ack), or not: then the
         message is handed back, and its redelivery, a duplicate, publishes them again."""
         if error is None:
+            faults.at("outputs_published", message_id_of(item.headers))
             await self.adapter.ack(message)
             return
         try:
