@@ -18,9 +18,8 @@ from sqlalchemy.orm import Session
 from inbox_middleware import headers, outbox
 from inbox_middleware.exceptions import ConfigurationError, PermanentError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
-from inbox_middleware.outbox import Dispatcher
+from inbox_middleware.outbox import Backoff, Dispatcher
 from inbox_middleware.outbox.destinations.faststream import FastStreamDestination
-from inbox_middleware.outbox.dispatcher import Backoff
 
 from ..apps.domain import apply_credit_async, effects
 from ..support import servers, services
@@ -36,6 +35,7 @@ def record_effect(engine: Engine, effect_id: str = EFFECT) -> None:
 
 
 async def dispatch(engine: Engine, destination: Any, max_attempts: int = 10) -> Dispatcher:
+    """Dispatch until the effect is dispatched or failed (retries are due at once)."""
     dispatcher = Dispatcher(
         engine,
         {"notify": destination},
@@ -44,7 +44,11 @@ async def dispatch(engine: Engine, destination: Any, max_attempts: int = 10) -> 
         max_attempts=max_attempts,
         backoff=QUICK,
     )
-    await dispatcher.run(burst=True)
+    for _ in range(max_attempts * 20):
+        await dispatcher.run(burst=True)
+        if effect_row(engine)["status"] != "pending":
+            break
+        await asyncio.sleep(0.02)
     await destination.aclose()
     return dispatcher
 

@@ -14,7 +14,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["BrokerAdapter", "Item", "Peer"]
+from ...exceptions import TransientError
+
+__all__ = ["BrokerAdapter", "Item", "NotPublished", "Peer"]
+
+
+class NotPublished(TransientError):
+    """The broker did not take a quarantine, dead-letter or hand-back publish (it could
+    not route it, refused it, or nothing confirmed it). The settlement hands the source
+    message back instead of acknowledging it, so nothing is lost; it comes again."""
 
 
 @dataclass(frozen=True, slots=True)
