@@ -305,3 +305,85 @@ async def test_faststream__unroutable_dead_letter_publish_keeps_the_message(rabb
     assert seen.count("HandedBack") == 1
     assert [message.delivery_mode for message in published] == [2]
     assert await h.leftover() == 0
+
+
+# -- Dramatiq ------------------------------------------------------------------------------
+
+
+def refuse_every_publish(queue: str) -> Any:
+    """A RabbitMQ policy under which ``queue`` refuses every message (max-length 0,
+    reject-publish): nacked to a publisher with confirms, dropped silently otherwise."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def policy() -> Any:
+        rule = json.dumps({"max-length": 0, "overflow": "reject-publish"})
+        ctl = ["rabbitmqctl", "--quiet"]
+        subprocess.run(
+            [*ctl, "set_policy", "--apply-to", "queues", queue, f"^{queue}$", rule],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        try:
+            yield
+        finally:
+            subprocess.run([*ctl, "clear_policy", queue], capture_output=True, timeout=60)
+
+    return policy()
+
+
+def quarantine_attempts(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(text("SELECT max(attempts) FROM inbox_quarantine")) or 0)
+
+
+def test_dramatiq__quarantine_publish_is_confirmed_without_confirm_delivery(queue, pg_engine):
+    import dramatiq
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    from dramatiq.middleware import AsyncIO
+
+    from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+
+    from ..apps.domain import apply_credit
+    from ..support.dramatiq_worker import drain, running_worker
+    from ..support.workers import wait_for
+
+    services.require(services.RABBITMQ, "RabbitMQ")
+    # Given Dramatiq's default RabbitMQ broker (no confirm_delivery), and a quarantine
+    # queue that refuses what is published to it
+    broker = RabbitmqBroker(url=services.RABBITMQ)
+    broker.add_middleware(AsyncIO())
+    broker.add_middleware(InboxMiddleware(pg_engine, lock_timeout=10))
+    broker.emit_after("process_boot")
+
+    @dramatiq.actor(
+        queue_name=queue, inbox_consumer="billing", broker=broker, min_backoff=50, max_backoff=500
+    )
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    def send(delta: int) -> None:
+        add_credit.send_with_options(
+            args=(7, delta), **identity(producer="orders", message_id="ord-1")
+        )
+
+    quarantine = f"{queue}.quarantine"
+    try:
+        with running_worker(broker) as worker:
+            send(10)
+            drain(broker, queue, worker)
+            with refuse_every_publish(quarantine):
+                # When a conflicting message is quarantined while the queue refuses it
+                send(99)
+                wait_for(lambda: quarantine_attempts(pg_engine) >= 2, timeout=10, what="the retry")
+            drain(broker, queue, worker)
+        depth = broker.channel.queue_declare(quarantine, passive=True).method.message_count
+    finally:
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ", quarantine):
+            broker.channel.queue_delete(name)
+        broker.close()
+    # Then the refused publish handed the message back instead of acknowledging it,
+    # and once the queue took messages again it was quarantined
+    assert depth == 1
