@@ -387,3 +387,16 @@ def test_dramatiq__quarantine_publish_is_confirmed_without_confirm_delivery(queu
     # Then the refused publish handed the message back instead of acknowledging it,
     # and once the queue took messages again it was quarantined
     assert depth == 1
+
+
+def test_dramatiq_destination__refuses_a_rabbitmq_broker_without_confirm_delivery():
+    import dramatiq
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    from inbox_middleware.outbox.destinations.dramatiq import DramatiqDestination
+
+    broker = RabbitmqBroker(url=services.RABBITMQ)
+    actor = dramatiq.actor(lambda: None, broker=broker, actor_name="noop")
+    with pytest.raises(ConfigurationError, match="confirm_delivery=True"):
+        DramatiqDestination(actor, producer="orders-outbox")
+    broker.close()
