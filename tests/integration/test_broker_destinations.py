@@ -109,33 +109,55 @@ async def test_faststream_destination__rabbitmq_queue_that_does_not_exist_is_a_f
     assert "NO_ROUTE" in row["last_error"]
 
 
+@pytest.fixture
+async def durable_queue() -> Any:
+    """A durable RabbitMQ queue of the test's own, deleted after it."""
+    services.require(services.RABBITMQ, "RabbitMQ")
+    queue = name()
+    await rabbit_queue(queue, declare=True)
+    yield queue
+    await rabbit_queue(queue, delete=True)
+
+
 async def test_faststream_destination__rabbitmq_message_is_persistent_and_survives_a_restart(
-    pg_engine,
+    pg_engine, durable_queue
 ):
     from faststream.rabbit import RabbitBroker
 
-    services.require(services.RABBITMQ, "RabbitMQ")
     # Given a durable queue, and a destination given no persist option
-    queue = name()
-    await rabbit_queue(queue, declare=True)
     destination = FastStreamDestination(
-        RabbitBroker(services.RABBITMQ, logger=None), producer="orders-outbox", queue=queue
+        RabbitBroker(services.RABBITMQ, logger=None), producer="orders-outbox", queue=durable_queue
     )
     record_effect(pg_engine)
-    try:
-        # When the effect is dispatched, and RabbitMQ restarts before anyone reads it
-        dispatcher = await dispatch(pg_engine, destination)
-        assert dispatcher.stats.dispatched == 1
-        await asyncio.to_thread(servers.restart_rabbitmq)
-        found = await rabbit_queue(queue)
-    finally:
-        await rabbit_queue(queue, delete=True)
+    # When the effect is dispatched, and RabbitMQ restarts before anyone reads it
+    dispatcher = await dispatch(pg_engine, destination)
+    assert dispatcher.stats.dispatched == 1
+    await asyncio.to_thread(servers.restart_rabbitmq)
+    found = await rabbit_queue(durable_queue)
     # Then the message is still there: it was published persistent, and confirmed
     (message,) = found
     assert message.delivery_mode == 2
     assert json.loads(message.body) == {"account_id": 7}
     assert message.headers[headers.MESSAGE_ID] == EFFECT
     assert effect_row(pg_engine)["status"] == "dispatched"
+
+
+async def test_faststream_destination__rabbitmq_channel_without_confirms_is_a_failed_attempt(
+    pg_engine, durable_queue
+):
+    from faststream.rabbit import Channel, RabbitBroker
+
+    # Given a broker whose channel has no publisher confirms, and a queue that exists
+    broker = RabbitBroker(
+        services.RABBITMQ, logger=None, default_channel=Channel(publisher_confirms=False)
+    )
+    destination = FastStreamDestination(broker, producer="orders-outbox", queue=durable_queue)
+    record_effect(pg_engine)
+    dispatcher = await dispatch(pg_engine, destination, max_attempts=1)
+    # Then nothing said RabbitMQ had it: not dispatched
+    row = effect_row(pg_engine)
+    assert (dispatcher.stats.dispatched, row["status"]) == (0, "failed")
+    assert "no publisher confirms" in row["last_error"]
 
 
 def test_faststream_destination__rabbitmq_refuses_options_that_would_lose_messages():
