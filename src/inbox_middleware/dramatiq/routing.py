@@ -10,6 +10,7 @@ script, on the stub broker into a list kept by the middleware.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import Any, Protocol
 
@@ -26,13 +27,22 @@ class QuarantinePublisher(Protocol):
 
 
 class RabbitmqPublisher:
+    """Publishes ``mandatory`` and persistent on a channel with publisher confirms, so
+    that ``publish`` returns only once the queue has the message; pika raises otherwise
+    (``UnroutableError``, ``NackError``), and the message is handed back, not acked.
+
+    A broker with ``confirm_delivery=True`` lends its own channel; without it, each
+    thread publishes on a confirm channel of its own, on the broker's connection.
+    """
+
     def __init__(self, broker: Any) -> None:
         self.broker = broker
+        self._local = threading.local()
 
     def publish(self, message: Message[Any], queue_name: str) -> None:
         import pika
 
-        channel = self.broker.channel  # the calling thread's channel, with confirms if set
+        channel = self._channel()
         # Declared exactly as Dramatiq declares its own queues, so that a repair tool built
         # on Dramatiq can consume this queue without a PRECONDITION_FAILED.
         arguments = self.broker._build_queue_arguments(queue_name)
@@ -42,8 +52,21 @@ class RabbitmqPublisher:
             routing_key=queue_name,
             body=message.encode(),
             properties=pika.BasicProperties(delivery_mode=2),
-            mandatory=bool(getattr(self.broker, "confirm_delivery", False)),
+            mandatory=True,
         )
+
+    def _channel(self) -> Any:
+        if getattr(self.broker, "confirm_delivery", False):
+            return self.broker.channel  # the calling thread's, in confirm mode
+        connection = self.broker.connection
+        if not connection.is_open:  # closed under it: the broker opens another
+            del self.broker.connection
+            connection = self.broker.connection
+        channel = getattr(self._local, "channel", None)
+        if channel is None or not channel.is_open or channel.connection is not connection:
+            channel = self._local.channel = connection.channel()
+            channel.confirm_delivery()
+        return channel
 
 
 class RedisPublisher:

@@ -16,9 +16,16 @@ from typing import Any, ClassVar
 
 from faststream.response import Response
 
+from ...exceptions import TransientError
 from ...outputs import Output
 
-__all__ = ["BrokerAdapter", "Item", "Peer"]
+__all__ = ["BrokerAdapter", "Item", "NotPublished", "Peer"]
+
+
+class NotPublished(TransientError):
+    """The broker did not take a quarantine, dead-letter or hand-back publish (it could
+    not route it, refused it, or nothing confirmed it). The settlement hands the source
+    message back instead of acknowledging it, so nothing is lost; it comes again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from faststream.rabbit import RabbitQueue, RabbitResponse
 
 from ...outputs import Output
-from .base import BrokerAdapter, Item, _wait_then
+from .base import BrokerAdapter, Item, NotPublished, _wait_then
 
-__all__ = ["RabbitAdapter"]
+__all__ = ["RabbitAdapter", "unconfirmed"]
+
+logger = logging.getLogger("inbox_middleware.faststream")
 
 
 class RabbitAdapter(BrokerAdapter):
@@ -36,9 +39,11 @@ class RabbitAdapter(BrokerAdapter):
             await self.broker.declare_queue(RabbitQueue(name, durable=True))
 
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
-        # persist: FastStream publishes non-persistent messages unless asked. mandatory and
-        # the channel's publisher confirms make an unroutable or lost publish an error.
-        await self.broker.publish(
+        # persist: FastStream publishes non-persistent messages unless asked. mandatory
+        # makes RabbitMQ return what it cannot route; FastStream's channel does not raise
+        # on a return (on_return_raises=False), it answers with the returned message, so
+        # the answer is checked: only a publisher confirm means RabbitMQ has the message.
+        result = await self.broker.publish(
             item.body,
             queue=destination,
             persist=True,
@@ -46,6 +51,15 @@ class RabbitAdapter(BrokerAdapter):
             headers=headers,
             content_type=item.content_type,
         )
+        if problem := unconfirmed(result, self.broker):
+            if _returned(result):  # the queue was deleted: declared again for the retry
+                await self._declare_again(destination)
+            raise NotPublished(f"not published to {destination!r}: {problem}")
+
+    async def _declare_again(self, name: str) -> None:
+        # The broker caches what it declared, so the queue object declares itself anew.
+        queue = await self.broker.declare_queue(RabbitQueue(name, durable=True))
+        await queue.declare()
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
         # The AMQP message-id property: FastStream's publisher fills it (one per publish),
@@ -78,7 +92,7 @@ class RabbitAdapter(BrokerAdapter):
     async def _publish_again(self, message: Any) -> None:
         raw = message.raw_message
         headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
-        await self.broker.publish(
+        result = await self.broker.publish(
             bytes(message.body),
             queue=self.source,
             persist=True,
@@ -88,8 +102,49 @@ class RabbitAdapter(BrokerAdapter):
             message_id=getattr(raw, "message_id", None),  # the broker_id opt-in reads it
             correlation_id=getattr(raw, "correlation_id", None),
         )
+        if problem := unconfirmed(result, self.broker):
+            # Kept the classic way instead: this requeue counts against the delivery limit.
+            logger.warning("requeueing a message of %s instead: %s", self.source, problem)
+            await message.nack(requeue=True)
+            return
         await message.ack()
 
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
         await message.reject(requeue=False)
+
+
+def unconfirmed(result: Any, broker: Any) -> str | None:
+    """Why the answer to a ``mandatory`` publish through ``broker`` does not say that
+    RabbitMQ has the message; None when it does (a publisher confirm).
+
+    aio-pika answers a confirmed publish with the broker's ``Basic.Ack``, a returned one
+    (unroutable: no queue is bound to its routing key) with the returned message, and
+    with None when the channel has no publisher confirms. A ``Basic.Nack`` raises.
+    FastStream's in-memory test broker answers None too, and is believed.
+    """
+    from pamqp.commands import Basic
+
+    if isinstance(result, Basic.Ack):
+        return None
+    if result is None:
+        if getattr(getattr(broker, "_channel", None), "publisher_confirms", None) is not False:
+            return None  # TestRabbitBroker (a mock channel): nothing to confirm
+        return (
+            "the broker's channel has no publisher confirms (publisher_confirms=False), so "
+            "nothing says RabbitMQ has the message; keep the default Channel()"
+        )
+    frame = getattr(result, "delivery", None)
+    if isinstance(frame, Basic.Return):
+        return (
+            f"RabbitMQ returned the message: {frame.reply_code} {frame.reply_text} (no queue "
+            f"is bound to routing key {frame.routing_key!r} of exchange "
+            f"{frame.exchange or '(default)'!r})"
+        )
+    return f"RabbitMQ answered the publish with {type(result).__name__}, not a confirm"
+
+
+def _returned(result: Any) -> bool:
+    from pamqp.commands import Basic
+
+    return isinstance(getattr(result, "delivery", None), Basic.Return)

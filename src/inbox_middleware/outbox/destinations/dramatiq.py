@@ -18,6 +18,7 @@ require("dramatiq", "dramatiq")
 import dramatiq  # noqa: E402
 
 from ...dramatiq import identity  # noqa: E402
+from ...exceptions import ConfigurationError  # noqa: E402
 from ..destination import Effect  # noqa: E402
 from ..errors import PermanentDeliveryError  # noqa: E402
 
@@ -37,7 +38,10 @@ class DramatiqDestination:
       tenant: the tenant of that identity, if any.
       options: more message options (``max_retries``, ...).
 
-    Brokers' clients block, so sends run on a thread of the destination's own.
+    Brokers' clients block, so sends run on a thread of the destination's own. On
+    RabbitMQ the broker must be ``RabbitmqBroker(confirm_delivery=True)``: only then does
+    an enqueue wait for RabbitMQ to confirm the message (and declare the queue again if
+    it was deleted) before the effect is counted ``dispatched``.
     """
 
     def __init__(
@@ -49,6 +53,15 @@ class DramatiqDestination:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         identity(producer=producer, message_id="check", tenant=tenant)  # validates early
+        broker = actor.broker
+        if type(broker).__module__.startswith("dramatiq.brokers.rabbitmq") and not getattr(
+            broker, "confirm_delivery", False
+        ):
+            raise ConfigurationError(
+                "DramatiqDestination needs RabbitmqBroker(confirm_delivery=True): without "
+                "it an enqueue returns before RabbitMQ has the message, and an effect it "
+                "lost would be recorded dispatched"
+            )
         self.actor = actor
         self.producer = producer
         self.tenant = tenant
