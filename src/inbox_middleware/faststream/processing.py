@@ -74,10 +74,10 @@ from ..exceptions import (
     PayloadNotHashable,
     TransientError,
 )
+from ..headers import MESSAGE_ID, PRODUCER, TENANT
 from ..identity import MessageIdentity
 from ..metrics import metrics
 from ..outcomes import report
-from ..headers import MESSAGE_ID, PRODUCER, TENANT
 from ..outputs import Output, derived_identity, unstorable
 from ..policy import ConsumerPolicy
 from ..protocol import Delivery
