@@ -47,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .exceptions import ConfigurationError, PermanentError
-from .metrics import metrics
+from .instruments import metrics
 from .poison import EXPIRED_REDELIVERY
 from .protocol import Delivery
 from .storage.tables import ALL_CONSUMERS, InboxSchema

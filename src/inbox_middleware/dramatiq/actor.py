@@ -41,7 +41,7 @@ from ..consumption import (
 )
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
 from ..identity import MessageIdentity
-from ..metrics import metrics
+from ..instruments import metrics
 from ..protocol import Delivery
 from ..tracing import TRACE_OPTION
 from .context import session_var

@@ -71,7 +71,7 @@ from ..exceptions import (
     TransientError,
 )
 from ..identity import MessageIdentity
-from ..metrics import metrics
+from ..instruments import metrics
 from ..outcomes import report
 from ..policy import ConsumerPolicy
 from ..protocol import Delivery

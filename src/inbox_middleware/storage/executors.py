@@ -52,7 +52,7 @@ from ..exceptions import (
     PrerequisiteError,
     TransactionAborted,
 )
-from ..metrics import metrics
+from ..instruments import metrics
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
 from .errors import Failure, as_transient, classify, from_driver, sqlstate, transient_error
 from .failures import FailureRecorder, mark_recovered
