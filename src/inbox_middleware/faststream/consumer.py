@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ..exceptions import ConfigurationError
 from .context import current_attempt
 from .payload import CanonicalForm
-
-if TYPE_CHECKING:
-    from .inbox import FastStreamInbox
 
 __all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "check_policy"]
 
@@ -42,7 +39,8 @@ class InboxConsumer:
     unprotected.
     """
 
-    inbox: FastStreamInbox
+    inbox: object
+    """The `FastStreamInbox` that declared it (which imports this module)."""
     name: str
     handler_version: str = ""
     missing_identity: MissingIdentityPolicy | None = None

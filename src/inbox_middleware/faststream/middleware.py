@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from faststream import BaseMiddleware
 from faststream.message import SourceType
@@ -16,15 +16,24 @@ if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
     from faststream.message import StreamMessage
 
-    from .inbox import FastStreamInbox
+    from .processing import Subscription
 
 __all__ = ["InboxMiddleware", "InboxMiddlewareFactory"]
+
+
+class Subscriptions(Protocol):
+    """What the middleware asks of its `FastStreamInbox` (which builds the middleware, so
+    this module does not import it)."""
+
+    async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None: ...
+
+    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None: ...
 
 
 class InboxMiddleware(BaseMiddleware):
     """One message's pass through the inbox (FastStream builds one per message)."""
 
-    def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: FastStreamInbox) -> None:
+    def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: Subscriptions) -> None:
         super().__init__(msg, context=context)
         self.inbox = inbox
 
@@ -56,7 +65,7 @@ class InboxMiddlewareFactory:
     """What the broker is given (``middlewares=[inbox.middleware]``): FastStream calls it
     once per message to build an `InboxMiddleware`."""
 
-    def __init__(self, inbox: FastStreamInbox) -> None:
+    def __init__(self, inbox: Subscriptions) -> None:
         self.inbox = inbox
 
     def __call__(self, msg: Any, /, *, context: ContextRepo) -> InboxMiddleware:
