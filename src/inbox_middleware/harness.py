@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, event, func, select
+from sqlalchemy import Engine, event
 
 from .exceptions import ConfigurationError
 from .identity import MessageIdentity
-from .storage import InboxSchema
 
 __all__ = [
     "CONCURRENT",
@@ -31,7 +30,6 @@ __all__ = [
     "Outcomes",
     "ScenarioResult",
     "Tally",
-    "claim_queries",
     "fresh",
     "intent_name",
     "refuse_sqlite",
@@ -226,26 +224,6 @@ def refuse_sqlite(engine: Engine) -> None:
             "concurrent duplicates need PostgreSQL: SQLite has a single writer, so "
             "deliveries never race for a claim there; run this scenario on PostgreSQL"
         )
-
-
-def claim_queries(
-    naming: InboxSchema, identity: MessageIdentity, consumer: str | None
-) -> tuple[Any, Any, Any]:
-    tables = naming.tables
-    queries = []
-    for table in (tables.inbox, tables.quarantine, tables.poison):
-        where = [
-            table.c.producer_name == identity.producer,
-            table.c.tenant == identity.tenant,
-            table.c.message_id == identity.message_id,
-        ]
-        if consumer is not None:
-            where.append(table.c.consumer_name == consumer)
-        if table is tables.quarantine:
-            queries.append(select(func.coalesce(func.sum(table.c.attempts), 0)).where(*where))
-        else:
-            queries.append(select(func.count()).select_from(table).where(*where))
-    return queries[0], queries[1], queries[2]
 
 
 def intent_name(identity: MessageIdentity) -> str:

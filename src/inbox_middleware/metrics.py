@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from .instruments import MAX_LABEL_VALUES, MULTIPROCESS_VARIABLE, Metrics, label_values, metrics
 from .status import table_gauges
 from .storage.engines import run_sync, sync_engine
+from .storage.inspection import limit_statements
 from .storage.tables import InboxSchema
 
 __all__ = [
@@ -273,9 +274,7 @@ class TableCollector:
 
     def _query(self) -> Any:
         with self.engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                milliseconds = max(1, round(self.statement_timeout * 1000))
-                conn.execute(text(f"SET LOCAL statement_timeout = {milliseconds}"))
+            limit_statements(conn, self.statement_timeout)
             return table_gauges(conn, self.naming)
 
 

@@ -168,7 +168,6 @@ PUBLIC = {
         "Outcomes",
         "ScenarioResult",
         "Tally",
-        "claim_queries",
         "fresh",
         "intent_name",
         "refuse_sqlite",

@@ -22,12 +22,12 @@ from ..harness import (
     Outcomes,
     ScenarioResult,
     Tally,
-    claim_queries,
     fresh,
     intent_name,
     refuse_sqlite,
 )
 from ..storage import InboxSchema
+from ..storage.inspection import claim_queries
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
