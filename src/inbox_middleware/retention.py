@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
-from typing import Literal
 
 from sqlalchemy import Connection, Engine
 
 from .exceptions import ConfigurationError, PermanentError
 from .instruments import metrics
 from .poison import EXPIRED_REDELIVERY
+from .policy import ExpiredPolicy
 from .protocol import Delivery
 from .storage.retention import policy_rows, purge_statements, write_policy
 from .storage.tables import ALL_CONSUMERS, InboxSchema
@@ -271,12 +271,6 @@ class RetentionRefused(ConfigurationError):
 
 
 # -- redeliveries older than the window ---------------------------------------------------
-
-ExpiredPolicy = Literal["reject", "process"]
-"""What to do with a first-seen message produced longer ago than the retention window:
-its claim may have existed and been purged, so processing it may apply it twice.
-``reject`` keeps it as poison (reason ``expired_redelivery``) for an operator to decide;
-``process`` applies it, with a warning. Both are counted."""
 
 
 def check_expired(

@@ -23,7 +23,7 @@ from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
-from ..consumption import Backoff
+from ..consumption import HandBackDelays
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..policy import ConsumerPolicy, ExpiredPolicy
@@ -139,7 +139,7 @@ class FastStreamInbox:
         self.quarantine = quarantine
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
-        self.backoff = Backoff(*retry_backoff)
+        self.backoff = HandBackDelays(*retry_backoff)
         self.check_database = check_database
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from .processing import Subscription
 
-__all__ = ["InboxMiddleware", "InboxMiddlewareFactory"]
+__all__ = ["InboxMiddlewareFactory", "RoutingMiddleware"]
 
 
 class Subscriptions(Protocol):
@@ -30,7 +30,7 @@ class Subscriptions(Protocol):
     async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None: ...
 
 
-class InboxMiddleware(BaseMiddleware):
+class RoutingMiddleware(BaseMiddleware):
     """One message's pass through the inbox (FastStream builds one per message)."""
 
     def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: Subscriptions) -> None:
@@ -63,13 +63,13 @@ class InboxMiddleware(BaseMiddleware):
 
 class InboxMiddlewareFactory:
     """What the broker is given (``middlewares=[inbox.middleware]``): FastStream calls it
-    once per message to build an `InboxMiddleware`."""
+    once per message to build a `RoutingMiddleware`."""
 
     def __init__(self, inbox: Subscriptions) -> None:
         self.inbox = inbox
 
-    def __call__(self, msg: Any, /, *, context: ContextRepo) -> InboxMiddleware:
-        return InboxMiddleware(msg, context=context, inbox=self.inbox)
+    def __call__(self, msg: Any, /, *, context: ContextRepo) -> RoutingMiddleware:
+        return RoutingMiddleware(msg, context=context, inbox=self.inbox)
 
     def __repr__(self) -> str:
         return "inbox.middleware"

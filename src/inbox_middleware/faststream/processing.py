@@ -46,9 +46,9 @@ from .. import consumption as core
 from .. import faults
 from ..consumption import (
     Arrival,
-    Backoff,
     DeadLettered,
     Duplicate,
+    HandBackDelays,
     HandBackRequested,
     Op,
     Poisoned,
@@ -98,7 +98,7 @@ __all__ = [
     "CONFLICT_HEADER",
     "REJECTED_HEADER",
     "REPAIR_HEADER",
-    "Backoff",
+    "HandBackDelays",
     "HandedBack",
     "Skipped",
     "Subscription",
@@ -123,7 +123,7 @@ class Subscription:
         canonical_form: CanonicalForm | None,
         quarantine: str,
         dead_letter: str | None,
-        backoff: Backoff,
+        backoff: HandBackDelays,
         tracing: Tracing | NoTracing = OFF,
     ) -> None:
         self.tracing = tracing
