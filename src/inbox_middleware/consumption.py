@@ -677,7 +677,7 @@ async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awai
 
 
 @dataclass(slots=True)
-class Backoff:
+class HandBackDelays:
     """Delays before a hand-back: doubling per hand-back of the same message from
     ``first`` up to ``limit`` seconds, remembered for the latest ``memory`` messages."""
 

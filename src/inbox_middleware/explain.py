@@ -13,12 +13,13 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, DateTime, Table, Text, select, type_coerce
+from sqlalchemy import Connection
 
 from .identity import MessageIdentity, PayloadHash
 from .outbox.recording import effect_id_for
 from .protocol import Delivery
 from .retention import format_duration, recorded_policy
+from .storage.inspection import consumer_known, effects, identity_row, identity_rows
 from .storage.tables import InboxSchema
 
 __all__ = ["FORMAT", "SCHEMA", "consumer_known", "explain"]
@@ -48,10 +49,10 @@ def explain(
     )
     t = naming.tables
     key = identity.key(consumer)
-    claim = _one(conn, t.inbox, key)
-    quarantine = _rows(conn, t.quarantine, key, t.quarantine.c.first_seen_at, payload=False)
-    poison = _rows(conn, t.poison, key, t.poison.c.first_failure_at, payload=False)
-    failures = _one(conn, t.attempts, key)
+    claim = identity_row(conn, t.inbox, key)
+    quarantine = identity_rows(conn, t.quarantine, key, t.quarantine.c.first_seen_at, payload=False)
+    poison = identity_rows(conn, t.poison, key, t.poison.c.first_failure_at, payload=False)
+    failures = identity_row(conn, t.attempts, key)
     policy = recorded_policy(conn, naming, consumer)
     window = policy.minimum if policy is not None else None
     verdict, summary = _verdict(claim, payload_sha256, poison, window)
@@ -124,44 +125,6 @@ def _verdict(
     return "process", summary
 
 
-def _one(conn: Connection, table: Table, key: tuple[str, str, str, str]) -> dict[str, Any] | None:
-    columns: list[Any] = list(table.c)
-    times = {c.name for c in columns if isinstance(c.type, DateTime)}
-    if conn.dialect.name == "sqlite":
-        # Read SQLite's timestamps as text: a value that is not ISO text (older claims
-        # stored received_at as a number) is shown as it is instead of failing the read.
-        columns = [
-            type_coerce(c, Text).label(c.name) if isinstance(c.type, DateTime) else c
-            for c in columns
-        ]
-    row = conn.execute(select(*columns).where(*_where(table, key))).mappings().first()
-    if row is None:
-        return None
-    return {k: _timestamp(v) if k in times else v for k, v in row.items()}
-
-
-def _timestamp(value: Any) -> Any:
-    """A timestamp as a datetime; anything else (see `_one`) as text."""
-    if value is None or isinstance(value, datetime):
-        return value
-    try:
-        return datetime.fromisoformat(str(value))
-    except ValueError:
-        return str(value)
-
-
-def _rows(
-    conn: Connection, table: Table, key: tuple[str, str, str, str], order: Any, *, payload: bool
-) -> list[dict[str, Any]]:
-    columns = [c for c in table.c if payload or c.name != "payload"]
-    query = select(*columns).where(*_where(table, key)).order_by(order)
-    return [dict(row) for row in conn.execute(query).mappings()]
-
-
-def _where(table: Table, key: tuple[str, str, str, str]) -> list[Any]:
-    return [table.c[name] == value for name, value in zip(_KEY, key, strict=True)]
-
-
 def _claim(row: dict[str, Any]) -> dict[str, Any]:
     return {
         name: _iso(row[name]) if isinstance(row[name], datetime) else row[name]
@@ -183,10 +146,8 @@ def _effects(
     """The outbox effects this message's processing recorded under derived ids."""
     probe = Delivery(consumer, identity, PayloadHash("", ""))
     ids = {effect_id_for(probe, index): index for index in range(_EFFECTS_LOOKED_UP)}
-    o = naming.tables.outbox
-    columns = [o.c[name] for name in _EFFECT_COLUMNS]
-    rows = conn.execute(select(*columns).where(o.c.effect_id.in_(list(ids)))).mappings()
-    found = [{"index": ids[row["effect_id"]], **_jsonable(dict(row))} for row in rows]
+    rows = effects(conn, naming, list(ids), _EFFECT_COLUMNS)
+    found = [{"index": ids[row["effect_id"]], **_jsonable(row)} for row in rows]
     return sorted(found, key=lambda effect: int(effect["index"]))
 
 
@@ -345,15 +306,3 @@ SCHEMA: dict[str, Any] = {
     },
 }
 """The JSON schema ``inbox-middleware explain --json`` follows."""
-
-
-def consumer_known(conn: Connection, naming: InboxSchema, consumer: str) -> bool:
-    """Whether any inbox table has a row for ``consumer`` (one index probe per table)."""
-    t = naming.tables
-    for table in (t.inbox, t.attempts, t.quarantine, t.poison):
-        found = conn.execute(
-            select(table.c.consumer_name).where(table.c.consumer_name == consumer).limit(1)
-        ).first()
-        if found is not None:
-            return True
-    return False

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from . import canonical_v1
 from .canonical import canonical_json
@@ -204,7 +203,3 @@ def _holds_nul(value: object) -> bool:
     if isinstance(value, list | tuple):
         return any(_holds_nul(item) for item in value)
     return False
-
-
-CanonicalForm = Callable[[Any], object]
-"""A user hook: takes the adapter's payload, returns a JSON-like value or bytes to hash."""

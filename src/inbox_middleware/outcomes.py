@@ -23,7 +23,7 @@ from .consumption import (
     identity_reason,
 )
 from .exceptions import IdentityError, PayloadNotHashable
-from .metrics import metrics
+from .instruments import metrics
 
 __all__ = ["report"]
 

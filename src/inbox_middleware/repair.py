@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from sqlalchemy import Connection, Table, bindparam, func, or_, select, update
+from sqlalchemy import Connection, Table
 
 from .exceptions import ConfigurationError, InboxError
 from .identity import MAX_MESSAGE_ID_LENGTH
+from .storage import repairs
 from .storage.failures import mark_recovered as _mark_recovered
 from .storage.failures import parse_marker as _parse_marker
 from .storage.tables import InboxSchema
@@ -112,28 +113,18 @@ def list_rows(
     """Rows without their payload, most recent failure or sighting first; ``since`` and
     ``until`` bound that last failure or sighting (``since`` included, ``until`` not)."""
     table = _table(naming, kind)
-    last = table.c.last_seen_at if kind == "quarantine" else table.c.last_failure_at
-    query = select(*(c for c in table.c if c.name != "payload")).order_by(last.desc())
-    for column, value in (
-        (table.c.consumer_name, consumer),
-        (table.c.producer_name, producer),
-        (table.c.reason_code, reason),
-        (table.c.decision, decision),
-    ):
-        if value is not None:
-            query = query.where(column == value)
-    if since is not None:
-        query = query.where(last >= since)
-    if until is not None:
-        query = query.where(last < until)
-    if limit is not None:
-        query = query.limit(limit)
-    return [dict(row) for row in conn.execute(query).mappings()]
+    last = "last_seen_at" if kind == "quarantine" else "last_failure_at"
+    equal = {
+        "consumer_name": consumer,
+        "producer_name": producer,
+        "reason_code": reason,
+        "decision": decision,
+    }
+    return repairs.rows(conn, table, last, equal, since=since, until=until, limit=limit)
 
 
 def show_row(conn: Connection, naming: InboxSchema, kind: Kind, row_id: int) -> dict[str, Any]:
-    table = _table(naming, kind)
-    row = conn.execute(select(table).where(table.c.id == row_id)).mappings().first()
+    row = repairs.row(conn, _table(naming, kind), row_id)
     if row is None:
         raise RepairError(f"there is no {kind} row #{row_id}")
     return dict(row)
@@ -245,23 +236,14 @@ def _decide(
     operation: str | None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    table = _table(naming, kind)
-    allowed = table.c.decision == "pending"
-    if operation is not None:  # the same operation may run again: it is the same decision
-        allowed = or_(
-            allowed,
-            (table.c.decision == decision) & (table.c.operation_id == bindparam("operation")),
-        )
     values: dict[str, Any] = {
-        "decision": decision,
         "decided_by": by,
-        "decided_at": func.now(),
         "decision_note": note,
-        "operation_id": operation,
         **(extra or {}),
     }
-    statement = update(table).where(table.c.id == row_id, allowed).values(**values).returning(table)
-    row = conn.execute(statement, {"operation": operation} if operation else {}).mappings().first()
+    row = repairs.decide(
+        conn, _table(naming, kind), row_id, decision, operation=operation, values=values
+    )
     if row is None:
         current = show_row(conn, naming, kind, row_id)
         raise RepairError(

@@ -26,30 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
-from functools import cache
-from typing import Any, Literal
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Float,
-    Integer,
-    Text,
-    and_,
-    bindparam,
-    delete,
-    func,
-    literal_column,
-    or_,
-    select,
-    tuple_,
-)
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Engine
 
 from .exceptions import ConfigurationError, PermanentError
-from .metrics import metrics
+from .instruments import metrics
 from .poison import EXPIRED_REDELIVERY
+from .policy import ExpiredPolicy
 from .protocol import Delivery
+from .storage.retention import policy_rows, purge_statements, write_policy
 from .storage.tables import ALL_CONSUMERS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
@@ -170,7 +155,6 @@ def record_policy(
 ) -> RecordedPolicy:
     """Store ``policy`` for ``consumer`` (``*``: the default for all); return it, computed."""
     window, dominant = minimum_window(policy)
-    table = naming.tables.retention
     scenarios = {
         field.name: (
             getattr(policy, field.name).total_seconds()
@@ -179,21 +163,14 @@ def record_policy(
         )
         for field in fields(policy)
     }
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    values = {
-        "consumer_name": consumer,
-        "scenarios": scenarios,
-        "minimum_seconds": int(window.total_seconds()),
-        "dominant_scenario": dominant.name,
-        "updated_at": func.now(),
-        "updated_by": by,
-    }
-    statement = insert(table).values(**values)
-    conn.execute(
-        statement.on_conflict_do_update(
-            index_elements=["consumer_name"],
-            set_={k: getattr(statement.excluded, k) for k in values if k != "consumer_name"},
-        )
+    write_policy(
+        conn,
+        naming,
+        consumer=consumer,
+        scenarios=scenarios,
+        minimum_seconds=int(window.total_seconds()),
+        dominant_scenario=dominant.name,
+        updated_by=by,
     )
     return RecordedPolicy(consumer, policy, window, dominant.name)
 
@@ -202,12 +179,8 @@ def recorded_policy(
     conn: Connection, naming: InboxSchema, consumer: str | None
 ) -> RecordedPolicy | None:
     """The policy recorded for ``consumer``, else the default one (``*``), else None."""
-    table = naming.tables.retention
     wanted = [ALL_CONSUMERS] if consumer is None else [consumer, ALL_CONSUMERS]
-    rows = {
-        row.consumer_name: row
-        for row in conn.execute(select(table).where(table.c.consumer_name.in_(wanted)))
-    }
+    rows = policy_rows(conn, naming, wanted)
     row = next((rows[name] for name in wanted if name in rows), None)
     if row is None:
         return None
@@ -267,12 +240,12 @@ def purge(
     """
     if batch_size <= 0:
         raise ConfigurationError("batch_size must be positive")
-    statements = _purge_statements(naming, engine.dialect.name)
+    statements = purge_statements(naming, engine.dialect.name)
     params = {"seconds": older_than.total_seconds(), "consumer": consumer, "limit": batch_size}
     total = 0
     while True:
         with engine.begin() as conn:
-            deleted = conn.execute(statements[0], params).rowcount
+            deleted = conn.execute(statements.batch, params).rowcount
         total += deleted
         if on_batch is not None:
             on_batch(deleted)
@@ -281,8 +254,8 @@ def purge(
         if pause:
             time.sleep(pause)
     with engine.begin() as conn:
-        conn.execute(statements[1], params)
-        conn.execute(statements[3], params)
+        conn.execute(statements.failures, params)
+        conn.execute(statements.outputs, params)
     return total
 
 
@@ -290,7 +263,7 @@ def purgeable(
     conn: Connection, naming: InboxSchema, older_than: timedelta, *, consumer: str | None = None
 ) -> int:
     """How many claims `purge` would delete now (through the processed_at index)."""
-    statement = _purge_statements(naming, conn.dialect.name)[2]
+    statement = purge_statements(naming, conn.dialect.name).count
     params = {"seconds": older_than.total_seconds(), "consumer": consumer}
     return int(conn.execute(statement, params).scalar_one())
 
@@ -299,48 +272,7 @@ class RetentionRefused(ConfigurationError):
     """The purge window is shorter than the recorded retention policy allows."""
 
 
-@cache
-def _purge_statements(naming: InboxSchema, dialect: str) -> tuple[Any, Any, Any, Any]:
-    inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
-    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
-    if dialect == "sqlite":
-        cutoff = func.datetime("now", func.printf("-%f seconds", bindparam("seconds")))
-    consumer = bindparam("consumer", type_=Text)
-    old = and_(
-        inbox.c.processed_at < cutoff,
-        or_(consumer.is_(None), inbox.c.consumer_name == consumer),
-    )
-    limit = bindparam("limit", type_=Integer)
-    if dialect == "postgresql":
-        ctid: Any = literal_column("ctid")
-        doomed = select(ctid).select_from(inbox).where(old).limit(limit)
-        doomed = doomed.with_for_update(skip_locked=True)
-        batch = delete(inbox).where(ctid == func.any(func.array(doomed.scalar_subquery())))
-    else:
-        key = tuple_(
-            inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id
-        )
-        doomed = select(*key.clauses).where(old).limit(limit)
-        batch = delete(inbox).where(key.in_(doomed))
-    failures = delete(attempts).where(
-        attempts.c.last_failure_at < cutoff,
-        or_(consumer.is_(None), attempts.c.consumer_name == consumer),
-    )
-    count = select(func.count()).select_from(inbox).where(old)
-    stored = delete(outputs).where(
-        outputs.c.created_at < cutoff,
-        or_(consumer.is_(None), outputs.c.consumer_name == consumer),
-    )
-    return batch, failures, count, stored
-
-
 # -- redeliveries older than the window ---------------------------------------------------
-
-ExpiredPolicy = Literal["reject", "process"]
-"""What to do with a first-seen message produced longer ago than the retention window:
-its claim may have existed and been purged, so processing it may apply it twice.
-``reject`` keeps it as poison (reason ``expired_redelivery``) for an operator to decide;
-``process`` applies it, with a warning. Both are counted."""
 
 
 def check_expired(

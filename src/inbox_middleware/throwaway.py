@@ -22,6 +22,7 @@ from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import URL, make_url
 
 from .exceptions import ConfigurationError
+from .storage.databases import create_database, drop_database
 from .storage.migrate import migrate
 
 __all__ = ["DEFAULT_SERVER", "SERVER_VARIABLE", "Setup", "Template", "ThrowawayDatabase"]
@@ -78,21 +79,21 @@ class Template:
         if not self.built:
             self._build()
         name = f"inbox_throwaway_{uuid.uuid4().hex[:12]}"
-        self._admin(f'CREATE DATABASE "{name}" TEMPLATE "{self.name}"')
+        self._admin(create_database(name, template=self.name))
         return ThrowawayDatabase(
             name, _url(self.server, name, "sync"), _url(self.server, name, "async")
         )
 
     def drop(self, database: ThrowawayDatabase | str) -> None:
         name = database if isinstance(database, str) else database.name
-        self._admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        self._admin(drop_database(name))
 
     def close(self) -> None:
         if self.built:
             self.drop(self.name)
 
     def _build(self) -> None:
-        self._admin(f'CREATE DATABASE "{self.name}"')
+        self._admin(create_database(self.name))
         self.built = True
         url = _url(self.server, self.name, "sync")
         if url.startswith("postgresql+asyncpg"):

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from inbox_middleware.dramatiq import identity
 from inbox_middleware.faststream import FastStreamInbox, identity_headers
 from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.metrics import _INSTRUMENTS
+from inbox_middleware.instruments import _INSTRUMENTS
 from inbox_middleware.protocol import Delivery
 from inbox_middleware.storage import Inbox
 

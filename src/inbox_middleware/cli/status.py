@@ -13,6 +13,7 @@ from .. import explain as explaining
 from .. import status as reading
 from ..exceptions import ConfigurationError
 from ..retention import format_duration, parse_duration
+from ..storage.inspection import consumer_pairs
 from .options import database, database_options, naming_from, naming_options
 from .output import console, echo_json, when
 
@@ -116,7 +117,7 @@ def explain_command(
 
 
 def _unknown_consumer(conn: Any, naming: Any, consumer: str) -> str:
-    known = sorted({name for name, _ in reading.consumer_pairs(conn, naming)})
+    known = sorted({name for name, _ in consumer_pairs(conn, naming)})
     close = difflib.get_close_matches(consumer, known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     listing = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "") or "none yet"

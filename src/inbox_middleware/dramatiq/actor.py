@@ -42,7 +42,7 @@ from ..consumption import (
 )
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
 from ..identity import MessageIdentity
-from ..metrics import metrics
+from ..instruments import metrics
 from ..outputs import Output, derived_identity, unstorable
 from ..protocol import Delivery
 from ..tracing import TRACE_OPTION

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from ..exceptions import InboxError
+from ..headers import message_options
 from ..identity import MessageIdentity
-from .payload import OPTION_MESSAGE_ID, OPTION_PRODUCED_AT, OPTION_PRODUCER, OPTION_TENANT
 
 if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -68,9 +68,5 @@ def identity(
     parsed = MessageIdentity.parse(
         producer=producer, message_id=message_id, tenant=tenant, produced_at=produced_at
     )
-    options = {OPTION_PRODUCER: parsed.producer, OPTION_MESSAGE_ID: parsed.message_id}
-    if parsed.tenant:
-        options[OPTION_TENANT] = parsed.tenant
-    if parsed.produced_at is not None:
-        options[OPTION_PRODUCED_AT] = parsed.produced_at.isoformat()
-    return options
+    produced = None if parsed.produced_at is None else parsed.produced_at.isoformat()
+    return message_options(parsed.producer, parsed.message_id, parsed.tenant, produced)

@@ -40,9 +40,9 @@ from sqlalchemy import Engine
 
 from .. import direct, faults
 from ..consumption import (
-    Backoff,
     DeadLettered,
     Duplicate,
+    HandBackDelays,
     HandBackRequested,
     HandedBack,
     Poisoned,
@@ -219,7 +219,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self.canonical_form = canonical_form
         self.check_database = check_database
         self.retries: Retries | None = None
-        self.backoffs: dict[str, Backoff] = {}
+        self.backoffs: dict[str, HandBackDelays] = {}
         self._actors: dict[str, InboxActor] = {}
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
@@ -281,7 +281,9 @@ class InboxMiddleware(dramatiq.Middleware):
         # Hand-backs wait as the actor's retries would: its own backoff, else Retries'.
         first = max(actor.options.get("min_backoff", self.retries.min_backoff) / 1000, 0.001)
         limit = actor.options.get("max_backoff", self.retries.max_backoff) / 1000
-        self.backoffs[actor.actor_name] = Backoff(first, max(first, min(limit, _HAND_BACK_LIMIT)))
+        self.backoffs[actor.actor_name] = HandBackDelays(
+            first, max(first, min(limit, _HAND_BACK_LIMIT))
+        )
         if self.quarantine_publisher is None:
             self.quarantine_publisher = publisher_for(broker)
         self._actors[actor.actor_name] = InboxActor(self, actor, consumer)

@@ -28,6 +28,7 @@ from dramatiq.broker import MessageProxy
 from .. import canonical_v1
 from ..canonical import canonical_json
 from ..exceptions import ConfigurationError, InvalidIdentity, MissingIdentity, PayloadNotHashable
+from ..headers import OPTION_MESSAGE_ID, OPTION_PRODUCED_AT, OPTION_PRODUCER, OPTION_TENANT
 from ..identity import MAX_NAME_LENGTH, MessageIdentity, PayloadHash, hash_bytes, validate_name
 from ..protocol import Delivery
 
@@ -48,10 +49,6 @@ __all__ = [
     "identity_options",
 ]
 
-OPTION_PRODUCER = "inbox_producer"
-OPTION_MESSAGE_ID = "inbox_message_id"
-OPTION_TENANT = "inbox_tenant"
-OPTION_PRODUCED_AT = "inbox_produced_at"
 OPTION_MESSAGE_ID_FROM = "inbox_message_id_from"
 """The actor option naming the argument that is the message id."""
 

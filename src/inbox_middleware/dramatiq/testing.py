@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 
 from ..exceptions import ConfigurationError
-from ..storage import InboxSchema
-from ..testing import (
+from ..harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
     Effect,
+    Hold,
+    Outcomes,
     ScenarioResult,
-    _claim_queries,
-    _fresh,
-    _Hold,
-    _name,
-    _Outcomes,
-    _refuse_sqlite,
-    _Tally,
+    Tally,
+    fresh,
+    intent_name,
+    refuse_sqlite,
 )
+from ..storage import InboxSchema
+from ..storage.inspection import claim_queries
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -139,7 +139,7 @@ class DramatiqCheck:
         return self._run(CRASH, message, [[message], [message]])
 
     def concurrent_duplicates(self, message: Any, copies: int = 8) -> ScenarioResult:
-        _refuse_sqlite(self.engine)
+        refuse_sqlite(self.engine)
         return self._run(CONCURRENT, message, [[_renamed(message) for _ in range(copies)]])
 
     # -- running -------------------------------------------------------------------------
@@ -148,16 +148,16 @@ class DramatiqCheck:
         from .payload import identity_options
 
         identity = identity_options(message.options)
-        claims, quarantined, poisoned = _claim_queries(self.naming, identity, self.consumer)
-        _fresh(self._count(claims), identity)
+        claims, quarantined, poisoned = claim_queries(self.naming, identity, self.consumer)
+        fresh(self._count(claims), identity)
         before = self.effect()
         conflicts_before, poison_before = self._count(quarantined), self._count(poisoned)
-        hold = _Hold(self.engine, self.hold, self.asynchronous)
-        tally, unsettled = _Tally(), 0
+        hold = Hold(self.engine, self.hold, self.asynchronous)
+        tally, unsettled = Tally(), 0
         holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
         with self._worker() as worker, self._recording() as recorder, holding:
             for wave in waves:
-                outcomes = recorder.current = _Outcomes({m.message_id for m in wave}, len(wave))
+                outcomes = recorder.current = Outcomes({m.message_id for m in wave}, len(wave))
                 for copy in wave:
                     self.broker.enqueue(copy)
                 unsettled += self._settle(outcomes)
@@ -168,7 +168,7 @@ class DramatiqCheck:
         poison = self._count(poisoned) - poison_before
         return ScenarioResult(
             scenario=scenario,
-            intent=_name(identity),
+            intent=intent_name(identity),
             deliveries=sum(len(wave) for wave in waves),
             processed=tally.processed,
             duplicates=tally.skipped - conflicts - poison,
@@ -181,7 +181,7 @@ class DramatiqCheck:
             unsettled=unsettled,
         )
 
-    def _settle(self, outcomes: _Outcomes) -> int:
+    def _settle(self, outcomes: Outcomes) -> int:
         """Wait until every message of the wave is settled; how many were not."""
         assert outcomes.expected is not None
         deadline = time.monotonic() + self.timeout
@@ -246,7 +246,7 @@ def _dramatiq_recorder() -> Any:
     from dramatiq import Middleware
 
     class Recorder(Middleware):
-        current: _Outcomes | None = None
+        current: Outcomes | None = None
 
         def before_process_message(self, broker: Any, message: Any) -> None:
             if self.current is not None and self.current.ours(message.message_id):

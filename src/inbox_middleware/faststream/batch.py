@@ -26,7 +26,7 @@ from ..exceptions import (
     SchemaError,
     TransientError,
 )
-from ..metrics import metrics
+from ..instruments import metrics
 from ..protocol import Decision, Delivery, Verdict
 from .brokers import Item
 from .context import BatchItem

@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 from ..exceptions import ConfigurationError
+from ..policy import MissingIdentityPolicy
 from .context import current_attempt
 from .payload import CanonicalForm
 
-if TYPE_CHECKING:
-    from .inbox import FastStreamInbox
-
 __all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "check_policy"]
-
-MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
-"""What to do with a message that carries no ``x-inbox-producer`` / ``x-inbox-message-id``.
-
-``reject`` (default): to the dead-letter destination, with an error log line.
-``process``: run the handler without deduplication, with a warning per message.
-``broker_id``: deduplicate on what the broker keeps stable across redeliveries (RabbitMQ's
-message-id property, a Redis stream entry id, a JetStream sequence, a Kafka offset). That
-catches redeliveries, never a producer publishing the same intent twice.
-"""
 
 
 class _Unset:
@@ -42,7 +29,8 @@ class InboxConsumer:
     unprotected.
     """
 
-    inbox: FastStreamInbox
+    inbox: object
+    """The `FastStreamInbox` that declared it (which imports this module)."""
     name: str
     handler_version: str = ""
     missing_identity: MissingIdentityPolicy | None = None

@@ -23,7 +23,7 @@ from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
-from ..consumption import Backoff
+from ..consumption import HandBackDelays
 from ..direct import DirectPublishPolicy
 from ..direct import check_policy as check_direct_publish
 from ..exceptions import ConfigurationError
@@ -153,7 +153,7 @@ class FastStreamInbox:
         self.quarantine = quarantine
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
-        self.backoff = Backoff(*retry_backoff)
+        self.backoff = HandBackDelays(*retry_backoff)
         self.check_database = check_database
         self.direct_publish = check_direct_publish(direct_publish)
         self.tracing = tracing_for(tracing)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from faststream import BaseMiddleware
 from faststream.message import SourceType
 
 from .. import direct
+from ..direct import DirectPublishPolicy
 from .context import current_attempt
 from .outcome import HandedBack
 
@@ -18,15 +19,26 @@ if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
     from faststream.message import StreamMessage
 
-    from .inbox import FastStreamInbox
+    from .processing import Subscription
 
-__all__ = ["InboxMiddleware", "InboxMiddlewareFactory"]
+__all__ = ["InboxMiddlewareFactory", "RoutingMiddleware"]
 
 
-class InboxMiddleware(BaseMiddleware):
+class Subscriptions(Protocol):
+    """What the middleware asks of its `FastStreamInbox` (which builds the middleware, so
+    this module does not import it)."""
+
+    direct_publish: DirectPublishPolicy
+
+    async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None: ...
+
+    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None: ...
+
+
+class RoutingMiddleware(BaseMiddleware):
     """One message's pass through the inbox (FastStream builds one per message)."""
 
-    def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: FastStreamInbox) -> None:
+    def __init__(self, msg: Any, /, *, context: ContextRepo, inbox: Subscriptions) -> None:
         super().__init__(msg, context=context)
         self.inbox = inbox
         self.finish: list[Any] = []
@@ -76,13 +88,13 @@ class InboxMiddleware(BaseMiddleware):
 
 class InboxMiddlewareFactory:
     """What the broker is given (``middlewares=[inbox.middleware]``): FastStream calls it
-    once per message to build an `InboxMiddleware`."""
+    once per message to build a `RoutingMiddleware`."""
 
-    def __init__(self, inbox: FastStreamInbox) -> None:
+    def __init__(self, inbox: Subscriptions) -> None:
         self.inbox = inbox
 
-    def __call__(self, msg: Any, /, *, context: ContextRepo) -> InboxMiddleware:
-        return InboxMiddleware(msg, context=context, inbox=self.inbox)
+    def __call__(self, msg: Any, /, *, context: ContextRepo) -> RoutingMiddleware:
+        return RoutingMiddleware(msg, context=context, inbox=self.inbox)
 
     def __repr__(self) -> str:
         return "inbox.middleware"

@@ -49,9 +49,9 @@ from .. import consumption as core
 from .. import faults
 from ..consumption import (
     Arrival,
-    Backoff,
     DeadLettered,
     Duplicate,
+    HandBackDelays,
     HandBackRequested,
     Op,
     Poisoned,
@@ -76,7 +76,7 @@ from ..exceptions import (
 )
 from ..headers import MESSAGE_ID, PRODUCER, TENANT
 from ..identity import MessageIdentity
-from ..metrics import metrics
+from ..instruments import metrics
 from ..outcomes import report
 from ..outputs import Output, derived_identity, unstorable
 from ..policy import ConsumerPolicy
@@ -104,7 +104,7 @@ __all__ = [
     "CONFLICT_HEADER",
     "REJECTED_HEADER",
     "REPAIR_HEADER",
-    "Backoff",
+    "HandBackDelays",
     "HandedBack",
     "Skipped",
     "Subscription",
@@ -130,7 +130,7 @@ class Subscription:
         canonical_form: CanonicalForm | None,
         quarantine: str,
         dead_letter: str | None,
-        backoff: Backoff,
+        backoff: HandBackDelays,
         tracing: Tracing | NoTracing = OFF,
     ) -> None:
         self.tracing = tracing

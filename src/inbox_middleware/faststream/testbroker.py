@@ -14,17 +14,28 @@ broker then gives their fakes. With ``with_real=True`` the real ``start`` runs, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .inbox import FastStreamInbox
+    from .processing import Subscription
 
 __all__ = ["guard_test_broker", "guarded"]
+
+
+class Checked(Protocol):
+    """What the wrapper needs of the `FastStreamInbox` (which imports this module)."""
+
+    _lock: asyncio.Lock
+    _subscriptions: dict[int, Subscription | None]
+
+    async def check(self, broker: Any) -> None: ...
+
 
 _MARK = "__inbox_guarded__"
 
 
-def guard_test_broker(inbox: FastStreamInbox, broker: Any) -> None:
+def guard_test_broker(inbox: Checked, broker: Any) -> None:
     """Wrap ``broker.connect`` so that a test broker's start runs the check (see module)."""
     connect = broker.connect
     if getattr(connect, _MARK, None) is inbox:
@@ -43,12 +54,12 @@ def guard_test_broker(inbox: FastStreamInbox, broker: Any) -> None:
     broker.connect = guarded_connect
 
 
-def guarded(inbox: FastStreamInbox, broker: Any) -> bool:
+def guarded(inbox: Checked, broker: Any) -> bool:
     """Whether ``inbox.guard(broker)`` ran (the start-up check runs before consuming)."""
     return getattr(getattr(broker, "connect", None), _MARK, None) is inbox
 
 
-def _declare_publishers(inbox: FastStreamInbox, broker: Any, declared: set[str]) -> None:
+def _declare_publishers(inbox: Checked, broker: Any, declared: set[str]) -> None:
     for subscriber in broker.subscribers:
         subscription = inbox._subscriptions.get(id(subscriber))
         if subscription is None:

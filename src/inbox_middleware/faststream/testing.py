@@ -12,22 +12,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import ConfigurationError
-from ..identity import MessageIdentity
-from ..storage import InboxSchema
-from ..testing import (
+from ..harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
     Effect,
+    Hold,
+    Outcomes,
     ScenarioResult,
-    _claim_queries,
-    _fresh,
-    _Hold,
-    _name,
-    _Outcomes,
-    _refuse_sqlite,
-    _Tally,
+    Tally,
+    fresh,
+    intent_name,
+    refuse_sqlite,
 )
+from ..identity import MessageIdentity
+from ..storage import InboxSchema
+from ..storage.inspection import claim_queries
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -108,7 +108,7 @@ class FastStreamCheck:
     async def concurrent_duplicates(
         self, message: FastStreamMessage, copies: int = 8
     ) -> ScenarioResult:
-        _refuse_sqlite(self.async_engine.sync_engine)
+        refuse_sqlite(self.async_engine.sync_engine)
         return await self._run(CONCURRENT, message, [copies])
 
     # -- running -------------------------------------------------------------------------
@@ -118,17 +118,17 @@ class FastStreamCheck:
     ) -> ScenarioResult:
         await self.inbox.check(self.broker)  # what inbox.guard(broker) runs at start-up
         identity = message.identity
-        claims, quarantined, poisoned = _claim_queries(self.naming, identity, None)
-        _fresh(await self._count(claims), identity)
+        claims, quarantined, poisoned = claim_queries(self.naming, identity, None)
+        fresh(await self._count(claims), identity)
         before = await _call(self.effect)
         conflicts_before = await self._count(quarantined)
         poison_before = await self._count(poisoned)
-        hold = _Hold(self.async_engine.sync_engine, self.hold, asynchronous=True)
-        tally, unsettled = _Tally(), 0
+        hold = Hold(self.async_engine.sync_engine, self.hold, asynchronous=True)
+        tally, unsettled = Tally(), 0
         holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
         with self._recording(identity) as recorder, holding:
             for size in waves:
-                outcomes = recorder.current = _Outcomes(None, size)
+                outcomes = recorder.current = Outcomes(None, size)
                 publish = [
                     self.broker.publish(
                         message.body, headers=dict(message.headers), **message.publish
@@ -143,7 +143,7 @@ class FastStreamCheck:
         poison = await self._count(poisoned) - poison_before
         return ScenarioResult(
             scenario=scenario,
-            intent=_name(identity),
+            intent=intent_name(identity),
             deliveries=sum(waves),
             processed=tally.processed,
             duplicates=tally.skipped - conflicts - poison,
@@ -156,7 +156,7 @@ class FastStreamCheck:
             unsettled=unsettled,
         )
 
-    async def _settle(self, outcomes: _Outcomes) -> int:
+    async def _settle(self, outcomes: Outcomes) -> int:
         """Wait until every delivery of the wave was processed or skipped; how many were
         not. A failed one is redelivered by a real broker; a test broker never redelivers,
         so once every delivery has some outcome and none arrives for a second, it is over."""
@@ -197,7 +197,7 @@ class _FastStreamRecorder:
 
     def __init__(self, identity: MessageIdentity) -> None:
         self.identity = identity
-        self.current: _Outcomes | None = None
+        self.current: Outcomes | None = None
 
     def ours(self, headers: Mapping[str, Any]) -> bool:
         from .payload import headers_identity

@@ -52,7 +52,7 @@ from sqlalchemy import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
 from ..exceptions import ConfigurationError
-from ..metrics import metrics
+from ..instruments import metrics
 from ..storage.tables import InboxSchema
 from .destination import Destination, Destinations, Effect
 from .errors import PermanentDeliveryError, database_error

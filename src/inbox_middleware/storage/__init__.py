@@ -12,12 +12,13 @@ from .migrate import (
     migrate,
     render_sql,
 )
-from .session import InboxSession
+from .session import ClaimSession, InboxSession
 from .tables import InboxSchema
 
 __all__ = [
     "LATEST_VERSION",
     "AsyncInbox",
+    "ClaimSession",
     "Inbox",
     "InboxSchema",
     "InboxSession",

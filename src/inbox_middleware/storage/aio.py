@@ -19,25 +19,25 @@ from .. import faults, tracing
 from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
 from ..protocol import Delivery, Verdict
-from .errors import as_transient
-from .executors import (
-    _ABORTED,
+from .base import (
+    ABORTED,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
+    Attempts,
+    BatchAttempts,
     BatchOutcome,
+    Executor,
     Outcome,
-    _any_first,
-    _Attempts,
-    _Base,
-    _Batch,
-    _log,
-    _Single,
-    _synchronous_commit,
+    SingleAttempts,
+    any_first_seen,
+    log_event,
+    synchronous_commit,
     track_aborts,
 )
+from .errors import as_transient
 from .failures import mark_recovered
 from .migrate import check_schema
-from .session import InboxSession
+from .session import ClaimSession
 from .tables import InboxSchema
 
 __all__ = ["AsyncInbox"]
@@ -46,7 +46,7 @@ R = TypeVar("R")
 V = TypeVar("V")
 
 
-class AsyncInbox(_Base):
+class AsyncInbox(Executor):
     """The inbox on an `AsyncEngine` (asyncpg); parameters as for `Inbox`."""
 
     def __init__(
@@ -67,7 +67,7 @@ class AsyncInbox(_Base):
             track_aborts(engine.sync_engine)
         self._session_options: dict[str, Any] = {
             "bind": engine,
-            "sync_session_class": InboxSession,
+            "sync_session_class": ClaimSession,
             "expire_on_commit": False,
         }
 
@@ -75,7 +75,7 @@ class AsyncInbox(_Base):
         """Verify the schema version and the database settings the guarantee relies on."""
         async with self.engine.connect() as conn:
             await conn.run_sync(check_schema, self.naming)
-            self._check_settings(await conn.run_sync(_synchronous_commit))
+            self._check_settings(await conn.run_sync(synchronous_commit))
 
     async def process(
         self,
@@ -103,7 +103,7 @@ class AsyncInbox(_Base):
                 )
             return result
 
-        attempts = _Single(delivery, self.serialization_retries)
+        attempts = SingleAttempts(delivery, self.serialization_retries)
         verdict, result, number = await self._run(attempts, body)
         return Outcome(verdict, result, number)
 
@@ -115,15 +115,15 @@ class AsyncInbox(_Base):
         """See `Inbox.process_batch`."""
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
-            return await handler(session, verdicts) if _any_first(verdicts) else None
+            return await handler(session, verdicts) if any_first_seen(verdicts) else None
 
-        attempts = _Batch(deliveries, self.serialization_retries)
+        attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = await self._run(attempts, body)
         return BatchOutcome(verdicts, result, number)
 
     async def _run(
         self,
-        attempts: _Attempts[V],
+        attempts: Attempts[V],
         body: Callable[[AsyncSession, V], Awaitable[R | None]],
     ) -> tuple[V, R | None, int]:
         # Every call into an AsyncSession is a greenlet switch, which costs more than the
@@ -186,7 +186,7 @@ class AsyncInbox(_Base):
         closed = False
         try:
             conn = await session.connection(execution_options=self._connection_options)
-            conn.info.pop(_ABORTED, None)
+            conn.info.pop(ABORTED, None)
             result = await handler(session)
             await session.run_sync(self._commit_and_close, None)
             closed = True
@@ -203,7 +203,7 @@ async def _abandon_async(
     session: AsyncSession, exc: BaseException, delivery: Delivery | None
 ) -> None:
     if delivery is not None:
-        _log(logging.INFO, "rolled_back", delivery, "rolled back", error=type(exc).__name__)
+        log_event(logging.INFO, "rolled_back", delivery, "rolled back", error=type(exc).__name__)
     if not isinstance(exc, Exception):
         await session.run_sync(Session.invalidate)
         return

@@ -8,10 +8,10 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import HandlerTransactionError
 
-__all__ = ["InboxSession"]
+__all__ = ["ClaimSession", "InboxSession"]
 
 
-class InboxSession(Session):
+class ClaimSession(Session):
     """A `Session` inside the inbox's transaction.
 
     The claim row and everything the handler writes commit together, after the handler
@@ -42,3 +42,8 @@ class InboxSession(Session):
 
     def reset(self) -> NoReturn:
         raise HandlerTransactionError("the handler called reset(); the inbox owns this session")
+
+
+InboxSession = ClaimSession
+"""The former name of `ClaimSession`, kept so that existing imports keep working. The name
+now belongs to the FastStream handler's parameter (`inbox_middleware.faststream`)."""

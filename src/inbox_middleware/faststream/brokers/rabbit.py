@@ -8,6 +8,7 @@ from typing import Any
 
 from faststream.rabbit import RabbitQueue, RabbitResponse
 
+from ...outbox.confirms import unconfirmed
 from ...outputs import Output
 from .base import BrokerAdapter, Item, NotPublished, _wait_then
 
@@ -112,36 +113,6 @@ class RabbitAdapter(BrokerAdapter):
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
         await message.reject(requeue=False)
-
-
-def unconfirmed(result: Any, broker: Any) -> str | None:
-    """Why the answer to a ``mandatory`` publish through ``broker`` does not say that
-    RabbitMQ has the message; None when it does (a publisher confirm).
-
-    aio-pika answers a confirmed publish with the broker's ``Basic.Ack``, a returned one
-    (unroutable: no queue is bound to its routing key) with the returned message, and
-    with None when the channel has no publisher confirms. A ``Basic.Nack`` raises.
-    FastStream's in-memory test broker answers None too, and is believed.
-    """
-    from pamqp.commands import Basic
-
-    if isinstance(result, Basic.Ack):
-        return None
-    if result is None:
-        if getattr(getattr(broker, "_channel", None), "publisher_confirms", None) is not False:
-            return None  # TestRabbitBroker (a mock channel): nothing to confirm
-        return (
-            "the broker's channel has no publisher confirms (publisher_confirms=False), so "
-            "nothing says RabbitMQ has the message; keep the default Channel()"
-        )
-    frame = getattr(result, "delivery", None)
-    if isinstance(frame, Basic.Return):
-        return (
-            f"RabbitMQ returned the message: {frame.reply_code} {frame.reply_text} (no queue "
-            f"is bound to routing key {frame.routing_key!r} of exchange "
-            f"{frame.exchange or '(default)'!r})"
-        )
-    return f"RabbitMQ answered the publish with {type(result).__name__}, not a confirm"
 
 
 def _returned(result: Any) -> bool:

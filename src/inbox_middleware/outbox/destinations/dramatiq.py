@@ -17,8 +17,9 @@ require("dramatiq", "dramatiq")
 
 import dramatiq  # noqa: E402
 
-from ...dramatiq import identity  # noqa: E402
 from ...exceptions import ConfigurationError  # noqa: E402
+from ...headers import message_options  # noqa: E402
+from ...identity import MessageIdentity  # noqa: E402
 from ..destination import Effect  # noqa: E402
 from ..errors import PermanentDeliveryError  # noqa: E402
 
@@ -52,7 +53,7 @@ class DramatiqDestination:
         tenant: str | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        identity(producer=producer, message_id="check", tenant=tenant)  # validates early
+        MessageIdentity.parse(producer=producer, message_id="check", tenant=tenant)
         broker = actor.broker
         if type(broker).__module__.startswith("dramatiq.brokers.rabbitmq") and not getattr(
             broker, "confirm_delivery", False
@@ -84,7 +85,7 @@ class DramatiqDestination:
             args=args,
             kwargs=kwargs,
             **self.options,
-            **identity(producer=self.producer, message_id=effect.effect_id, tenant=self.tenant),
+            **_options(self.producer, effect.effect_id, self.tenant),
         )
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="outbox-dramatiq")
@@ -96,3 +97,8 @@ class DramatiqDestination:
         if self._executor is not None:
             executor, self._executor = self._executor, None
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+
+
+def _options(producer: str, message_id: str, tenant: str | None) -> dict[str, Any]:
+    parsed = MessageIdentity.parse(producer=producer, message_id=message_id, tenant=tenant)
+    return message_options(parsed.producer, parsed.message_id, parsed.tenant, None)

@@ -33,6 +33,7 @@ require(
 from ...exceptions import ConfigurationError  # noqa: E402
 from ...headers import MESSAGE_ID, PRODUCER, TENANT  # noqa: E402
 from ...identity import MessageIdentity  # noqa: E402
+from ..confirms import unconfirmed  # noqa: E402
 from ..destination import Effect  # noqa: E402
 from ..errors import DeliveryError  # noqa: E402
 
@@ -114,8 +115,6 @@ class FastStreamDestination:
     async def _rabbit(
         self, effect: Effect, headers: dict[str, Any], options: dict[str, Any], timeout: float
     ) -> dict[str, Any]:
-        from ...faststream.brokers.rabbit import unconfirmed
-
         options = {"persist": True, "mandatory": True, "timeout": timeout, **options}
         result = await self.broker.publish(effect.payload, headers=headers, **options)
         if problem := unconfirmed(result, self.broker):

@@ -1,0 +1,505 @@
+"""What the synchronous and the asynchronous executor share: the base of both
+(`Executor`), the attempts that decide retries (`SingleAttempts`, `BatchAttempts`), the
+drive of the protocol's steps on a connection, and the log lines of the claim.
+
+`executors.Inbox` and `aio.AsyncInbox` build on these; they differ only in whether a call
+is awaited (see `executors` for one attempt's shape).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Connection, Dialect, Engine, event, text
+from sqlalchemy.orm import Session
+
+from .. import faults, tracing
+from ..consumption import (
+    CountFailure,
+    CountHandBack,
+    CountRedelivery,
+    LoadOutputs,
+    Op,
+    RecordPoison,
+    RedeliveryCount,
+)
+from ..exceptions import (
+    ClaimInProgress,
+    ConfigurationError,
+    PrerequisiteError,
+    TransactionAborted,
+)
+from ..instruments import metrics
+from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
+from .errors import Failure, classify, from_driver, sqlstate, transient_error
+from .failures import FailureRecorder
+from .outputs import OutputStatements
+from .statements import ClaimStatements, DriverStatement
+from .tables import InboxSchema
+
+__all__ = [
+    "ABORTED",
+    "BATCH_KEY",
+    "DEFAULT_LOCK_TIMEOUT",
+    "DEFAULT_SERIALIZATION_RETRIES",
+    "DELIVERY_KEY",
+    "SHADOW_KEY",
+    "Attempts",
+    "BatchAttempts",
+    "BatchOutcome",
+    "Executor",
+    "Outcome",
+    "SingleAttempts",
+    "any_first_seen",
+    "current_delivery",
+    "log_event",
+    "shadow_verdict",
+    "synchronous_commit",
+    "track_aborts",
+]
+
+R = TypeVar("R")
+V = TypeVar("V")
+logger = logging.getLogger("inbox_middleware")
+
+DEFAULT_LOCK_TIMEOUT = 5.0
+DEFAULT_SERIALIZATION_RETRIES = 3
+_READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
+DELIVERY_KEY = "inbox_middleware.delivery"
+BATCH_KEY = "inbox_middleware.batch"
+SHADOW_KEY = "inbox_middleware.shadow_verdict"
+
+
+def current_delivery(session: Session) -> Delivery | None:
+    """The delivery whose claim ``session``'s transaction holds, or None outside the inbox.
+
+    For an `AsyncSession`, pass its ``sync_session``.
+    """
+    delivery = session.info.get(DELIVERY_KEY)
+    return delivery if isinstance(delivery, Delivery) else None
+
+
+def shadow_verdict(session: Session) -> Verdict | None:
+    """In shadow mode, the would-be duplicate or conflict verdict of the delivery whose
+    handler runs in ``session``'s transaction; None when the delivery was first seen (or
+    outside shadow mode). For an `AsyncSession`, pass its ``sync_session``.
+    """
+    verdict = session.info.get(SHADOW_KEY)
+    return verdict if isinstance(verdict, Verdict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[R]):
+    """How a delivery was settled. Only after `process` returns may the caller ack."""
+
+    verdict: Verdict
+    result: R | None = None
+    attempts: int = 1
+
+    @property
+    def decision(self) -> Decision:
+        return self.verdict.decision
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome(Generic[R]):
+    """How a batch was settled: one verdict per delivery, in the batch's order. Only after
+    `process_batch` returns may the caller ack."""
+
+    verdicts: tuple[Verdict, ...]
+    result: R | None = None
+    attempts: int = 1
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return tuple(verdict.decision for verdict in self.verdicts)
+
+
+class Executor:
+    def __init__(
+        self,
+        dialect: str,
+        naming: InboxSchema | None,
+        lock_timeout: float | None,
+        serialization_retries: int,
+    ) -> None:
+        if dialect not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"inbox-middleware supports PostgreSQL and SQLite, not {dialect}"
+            )
+        if lock_timeout is not None and lock_timeout <= 0:
+            raise ConfigurationError("lock_timeout must be positive seconds, or None for no limit")
+        if serialization_retries < 0:
+            raise ConfigurationError("serialization_retries must be zero or more")
+        self.naming = naming or InboxSchema()
+        self.dialect = dialect
+        self.lock_timeout = lock_timeout
+        self.serialization_retries = serialization_retries
+        self.statements = ClaimStatements(self.naming, dialect, lock_timeout)
+        # READ COMMITTED: a claim must see rows committed after its snapshot. Forced on
+        # PostgreSQL until the engine is known to default to it (forcing it costs a
+        # set-and-reset of the connection on every checkout); SQLite has one writer.
+        self._connection_options = _READ_COMMITTED if dialect == "postgresql" else {}
+        self._isolation_known = dialect != "postgresql"
+        self.recorder = FailureRecorder(self.naming, dialect)
+        self.outputs = OutputStatements(self.naming, dialect)
+        # Hand-backs that could not be counted in the database (it was down): remembered
+        # here while this process lives, so a broker's delivery count does not take them
+        # for crashes. A worker that dies after a hand-back forgets them (a crash, then).
+        self._unrecorded: OrderedDict[tuple[str, str, str, str], int] = OrderedDict()
+
+    def _bookkeep(self, conn: Connection, op: Op) -> Any:
+        """Perform one of the core's bookkeeping operations on ``conn``, in a transaction
+        of its own (never the failed attempt's)."""
+        faults.at("record", _message_id(op))
+        match op:
+            case CountRedelivery(delivery=delivery, counted=counted):
+                count = self.recorder.count_redelivery(conn, delivery, counted=counted is not None)
+                extra = self._unrecorded.get(delivery.key, 0)
+                if not extra:
+                    return count
+                return RedeliveryCount(
+                    count.redeliveries, count.failures, count.hand_backs + extra, count.claimed
+                )
+            case CountFailure(delivery=delivery, error=error):
+                return self.recorder.count_failure(conn, delivery, error)
+            case CountHandBack(delivery=delivery):
+                self.recorder.count_hand_back(conn, delivery, "handed back")
+                return None
+            case LoadOutputs(delivery=delivery):
+                return self.outputs.load(conn, delivery)
+            case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
+                return self.recorder.record_poison(
+                    conn, delivery, reason_code=reason, error=error, attempts=attempts
+                )
+        raise TypeError(f"not a bookkeeping operation: {op!r}")
+
+    def _unrecorded_hand_back(self, op: Op) -> None:
+        if isinstance(op, CountHandBack):
+            key = op.delivery.key
+            self._unrecorded[key] = self._unrecorded.pop(key, 0) + 1
+            while len(self._unrecorded) > _UNRECORDED_MEMORY:
+                self._unrecorded.popitem(last=False)
+
+    def _before_commit(self, session: Session, delivery: Delivery | None) -> None:
+        """Refuse to commit an aborted transaction: PostgreSQL would answer the COMMIT
+        with ROLLBACK and no error, and the message would be acked with nothing done."""
+        if delivery is not None:
+            faults.at("commit", delivery.identity.message_id)
+        if self.dialect == "postgresql" and _aborted(session):
+            raise TransactionAborted(
+                "the transaction was aborted by an earlier error that the handler caught, so "
+                "nothing it did (nor the claim) could commit. Run a statement that is expected "
+                "to fail inside session.begin_nested(), so that only its savepoint is lost",
+                consumer=delivery.consumer if delivery else None,
+                producer=delivery.identity.producer if delivery else None,
+                message_id=delivery.identity.message_id if delivery else None,
+            )
+
+    def _learn_isolation(self, dialect: Dialect, engine_options: Mapping[str, Any]) -> None:
+        """After the first connection: stop forcing READ COMMITTED if it is the default."""
+        self._isolation_known = True
+        levels = {
+            engine_options.get("isolation_level"),
+            getattr(dialect, "isolation_level", None),  # create_engine(isolation_level=...)
+            getattr(dialect, "_on_connect_isolation_level", None),  # the same, SQLAlchemy 2.1
+            dialect.default_isolation_level,
+        }
+        if levels <= {None, "READ COMMITTED"} and dialect.default_isolation_level:
+            self._connection_options = {}
+
+    def _claim(self, session: Session, attempts: Attempts[V]) -> V:
+        """Claim in ``session``'s transaction (the same for both executors)."""
+        conn = session.connection(execution_options=self._connection_options)
+        if not self._isolation_known:
+            self._learn_isolation(conn.dialect, conn.engine.get_execution_options())
+        conn.info.pop(ABORTED, None)
+        attempts.clock = perf_counter()
+        with tracing.claim(attempts.number) as traced:
+            verdict = _drive(traced.steps(attempts.steps()), conn, self.statements)
+        attempts.claim_took()
+        attempts.bind(session, verdict)
+        faults.at("claim", attempts.delivery.identity.message_id)
+        return verdict
+
+    def _check_settings(self, synchronous_commit: str | None) -> None:
+        if synchronous_commit == "off":
+            raise PrerequisiteError(
+                "synchronous_commit is off for this database: a message could be acked and "
+                "its effect then lost in a database crash. Set it to on (or local) for the "
+                "role or database the inbox uses."
+            )
+
+
+class Attempts(Generic[V]):
+    """Counts one delivery's attempts and decides what a failed one leads to."""
+
+    def __init__(self, delivery: Delivery, retries: int) -> None:
+        self.delivery = delivery
+        self.retries = retries
+        self.number = 0
+        self.claimed = False
+        self.in_handler = False
+        self.clock = 0.0  # perf_counter() when the claim, then the commit, started
+
+    def start(self) -> None:
+        self.number += 1
+        self.claimed = False
+        self.in_handler = False
+
+    def retry_now(self, exc: BaseException) -> bool:
+        """True to run the transaction again at once; else raise the library's error.
+
+        Returns False for an error that is the handler's own, which the caller re-raises.
+        """
+        failure = classify(exc, from_handler=self.in_handler)
+        consumer = self.delivery.consumer
+        if failure is Failure.SERIALIZATION and self.number <= self.retries:
+            metrics.transaction_retry(consumer)
+            log_event(
+                logging.INFO,
+                "retrying",
+                self.delivery,
+                "retrying after a serialization failure",
+                attempt=self.number,
+            )
+            return True
+        mapped = transient_error(exc, failure, self.delivery, claimed=self.claimed)
+        if isinstance(mapped, ClaimInProgress):
+            # The claim waited lock_timeout on a concurrent delivery: the longest lock
+            # waits are these, so they belong in the claim histogram too.
+            metrics.claim_seconds(consumer, perf_counter() - self.clock)
+            metrics.claim_in_progress(consumer)
+        if mapped is not None:
+            raise mapped from exc
+        return False
+
+    def steps(self) -> Generator[Step, Any, V]:
+        raise NotImplementedError
+
+    def bind(self, session: Session, verdict: V) -> None:
+        """Make the claim visible to the handler's session (`current_delivery`)."""
+
+    def claim_took(self) -> None:
+        """Record the claim's duration, from ``clock``; ``clock`` then times the commit."""
+        now = perf_counter()
+        metrics.claim_seconds(self.delivery.consumer, now - self.clock)
+        self.clock = now
+
+    def committed(self, verdict: V) -> None:
+        """Record and log the commit (``clock`` was set just before it)."""
+
+
+class SingleAttempts(Attempts[Verdict]):
+    def steps(self) -> Generator[Step, Any, Verdict]:
+        verdict = yield from claim_steps(self.delivery)
+        self.claimed = True
+        _log_verdict(self.delivery, verdict)
+        return verdict
+
+    def bind(self, session: Session, verdict: Verdict) -> None:
+        session.info[DELIVERY_KEY] = self.delivery
+        if verdict.shadow:
+            session.info[SHADOW_KEY] = verdict
+
+    def committed(self, verdict: Verdict) -> None:
+        delivery = self.delivery
+        metrics.commit_seconds(delivery.consumer, perf_counter() - self.clock)
+        metrics.decision(
+            delivery.consumer, delivery.identity.producer, verdict.decision, verdict.shadow
+        )
+        log_event(logging.DEBUG, "committed", delivery, decision=verdict.decision)
+
+
+class BatchAttempts(Attempts[tuple[Verdict, ...]]):
+    """A batch's attempts; errors and retries are reported under its first delivery."""
+
+    def __init__(self, deliveries: Sequence[Delivery], retries: int) -> None:
+        if not deliveries:
+            raise ValueError("a batch needs at least one delivery")
+        super().__init__(deliveries[0], retries)
+        self.deliveries = tuple(deliveries)
+
+    def steps(self) -> Generator[Step, Any, tuple[Verdict, ...]]:
+        verdicts = yield from claim_batch_steps(self.deliveries)
+        self.claimed = True
+        for delivery, verdict in zip(self.deliveries, verdicts, strict=True):
+            _log_verdict(delivery, verdict)
+        return verdicts
+
+    def bind(self, session: Session, verdict: tuple[Verdict, ...]) -> None:
+        session.info[BATCH_KEY] = self.deliveries
+
+    def committed(self, verdict: tuple[Verdict, ...]) -> None:
+        metrics.commit_seconds(self.delivery.consumer, perf_counter() - self.clock)
+        for delivery, decided in zip(self.deliveries, verdict, strict=True):
+            metrics.decision(
+                delivery.consumer, delivery.identity.producer, decided.decision, decided.shadow
+            )
+        log_event(logging.DEBUG, "committed", self.delivery, batch=len(self.deliveries))
+
+
+def any_first_seen(verdicts: Sequence[Verdict]) -> bool:
+    """Whether the batch's handler runs: a delivery first seen, or any in shadow mode."""
+    return any(verdict.runs_handler for verdict in verdicts)
+
+
+def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
+    dbapi, direct = _driver_path(conn, statements)
+    try:
+        step = next(steps)
+        while True:
+            statement, params = statements.statement(step)
+            compiled = direct.get(type(step))
+            if compiled is not None:
+                answer = _on_driver(conn, dbapi, compiled, step, params)
+            else:
+                answer = statements.result(step, conn.execute(statement, params))
+            step = steps.send(answer)
+    except StopIteration as done:
+        verdict: V = done.value
+        return verdict
+
+
+_DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
+ABORTED = "inbox_middleware.aborted"
+"""Set in a connection's info when a statement failed in its transaction."""
+_UNRECORDED_MEMORY = 10_000
+
+
+def _message_id(op: Op) -> str | None:
+    delivery = getattr(op, "delivery", None)
+    return delivery.identity.message_id if isinstance(delivery, Delivery) else None
+
+
+def _aborted(session: Session) -> bool:
+    """Whether the session's transaction is in the failed state (25P02 on any statement).
+
+    psycopg reads libpq's own state, with no round trip. asyncpg keeps its state private,
+    so `track_aborts` records it from the statement errors SQLAlchemy sees.
+    """
+    conn = session.connection()
+    if conn.dialect.driver == "psycopg":
+        status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
+        return getattr(status, "name", None) == "INERROR"
+    return bool(conn.info.get(ABORTED))
+
+
+def track_aborts(engine: Engine) -> None:
+    """Record, per connection, that a statement failed on the server (which aborts the
+    transaction) until a savepoint is rolled back to (which heals it)."""
+    if not event.contains(engine, "handle_error", _statement_failed):
+        event.listen(engine, "handle_error", _statement_failed)
+        event.listen(engine, "rollback_savepoint", _savepoint_rolled_back)
+
+
+def _statement_failed(context: Any) -> None:
+    conn = context.connection
+    if conn is not None and sqlstate(context.sqlalchemy_exception) is not None:
+        conn.info[ABORTED] = True
+
+
+def _savepoint_rolled_back(conn: Connection, name: str, context: Any) -> None:
+    conn.info.pop(ABORTED, None)
+
+
+def _driver_path(
+    conn: Connection, statements: ClaimStatements
+) -> tuple[Any, Mapping[type[Any], DriverStatement]]:
+    """The DBAPI connection and the steps it runs directly: the claim and the look-up,
+    compiled; none for other drivers.
+
+    With psycopg and asyncpg the claim and its look-up go straight to the DBAPI cursor:
+    SQLAlchemy's execution work costs more CPU than the statement itself (about 150 µs a
+    message with psycopg). Both drivers open the transaction on the first statement, as
+    they would have through SQLAlchemy (asyncpg through SQLAlchemy's adapter, which this
+    cursor is). Other drivers, and every other statement, take the ordinary path.
+    """
+    if conn.dialect.driver not in _DIRECT_DRIVERS:
+        return None, {}
+    return conn.connection.dbapi_connection, statements.driver_sql(conn.dialect)
+
+
+def _on_driver(
+    conn: Connection, dbapi: Any, compiled: DriverStatement, step: Step, params: dict[str, Any]
+) -> object:
+    args = compiled.parameters(params)
+    try:
+        cursor = dbapi.cursor()
+        try:
+            cursor.execute(compiled.sql, args)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise from_driver(exc, conn, dbapi, compiled.sql, args) from exc
+    return ClaimStatements.answer(step, None if row is None else tuple(row))
+
+
+def synchronous_commit(conn: Connection) -> str | None:
+    if conn.dialect.name != "postgresql":
+        return None
+    value: str | None = conn.scalar(text("SHOW synchronous_commit"))
+    return value
+
+
+def _log_verdict(delivery: Delivery, verdict: Verdict) -> None:
+    decision = verdict.decision
+    if decision is Decision.FIRST:
+        log_event(logging.DEBUG, "claimed", delivery, decision=decision)
+        return
+    if not logger.isEnabledFor(logging.INFO if decision is Decision.DUPLICATE else logging.WARNING):
+        return
+    stored = verdict.stored
+    fields: dict[str, object] = {
+        "decision": decision,
+        "shadow": verdict.shadow,
+        "payload_sha256": delivery.payload_hash.sha256,
+        "stored_sha256": stored.payload_sha256 if stored else None,
+        "claimed_at": stored.processed_at.isoformat() if stored and stored.processed_at else None,
+    }
+    # Shadow mode: the same record as when enforcing, saying the handler runs anyway.
+    shadow = " (shadow mode: processed anyway)" if verdict.shadow else ""
+    if decision is Decision.DUPLICATE:
+        note = "" if verdict.verified else " (stored hash scheme unknown, payload not compared)"
+        text = ("duplicate delivery" if shadow else "duplicate delivery skipped") + note + shadow
+        log_event(logging.INFO, "duplicate", delivery, text, verified=verdict.verified, **fields)
+    else:
+        if verdict.quarantine is not None:
+            fields["quarantine_id"] = verdict.quarantine.id
+        text = "identity conflict: same message id, different payload" + shadow
+        log_event(logging.WARNING, "conflict", delivery, text, **fields)
+
+
+def log_event(
+    level: int, event: str, delivery: Delivery, text: str | None = None, **fields: object
+) -> None:
+    """One structured line: ``inbox_event`` (a stable code), the identity, ``fields``.
+
+    Every field is in the record's ``extra`` under an ``inbox_`` name, so a JSON formatter
+    (or any handler reading record attributes) gets them as values, not only as text.
+    """
+    if not logger.isEnabledFor(level):
+        return
+    extra: dict[str, object] = {
+        "inbox_event": event,
+        "inbox_consumer": delivery.consumer,
+        "inbox_producer": delivery.identity.producer,
+        "inbox_tenant": delivery.identity.tenant,
+        "inbox_message_id": delivery.identity.message_id,
+    }
+    extra |= {f"inbox_{name}": value for name, value in fields.items()}
+    logger.log(
+        level,
+        "%s: consumer=%s producer=%s message_id=%s",
+        text or event,
+        delivery.consumer,
+        delivery.identity.producer,
+        delivery.identity.message_id,
+        extra=extra,
+    )

@@ -1,0 +1,120 @@
+"""The retention statements: the recorded policies, and the purge of old claims.
+
+``retention`` decides (the minimum window, the refusal of a shorter one) and drives the
+purge batch by batch; these build and run the SQL, on the caller's connection. A purge
+batch deletes at most ``limit`` claims older than ``seconds`` (PostgreSQL: by ``ctid``,
+skipping rows locked by a concurrent purge), then the failure counts older than that go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cache
+from typing import Any, NamedTuple
+
+from sqlalchemy import (
+    Connection,
+    Float,
+    Integer,
+    Row,
+    Text,
+    and_,
+    bindparam,
+    delete,
+    func,
+    literal_column,
+    or_,
+    select,
+    tuple_,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .tables import InboxSchema
+
+__all__ = ["PurgeStatements", "policy_rows", "purge_statements", "write_policy"]
+
+
+class PurgeStatements(NamedTuple):
+    batch: Any
+    """Deletes one batch of old claims (parameters ``seconds``, ``consumer``, ``limit``)."""
+    failures: Any
+    """Deletes the failure counts older than the window."""
+    count: Any
+    """Counts the claims a purge would delete now."""
+    outputs: Any
+    """Deletes the stored outputs older than the window (each as old as its claim)."""
+
+
+def write_policy(
+    conn: Connection,
+    naming: InboxSchema,
+    *,
+    consumer: str,
+    scenarios: Mapping[str, Any],
+    minimum_seconds: int,
+    dominant_scenario: str,
+    updated_by: str,
+) -> None:
+    """Insert or replace the policy recorded for ``consumer``."""
+    table = naming.tables.retention
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    values = {
+        "consumer_name": consumer,
+        "scenarios": scenarios,
+        "minimum_seconds": minimum_seconds,
+        "dominant_scenario": dominant_scenario,
+        "updated_at": func.now(),
+        "updated_by": updated_by,
+    }
+    statement = insert(table).values(**values)
+    conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=["consumer_name"],
+            set_={k: getattr(statement.excluded, k) for k in values if k != "consumer_name"},
+        )
+    )
+
+
+def policy_rows(
+    conn: Connection, naming: InboxSchema, consumers: Sequence[str]
+) -> dict[str, Row[Any]]:
+    """The policies recorded for these consumers, by consumer name."""
+    table = naming.tables.retention
+    query = select(table).where(table.c.consumer_name.in_(list(consumers)))
+    return {row.consumer_name: row for row in conn.execute(query)}
+
+
+@cache
+def purge_statements(naming: InboxSchema, dialect: str) -> PurgeStatements:
+    """The purge's statements for one naming and dialect, built once."""
+    inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
+    if dialect == "sqlite":
+        cutoff = func.datetime("now", func.printf("-%f seconds", bindparam("seconds")))
+    consumer = bindparam("consumer", type_=Text)
+    old = and_(
+        inbox.c.processed_at < cutoff,
+        or_(consumer.is_(None), inbox.c.consumer_name == consumer),
+    )
+    limit = bindparam("limit", type_=Integer)
+    if dialect == "postgresql":
+        ctid: Any = literal_column("ctid")
+        doomed = select(ctid).select_from(inbox).where(old).limit(limit)
+        doomed = doomed.with_for_update(skip_locked=True)
+        batch = delete(inbox).where(ctid == func.any(func.array(doomed.scalar_subquery())))
+    else:
+        key = tuple_(
+            inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id
+        )
+        doomed = select(*key.clauses).where(old).limit(limit)
+        batch = delete(inbox).where(key.in_(doomed))
+    failures = delete(attempts).where(
+        attempts.c.last_failure_at < cutoff,
+        or_(consumer.is_(None), attempts.c.consumer_name == consumer),
+    )
+    count = select(func.count()).select_from(inbox).where(old)
+    stored = delete(outputs).where(
+        outputs.c.created_at < cutoff,
+        or_(consumer.is_(None), outputs.c.consumer_name == consumer),
+    )
+    return PurgeStatements(batch, failures, count, stored)
