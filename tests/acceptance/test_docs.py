@@ -307,3 +307,57 @@ def test_expired_copies_snippet__a_copy_older_than_the_window_is_not_applied(
 async def test_expired_copies_snippet__faststream_inbox_gets_the_same_window(pg_async_engine):
     inbox = load("expired_copies").faststream_inbox(pg_async_engine)
     assert (inbox.retention_window, inbox.expired_redelivery) == (timedelta(days=30), "reject")
+
+
+def test_outputs_snippet__a_pipeline_sent_twice_ships_once(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    # Given the guide's pipeline of two inbox actors
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+    snippet = load("outputs")
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (5, 10)"))
+    # When the same order is placed twice
+    with running_worker(stub_broker, threads=1) as worker:
+        snippet.place("o-1", 5)
+        drain(stub_broker, "default", worker)
+        snippet.place("o-1", 5)
+        drain(stub_broker, "default", worker)
+    # Then one item was taken and shipped once: the duplicate's step was a duplicate too
+    with pg_engine.connect() as conn:
+        assert balance(conn, 5) == 9
+        assert conn.scalar(text("SELECT count(*) FROM ledger WHERE consumer = 'ship'")) == 1
+
+
+async def test_outputs_snippet__a_reservation_sent_twice_publishes_one_result_twice(
+    stub_broker: dramatiq.Broker, pg_async_engine: Any, pg_engine: Engine
+):
+    # Given the guide's FastStream subscriber, on RabbitMQ
+    from inbox_middleware.faststream import FastStreamInbox, identity_headers
+
+    from ..support.faststream_brokers import Harness
+
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))  # the module's Dramatiq actors
+    snippet = load("outputs")
+    inbox = FastStreamInbox(pg_async_engine)
+    h = Harness("rabbit", [inbox.middleware])
+    inbox.guard(h.broker)
+    orders, shipments = f"{h.source}", f"{h.source}.out"
+    snippet.declare_reserve(h.broker, inbox, orders, shipments)
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (5, 10)"))
+    headers = identity_headers(producer="shop", message_id="o-1")
+    try:
+        await h.prepare_destination(shipments)
+        async with h.broker:
+            await h.broker.start()
+            # When the order arrives twice
+            await h.publish({"id": 1, "item": 5}, headers)
+            await h.publish({"id": 1, "item": 5}, headers)
+            sent = await h.read_at_least(shipments, 2)
+    finally:
+        await h.cleanup()
+    # Then one item was taken, and both deliveries published the same result
+    with pg_engine.connect() as conn:
+        assert balance(conn, 5) == 9
+    assert [body for body, _ in sent] == [b'{"order":1,"left":9}'] * 2

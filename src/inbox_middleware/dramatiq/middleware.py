@@ -16,11 +16,14 @@ returns, so the order is fixed::
     (a crash before this line leaves the message unacked: redelivered, then a duplicate)
 
 Every delivery ends in one settlement of the consumption core, and `settle` tells
-Dramatiq what it means, in one place: return the result (processed); `SkipMessage`
-(duplicate, quarantined: acknowledged, and no result, callback or pipeline step runs
-twice); ``fail()`` then `SkipMessage` (dead-lettered, poisoned); re-raise the failure
-(a failed attempt: Dramatiq's Retries retries it, counted); or enqueue the message again
-with a delay and skip this copy (a hand-back, which spends no retry).
+Dramatiq what it means, in one place: return the result (processed; where something
+consumes it, the stored result, after the inbox sent the pipeline step and the
+``on_success`` callback itself, with derived identities, and a duplicate the same);
+`SkipMessage` (a duplicate whose result nothing consumes, quarantined: acknowledged, and
+no callback runs twice); ``fail()`` then `SkipMessage` (dead-lettered, poisoned);
+re-raise the failure (a failed attempt: Dramatiq's Retries retries it, counted); or
+enqueue the message again with a delay and skip this copy (a hand-back, which spends no
+retry).
 """
 
 from __future__ import annotations

@@ -26,8 +26,12 @@ with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ac
 `NackMessage` a redelivery (rolled back, counted as a failed attempt), `RejectMessage` a
 rejection (rolled back, kept as poison, dead-lettered).
 
-Skipped messages leave through a FastStream `AckMessage`, so no result is published for
-them; a failure re-raises the handler's error, so FastStream logs it as usual.
+Where the handler's result is published (the subscriber has publishers, or the message a
+``reply_to``), the result is stored with the claim and returned for FastStream to publish,
+for the first delivery and for every duplicate alike; the ack then waits for the publish
+(`_after_publish`, from the middleware's exit). Other skipped messages leave through a
+FastStream `AckMessage`, so no result is published for them; a failure re-raises the
+handler's error, so FastStream logs it as usual.
 """
 
 from __future__ import annotations
