@@ -164,6 +164,16 @@ def compute_ratios(report: Report) -> None:
         ("scaling", "inbox, 1 process"),
     )
     ratio("faststream inbox / bare", ("faststream", "inbox"), ("faststream", "bare"))
+    ratio(
+        "faststream inbox with a result / inbox",
+        ("faststream", "inbox_result"),
+        ("faststream", "inbox"),
+    )
+    ratio(
+        "faststream inbox with a result / bare with a result",
+        ("faststream", "inbox_result"),
+        ("faststream", "bare_result"),
+    )
     ratio("faststream inbox / empty handler", ("faststream", "inbox"), ("faststream", "empty"))
     ratio(
         "faststream inbox / asyncpg ceiling (8)",

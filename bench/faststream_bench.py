@@ -19,6 +19,8 @@ from typing import Any
 from bench.common import NATS, RABBITMQ, ROOT, reset_database, wait_applied
 
 RABBIT_MODES = ["bare", "inbox", "empty"]
+RESULT_MODES = ["bare_result", "inbox_result"]
+"""A handler whose result is published: the inbox stores it with the claim."""
 BATCH_MODES = ["inbox, per message, same broker", "inbox, batch"]
 WORKER_ARGUMENTS = ("-m", "faststream", "run", "bench.faststream_worker:app")
 """The benchmark's FastStream worker, as arguments to the Python interpreter."""
@@ -26,6 +28,7 @@ WORKER_ARGUMENTS = ("-m", "faststream", "run", "bench.faststream_worker:app")
 
 def run(report: Any, messages: int, reps: int, measure: Any) -> None:
     measure(report, "faststream", RABBIT_MODES, reps, lambda mode: throughput(mode, messages))
+    measure(report, "faststream", RESULT_MODES, reps, lambda mode: throughput(mode, messages))
     measure(
         report,
         "faststream",
@@ -129,7 +132,7 @@ async def _cleanup(mode: str, queue: str) -> None:
     connection = await aio_pika.connect(RABBITMQ)
     try:
         channel = await connection.channel()
-        for name in (queue, f"{queue}.quarantine", f"{queue}.dead-letter"):
+        for name in (queue, f"{queue}.quarantine", f"{queue}.dead-letter", f"{queue}.out"):
             await channel.queue_delete(name)
     finally:
         await connection.close()

@@ -5,6 +5,9 @@
 Modes on RabbitMQ (queue BENCH_QUEUE, prefetch BENCH_PREFETCH):
   bare     the update in a transaction, no deduplication
   inbox    this library
+  inbox_result  this library, the handler's result published to BENCH_QUEUE.out: stored
+           with the claim, published, then acked (what a duplicate publishes again)
+  bare_result   no deduplication, the result published to BENCH_QUEUE.out by FastStream
   empty    the framework's ceiling: a handler that does nothing
 Modes on NATS JetStream (subject BENCH_QUEUE, pull consumer):
   nats_inbox   the inbox, one message per call
@@ -80,6 +83,26 @@ else:
         @broker.subscriber(queue, dependencies=[inbox.consumer("bench")])
         async def handle(body: dict[str, Any], session: InboxSession) -> None:
             await session.execute(UPDATE, {"account": body["account"]})
+
+    elif MODE == "inbox_result":
+        results = RabbitQueue(f"{QUEUE}.out", durable=True)
+
+        @broker.publisher(results, persist=True)
+        @broker.subscriber(queue, dependencies=[inbox.consumer("bench")])
+        async def handle_result(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+            await session.execute(UPDATE, {"account": body["account"]})
+            return {"credited": body["account"]}
+
+    elif MODE == "bare_result":
+        results = RabbitQueue(f"{QUEUE}.out", durable=True)
+        result_sessions = async_sessionmaker(engine, expire_on_commit=False)
+
+        @broker.publisher(results, persist=True)
+        @broker.subscriber(queue)
+        async def handle_bare_result(body: dict[str, Any]) -> dict[str, Any]:
+            async with result_sessions() as session, session.begin():
+                await session.execute(UPDATE, {"account": body["account"]})
+            return {"credited": body["account"]}
 
     elif MODE == "bare":
         sessions = async_sessionmaker(engine, expire_on_commit=False)

@@ -14,7 +14,7 @@ import inspect
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import dramatiq
 from dramatiq.asyncio import get_event_loop_thread
@@ -53,9 +53,13 @@ from .repair import OPTION_REPAIR
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    from .middleware import InboxMiddleware
+    from ..consumption import Settlement
+    from ..policy import ConsumerPolicy
+    from ..storage import Inbox
+    from ..storage.aio import AsyncInbox
+    from ..tracing import NoTracing, Tracing
 
-__all__ = ["SKIPPED", "InboxActor", "Pending"]
+__all__ = ["SKIPPED", "ActorHost", "InboxActor", "Pending"]
 
 R = TypeVar("R")
 logger = logging.getLogger("inbox_middleware.dramatiq")
@@ -68,6 +72,30 @@ class _Skipped:
 
 SKIPPED = _Skipped()
 """The body raised `SkipMessage` after doing its work: commit it, then skip the message."""
+
+
+class ActorHost(Protocol):
+    """What an inbox actor needs of the `InboxMiddleware` that wraps it (which builds the
+    actors, so this module does not import it)."""
+
+    inbox: Inbox | None
+    async_inbox: AsyncInbox | None
+    policy: ConsumerPolicy
+    canonical_form: Any
+    quarantine_queue: str
+    tracing: Tracing | NoTracing
+
+    def take_pending(self, actor_name: str) -> Pending | None: ...
+
+    def settle(self, bound: InboxActor, pending: Pending, settlement: Settlement) -> Any: ...
+
+    def gives_up(
+        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy, exc: BaseException
+    ) -> bool: ...
+
+    def quarantine(
+        self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +111,7 @@ class InboxActor:
     """One inbox actor: settings, payload binding, the wrapped function and its I/O."""
 
     def __init__(
-        self, middleware: InboxMiddleware, actor: dramatiq.Actor[Any, Any], consumer: str
+        self, middleware: ActorHost, actor: dramatiq.Actor[Any, Any], consumer: str
     ) -> None:
         options = actor.options
         self.middleware = middleware

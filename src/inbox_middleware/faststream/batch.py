@@ -12,7 +12,7 @@ import copy
 import json
 import logging
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -33,16 +33,45 @@ from .context import BatchItem
 from .outcome import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
 
 if TYPE_CHECKING:
-    from .processing import Subscription
+    from ..consumption import HandBackDelays
+    from ..policy import ConsumerPolicy
+    from ..storage.aio import AsyncInbox
+    from ..tracing import NoTracing, Tracing
+    from .brokers import BrokerAdapter
+    from .consumer import InboxConsumer
 
-__all__ = ["consume_batch"]
+__all__ = ["BatchSubscription", "consume_batch"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
 
 CallNext = Callable[[Any], Awaitable[Any]]
 
 
-async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) -> Any:
+class BatchSubscription(Protocol):
+    """What a batch needs of its subscriber's `processing.Subscription` (which calls it,
+    so this module does not import it)."""
+
+    adapter: BrokerAdapter
+    backoff: HandBackDelays
+    consumer: InboxConsumer
+    dead_letter: str | None
+    policy: ConsumerPolicy
+    quarantine: str
+    storage: AsyncInbox
+    tracing: Tracing | NoTracing
+
+    def delivery(self, item: Item) -> Delivery: ...
+
+    def body(
+        self,
+        call_next: CallNext,
+        message: Any,
+        batch: tuple[BatchItem, ...] = (),
+        keep: Delivery | None = None,
+    ) -> Callable[[Any], Awaitable[Any]]: ...
+
+
+async def consume_batch(sub: BatchSubscription, call_next: CallNext, message: Any) -> Any:
     """A batch is claimed, handled and committed as a whole: the settlement is the
     batch's (processed, or handed back); conflicts are quarantined and messages
     without a usable identity dead-lettered one by one, after the commit."""
@@ -53,7 +82,7 @@ async def consume_batch(sub: Subscription, call_next: CallNext, message: Any) ->
 
 
 async def _consume(
-    sub: Subscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
+    sub: BatchSubscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
 ) -> Any:
     claims: list[tuple[int, Delivery]] = []
     rejected: dict[int, InboxError] = {}
@@ -103,7 +132,7 @@ async def _consume(
 
 
 async def _failed(
-    sub: Subscription, claims: list[tuple[int, Delivery]], exc: Exception
+    sub: BatchSubscription, claims: list[tuple[int, Delivery]], exc: Exception
 ) -> InboxError | None:
     """Count a failed batch against each of its messages; when that was the last attempt
     (or the failure is permanent), keep each as poison and return why the batch goes to
@@ -132,7 +161,7 @@ async def _failed(
 
 
 async def _tell_batch(
-    sub: Subscription,
+    sub: BatchSubscription,
     trace: Any,
     message: Any,
     key: Hashable,
@@ -165,7 +194,9 @@ async def _tell_batch(
     raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
 
 
-async def _quarantine(sub: Subscription, item: Item, claim: Delivery, verdict: Verdict) -> None:
+async def _quarantine(
+    sub: BatchSubscription, item: Item, claim: Delivery, verdict: Verdict
+) -> None:
     details = core.conflict_details(claim, verdict)
     faults.at("quarantine_publish", claim.identity.message_id)
     headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
@@ -174,7 +205,7 @@ async def _quarantine(sub: Subscription, item: Item, claim: Delivery, verdict: V
 
 
 async def _dead_letter(
-    sub: Subscription, message: Any, item: Item, index: int, error: InboxError
+    sub: BatchSubscription, message: Any, item: Item, index: int, error: InboxError
 ) -> None:
     logger.error(
         "rejecting a message for inbox consumer %s to %s: %s",
