@@ -1,22 +1,31 @@
-"""The settings of an inbox consumer, as one frozen object.
+"""The settings of an inbox consumer, as one frozen object, documented here once.
 
-`InboxMiddleware` (Dramatiq) and `FastStreamInbox` take these settings as keyword
-arguments and build one `ConsumerPolicy` from them; an actor option
-(``inbox_shadow=...``) or a subscriber's ``inbox.consumer(..., shadow=...)`` overrides a
-setting for that consumer alone, with `ConsumerPolicy.override`. The consumption core
-(`consumption.settle_steps`) reads them from here.
+`InboxMiddleware` (Dramatiq) and `FastStreamInbox` take a ``policy=ConsumerPolicy(...)``,
+or any of its settings as keyword arguments (`PolicySettings`), which change the policy
+given (or the adapter's defaults). One consumer overrides any of them for itself: a
+Dramatiq actor with the option ``inbox_<setting>`` (``inbox_max_output_bytes=...``), a
+FastStream subscriber with ``inbox.consumer(name, <setting>=...)``. The consumption core
+(`consumption.settle_steps`) and the adapters read them from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
+from .direct import DirectPublishPolicy, check_policy
 from .exceptions import ConfigurationError
 from .outputs import DEFAULT_MAX_OUTPUT_BYTES
 
-__all__ = ["ConsumerPolicy", "ExpiredPolicy", "MissingIdentityPolicy", "check_missing_identity"]
+__all__ = [
+    "ConsumerPolicy",
+    "ExpiredPolicy",
+    "MissingIdentityPolicy",
+    "PolicySettings",
+    "check_missing_identity",
+]
 
 MissingIdentityPolicy = Literal["reject", "process", "broker_id"]
 """What to do with a message that carries no identity.
@@ -54,6 +63,9 @@ class ConsumerPolicy:
       max_output_bytes: the largest encoded result stored with a claim, where something
         downstream consumes it (publishers, replies, pipelines); a larger one is a
         permanent failure (``result_unstorable``). None: no limit.
+      direct_publish: what a message published or sent directly from inside the handler
+        gets (it leaves before the commit, and a duplicate does not repeat it):
+        ``warn``, ``refuse`` or ``allow``; see `inbox_middleware.direct`.
     """
 
     missing_identity: MissingIdentityPolicy = "reject"
@@ -65,6 +77,7 @@ class ConsumerPolicy:
     shadow: bool = False
     retry_backoff: tuple[float, float] = (0.5, 30.0)
     max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    direct_publish: DirectPublishPolicy = "warn"
 
     def __post_init__(self) -> None:
         check_missing_identity(self.missing_identity)
@@ -79,15 +92,39 @@ class ConsumerPolicy:
         first, limit = self.retry_backoff
         if not 0 < first <= limit:
             raise ConfigurationError("retry_backoff needs 0 < first <= limit seconds")
+        check_policy(self.direct_publish)
         object.__setattr__(self, "permanent_errors", tuple(self.permanent_errors))
 
-    def override(self, **changes: Any) -> ConsumerPolicy:
-        """A copy with the given settings changed; a None value keeps the setting."""
-        names = {f.name for f in fields(self)}
-        unknown = set(changes) - names
+    def override(self, **changes: Unpack[PolicySettings]) -> ConsumerPolicy:
+        """A copy with the given settings changed."""
+        return self.override_set(changes)
+
+    def override_set(self, changes: Mapping[str, Any]) -> ConsumerPolicy:
+        """`override` from a mapping (actor options, a subscriber's settings)."""
+        unknown = set(changes) - set(SETTINGS)
         if unknown:
             raise ConfigurationError(f"no consumer setting named {sorted(unknown)[0]!r}")
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        return replace(self, **changes) if changes else self
+
+
+class PolicySettings(TypedDict, total=False):
+    """The `ConsumerPolicy` settings as keyword arguments (each one means what the
+    attribute of the same name does there)."""
+
+    missing_identity: MissingIdentityPolicy
+    permanent_errors: tuple[type[BaseException], ...] | list[type[BaseException]]
+    max_attempts: int | None
+    redelivery_limit: int | None
+    retention_window: timedelta | None
+    expired_redelivery: ExpiredPolicy
+    shadow: bool
+    retry_backoff: tuple[float, float]
+    max_output_bytes: int | None
+    direct_publish: DirectPublishPolicy
+
+
+SETTINGS = tuple(f.name for f in fields(ConsumerPolicy))
+"""The names of the consumer settings."""
 
 
 def check_missing_identity(value: object) -> MissingIdentityPolicy:

@@ -103,6 +103,7 @@ PUBLIC = {
         "ConsumerPolicy",
         "ExpiredPolicy",
         "MissingIdentityPolicy",
+        "PolicySettings",
         "check_missing_identity",
     },
     "inbox_middleware.outcomes": {

@@ -44,6 +44,7 @@ from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, Pay
 from ..identity import MessageIdentity
 from ..instruments import metrics
 from ..outputs import Output, derived_identity, unstorable
+from ..policy import SETTINGS
 from ..protocol import Delivery
 from ..tracing import TRACE_OPTION
 from .context import CONSUMER_INFO, identity, session_var
@@ -118,15 +119,14 @@ class InboxActor:
         self.actor = actor
         self.consumer = consumer
         self.handler_version = str(options.get("inbox_handler_version", ""))
-        permanent = tuple(options.get("inbox_permanent_errors", middleware.policy.permanent_errors))
+        overrides = {
+            name: options[f"inbox_{name}"] for name in SETTINGS if f"inbox_{name}" in options
+        }
+        permanent = tuple(overrides.get("permanent_errors", middleware.policy.permanent_errors))
         throws = options.get("throws")
         if throws:  # Dramatiq never retries these: they fail permanently too
             permanent += tuple(throws) if isinstance(throws, tuple) else (throws,)
-        self.policy = middleware.policy.override(
-            missing_identity=options.get("inbox_missing_identity"),
-            permanent_errors=permanent,
-            shadow=options.get("inbox_shadow"),
-        )
+        self.policy = middleware.policy.override_set(overrides | {"permanent_errors": permanent})
         self.quarantine_queue = str(
             options.get("inbox_quarantine_queue", middleware.quarantine_queue)
         ).format(queue=q_name(actor.queue_name))
@@ -325,7 +325,7 @@ class InboxActor:
         claim and the body answers the `Output`."""
 
         def body(session: Session) -> Any:
-            with _instructions(session, pending, self.consumer) as outcome:
+            with _instructions(session, pending, self.consumer, self.policy) as outcome:
                 outcome.result = self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
@@ -343,7 +343,7 @@ class InboxActor:
         keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            with _instructions(session, pending, self.consumer) as outcome:
+            with _instructions(session, pending, self.consumer, self.policy) as outcome:
                 outcome.result = await self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
@@ -386,13 +386,13 @@ class _Outcome:
 
 @contextlib.contextmanager
 def _instructions(
-    session: Session | AsyncSession, pending: Pending | None, consumer: str
+    session: Session | AsyncSession, pending: Pending | None, consumer: str, policy: ConsumerPolicy
 ) -> Iterator[_Outcome]:
     """Run the actor's body with its session, and turn Dramatiq's own instructions into
     the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
     ``message.fail()`` a rejection."""
     outcome = _Outcome()
-    session.info[CONSUMER_INFO] = consumer
+    session.info[CONSUMER_INFO] = (consumer, policy.direct_publish)
     token = session_var.set(session)
     try:
         yield outcome

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import dramatiq
 from dramatiq import Broker
@@ -53,13 +51,11 @@ from ..consumption import (
     Quarantined,
     Settlement,
 )
-from ..direct import DirectPublishPolicy
-from ..direct import check_policy as check_direct_publish
 from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..outcomes import report
-from ..outputs import DEFAULT_MAX_OUTPUT_BYTES, Output
-from ..policy import ConsumerPolicy, ExpiredPolicy, MissingIdentityPolicy
+from ..outputs import Output
+from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
@@ -113,51 +109,30 @@ class InboxMiddleware(dramatiq.Middleware):
       lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
         handed back (and the bound on any lock wait inside the transaction).
       serialization_retries: in-process reruns after a serialization failure or deadlock.
-      missing_identity: see `MissingIdentityPolicy`.
       quarantine_queue: the queue conflicting messages go to; ``{queue}`` is the actor's.
       quarantine_publisher: how to publish there; chosen from the broker by default.
       in_progress_delay: milliseconds before a message whose claim another delivery holds
         comes back; None uses the backoff of hand-backs (Retries' min and max backoff).
       canonical_form: a default `CanonicalForm` for hashing payloads.
-      permanent_errors: exception types that mean "retrying cannot help", besides
-        `PermanentError`: such a failure goes to the poison table and the dead-letter
-        queue at once.
-      redelivery_limit: how often a message may come back from a broker redelivery (its
-        worker died or lost the connection before an outcome) before it is treated as
-        poison; RabbitMQ reports redeliveries, Dramatiq's Redis broker does not. None: no
-        limit.
-      retention_window: how long claims are kept (the purge window); a first-seen message
-        whose producer timestamp (``inbox_produced_at``) is older may have been processed
-        and purged already. None: no check.
-      expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
-        reason ``expired_redelivery``) or ``process``; both are counted.
       check_database: verify the database, the schema and its settings when a worker
         boots; a worker that cannot reach the database refuses to start.
-      max_output_bytes: the largest encoded result stored with a claim for an actor whose
-        result something consumes (Results, a pipeline step, ``on_success``), so that a
-        duplicate answers it again; a larger one is kept as poison (``result_unstorable``).
-        None: no limit.
-      direct_publish: what a message sent from inside an inbox actor's body gets (it is
-        enqueued before the commit, and a duplicate does not send it again; the outbox is
-        the way): ``warn`` (a `DirectPublishWarning`), ``refuse``
-        (`DirectPublishRefused`) or ``allow``. Pipeline steps and ``on_success``
-        callbacks are not direct sends: the inbox sends them after the commit.
-      shadow: shadow mode for every inbox actor (``inbox_shadow`` sets it per actor):
-        claims are recorded and decided as usual, but nothing is skipped; a would-be
-        duplicate or conflict runs the actor and is counted
-        (``inbox_shadow_would_skip_total``) and logged, a conflict writes no quarantine
-        row, and a message without a usable identity runs unprotected instead of being
-        dead-lettered. Switching it off needs no migration: the claims mean the same.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         The producer's trace joins through `StampTraceContext`.
+      policy: the consumer settings (`ConsumerPolicy`: missing identities, permanent
+        errors, redeliveries, retention, shadow mode, outputs, direct sends), documented
+        there once. Here ``max_attempts`` defaults to None: Dramatiq's Retries bounds
+        the attempts, and the inbox keeps the last failure as poison when Retries gives
+        up; ``retry_backoff`` does not apply (hand-backs wait as Retries' backoff says).
+      **settings: any `ConsumerPolicy` setting by name, changing ``policy``
+        (``redelivery_limit=5``, ``shadow=True``).
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
-    ``inbox_handler_version``, ``inbox_missing_identity``, ``inbox_canonical_form``,
-    ``inbox_quarantine_queue``, ``inbox_permanent_errors`` and ``inbox_shadow``, overriding
-    the middleware's settings per actor; ``inbox_producer`` with ``inbox_message_id_from``
-    (the name of the argument that is the message id) for messages sent without identity
-    options.
+    ``inbox_handler_version``, ``inbox_canonical_form``, ``inbox_quarantine_queue``, and
+    ``inbox_<setting>`` for any `ConsumerPolicy` setting (``inbox_shadow=True``,
+    ``inbox_max_output_bytes=...``), overriding the middleware's for that actor;
+    ``inbox_producer`` with ``inbox_message_id_from`` (the name of the argument that is the
+    message id) for messages sent without identity options.
 
     Inside an inbox actor, Dramatiq's own instructions mean: ``raise SkipMessage`` "done"
     (the work commits, then the message is skipped); ``raise Retry`` a failed attempt
@@ -173,49 +148,34 @@ class InboxMiddleware(dramatiq.Middleware):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
-        missing_identity: MissingIdentityPolicy = "reject",
         quarantine_queue: str = "{queue}.quarantine",
         quarantine_publisher: QuarantinePublisher | None = None,
         in_progress_delay: int | None = None,
         canonical_form: CanonicalForm | None = None,
-        permanent_errors: Sequence[type[BaseException]] = (),
-        redelivery_limit: int | None = 10,
-        retention_window: timedelta | None = None,
-        expired_redelivery: ExpiredPolicy = "reject",
         check_database: bool = True,
-        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
-        direct_publish: DirectPublishPolicy = "warn",
-        shadow: bool = False,
         tracing: Any = False,
+        policy: ConsumerPolicy | None = None,
+        **settings: Unpack[PolicySettings],
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
             if async_engine is not None:
                 raise ConfigurationError("pass the AsyncEngine once")
             engine, async_engine = None, engine
-        settings: dict[str, Any] = {
+        storage: dict[str, Any] = {
             "naming": naming,
             "lock_timeout": lock_timeout,
             "serialization_retries": serialization_retries,
         }
-        self.inbox = Inbox(engine, **settings) if engine is not None else None
+        self.inbox = Inbox(engine, **storage) if engine is not None else None
         self.async_inbox: AsyncInbox | None = None
         if async_engine is not None:
             from ..storage.aio import AsyncInbox
 
-            self.async_inbox = AsyncInbox(async_engine, **settings)
+            self.async_inbox = AsyncInbox(async_engine, **storage)
         if self.inbox is None and self.async_inbox is None:
             raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
-        self.policy = ConsumerPolicy(
-            missing_identity=missing_identity,
-            permanent_errors=tuple(permanent_errors),
-            max_attempts=None,  # Dramatiq's Retries bounds the attempts (see gives_up)
-            redelivery_limit=redelivery_limit,
-            retention_window=retention_window,
-            expired_redelivery=expired_redelivery,
-            shadow=shadow,
-            max_output_bytes=max_output_bytes,
-        )
-        self.direct_publish = check_direct_publish(direct_publish)
+        # Dramatiq's Retries bounds the attempts (see gives_up), unless one is set here.
+        self.policy = (policy or ConsumerPolicy(max_attempts=None)).override(**settings)
         self.quarantine_queue = quarantine_queue
         self.quarantine_publisher = quarantine_publisher
         self.in_progress_delay = in_progress_delay
@@ -229,24 +189,20 @@ class InboxMiddleware(dramatiq.Middleware):
         self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
 
-    # The consumer settings, read from the policy (set them when creating the middleware).
-    missing_identity = property(lambda self: self.policy.missing_identity)
-    permanent_errors = property(lambda self: self.policy.permanent_errors)
-    redelivery_limit = property(lambda self: self.policy.redelivery_limit)
-    retention_window = property(lambda self: self.policy.retention_window)
-    expired_redelivery = property(lambda self: self.policy.expired_redelivery)
-    shadow = property(lambda self: self.policy.shadow)
+    def __getattr__(self, name: str) -> Any:
+        # The consumer settings read as attributes (middleware.shadow): the policy's.
+        if name in SETTINGS:
+            return getattr(self.policy, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def actor_options(self) -> set[str]:
         return {
             "inbox_consumer",
             "inbox_handler_version",
-            "inbox_missing_identity",
             "inbox_canonical_form",
             "inbox_quarantine_queue",
-            "inbox_permanent_errors",
-            "inbox_shadow",
+            *(f"inbox_{name}" for name in SETTINGS),  # a consumer setting, for this actor
             OPTION_PRODUCER,  # with OPTION_MESSAGE_ID_FROM: the identity is an argument
             OPTION_MESSAGE_ID_FROM,
         }
@@ -297,9 +253,9 @@ class InboxMiddleware(dramatiq.Middleware):
     def before_enqueue(self, broker: Broker, message: dramatiq.Message[Any], delay: int) -> None:
         session = session_var.get()
         if session is not None:  # sent from inside an inbox actor's body, before its commit
-            consumer = session.info.get(CONSUMER_INFO, "?")
+            consumer, policy = session.info.get(CONSUMER_INFO, ("?", self.policy.direct_publish))
             try:
-                direct.check(self.direct_publish, consumer, f"a send to {message.actor_name!r}")
+                direct.check(policy, consumer, f"a send to {message.actor_name!r}")
             except DirectPublishRefused as exc:
                 raise DirectSendRefused(str(exc)) from None
         if message.actor_name in self._actors and "group_completion_uuid" in message.options:

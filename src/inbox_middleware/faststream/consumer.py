@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..exceptions import ConfigurationError
 from ..policy import MissingIdentityPolicy
 from .context import current_attempt
 from .payload import CanonicalForm
 
-__all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "check_policy"]
+__all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy"]
 
 
 class _Unset:
@@ -33,12 +35,11 @@ class InboxConsumer:
     """The `FastStreamInbox` that declared it (which imports this module)."""
     name: str
     handler_version: str = ""
-    missing_identity: MissingIdentityPolicy | None = None
     canonical_form: CanonicalForm | None = None
     quarantine: str | None = None
     dead_letter: str | _Unset | None = UNSET
-    shadow: bool | None = None
-    """Shadow mode for this subscriber; None: the inbox's setting."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """The `ConsumerPolicy` settings this subscriber overrides."""
 
     async def __call__(self) -> None:  # async: a sync one would run in a worker thread
         if current_attempt() is None:
@@ -49,11 +50,3 @@ class InboxConsumer:
 
     def __repr__(self) -> str:
         return f"inbox.consumer({self.name!r})"
-
-
-def check_policy(value: object) -> MissingIdentityPolicy:
-    if value not in ("reject", "process", "broker_id"):
-        raise ConfigurationError(
-            f"missing_identity must be 'reject', 'process' or 'broker_id', not {value!r}"
-        )
-    return value

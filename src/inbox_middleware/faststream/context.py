@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..direct import DirectPublishPolicy
 from ..exceptions import ConfigurationError, HandlerTransactionError
 from ..identity import MessageIdentity
 from ..protocol import Decision
@@ -51,6 +52,7 @@ class Attempt:
     session: AsyncSession
     batch: tuple[BatchItem, ...] = ()
     consumer: str = ""
+    direct_publish: DirectPublishPolicy = "warn"
 
 
 _attempt: ContextVar[Attempt | None] = ContextVar("inbox_middleware_faststream", default=None)

@@ -15,27 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
-from ..consumption import HandBackDelays
-from ..direct import DirectPublishPolicy
-from ..direct import check_policy as check_direct_publish
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
-from ..outputs import DEFAULT_MAX_OUTPUT_BYTES
-from ..policy import ConsumerPolicy, ExpiredPolicy
+from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
 from .brokers import adapter_for
 from .brokers.nats import NatsAdapter
-from .consumer import UNSET, InboxConsumer, MissingIdentityPolicy, _Unset, check_policy
+from .consumer import UNSET, InboxConsumer, _Unset
 from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
 from .payload import CanonicalForm
@@ -61,7 +55,6 @@ class FastStreamInbox:
       lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
         handed back (and the bound on any lock wait inside the transaction).
       serialization_retries: in-process reruns after a serialization failure or deadlock.
-      missing_identity: see `MissingIdentityPolicy`.
       quarantine: where conflicting messages are published; ``{source}`` is the queue,
         stream, subject or topic they came from.
       dead_letter: where messages without a usable identity (or rejected by the handler)
@@ -69,43 +62,19 @@ class FastStreamInbox:
         (RabbitMQ: reject without requeue, to the queue's dead-letter exchange; NATS:
         TERM). Redis and Kafka have none.
       canonical_form: a `CanonicalForm` used to hash payloads instead of the body.
-      retry_backoff: (first, limit) seconds to wait before handing back a message whose
-        transaction failed, doubling per failure of the same message.
-      permanent_errors: exception types that mean "retrying cannot help", besides
-        `PermanentError`: such a failure is kept as poison at once.
-      max_attempts: failed attempts after which a message is kept as poison
-        (``retries_exhausted``) instead of being handed back again; None: no limit.
-      redelivery_limit: redeliveries without an outcome (the worker died) after which a
-        message is kept as poison; counted by JetStream and RabbitMQ quorum queues, by the
-        inbox for classic RabbitMQ queues, not available on Redis streams and Kafka.
-      retention_window: how long claims are kept (the purge window); a first-seen message
-        whose ``x-inbox-produced-at`` is older may have been processed and purged already.
-        None: no check.
-      expired_redelivery: what to do with such a message: ``reject`` (kept as poison,
-        reason ``expired_redelivery``) or ``process``; both are counted.
-      max_output_bytes: the largest encoded result stored with a claim for a subscriber
-        with publishers or a request's reply (so that a duplicate publishes it again); a
-        larger one is kept as poison (``result_unstorable``). None: no limit.
-      direct_publish: what a publish made from inside an inbox handler gets (it leaves
-        before the commit, and a duplicate does not repeat it; the outbox is the way):
-        ``warn`` (a `DirectPublishWarning`), ``refuse`` (`DirectPublishRefused`) or
-        ``allow``. The handler's result, published to the subscriber's publishers or
-        as a reply, is not a direct publish: it is stored and published after the commit.
       check_database: check the schema and ``synchronous_commit`` at start-up.
-      shadow: shadow mode for every inbox subscriber (``inbox.consumer(..., shadow=)``
-        sets it per subscriber): claims are recorded and decided as usual, but nothing is
-        skipped; a would-be duplicate or conflict runs the handler and is counted
-        (``inbox_shadow_would_skip_total``) and logged, a conflict writes no quarantine
-        row, and a message without a usable identity runs unprotected instead of being
-        dead-lettered (a batch subscriber still rejects those). Switching it off needs no
-        migration: the claims mean the same.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         It nests under the span of FastStream's `TelemetryMiddleware` when that middleware
         comes before ``inbox.middleware``, else under the producer's context in the headers.
+      policy: the consumer settings (`ConsumerPolicy`: missing identities, attempts,
+        redeliveries, retention, shadow mode, the hand-back backoff, outputs, direct
+        publishes), documented there once.
+      **settings: any `ConsumerPolicy` setting by name, changing ``policy``
+        (``max_attempts=5``, ``shadow=True``).
 
-    The consumer name and handler version come from ``inbox.consumer(...)``; the other
-    settings can be overridden there per subscriber.
+    The consumer name and handler version come from ``inbox.consumer(...)``, which also
+    overrides any consumer setting for its subscriber.
     """
 
     def __init__(
@@ -115,21 +84,13 @@ class FastStreamInbox:
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
-        missing_identity: MissingIdentityPolicy = "reject",
         quarantine: str = "{source}.quarantine",
         dead_letter: str | None = "{source}.dead-letter",
         canonical_form: CanonicalForm | None = None,
-        retry_backoff: tuple[float, float] = (0.5, 30.0),
-        permanent_errors: Sequence[type[BaseException]] = (),
-        max_attempts: int | None = 10,
-        redelivery_limit: int | None = 10,
-        retention_window: timedelta | None = None,
-        expired_redelivery: ExpiredPolicy = "reject",
-        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
-        direct_publish: DirectPublishPolicy = "warn",
         check_database: bool = True,
-        shadow: bool = False,
         tracing: Any = False,
+        policy: ConsumerPolicy | None = None,
+        **settings: Unpack[PolicySettings],
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
@@ -139,23 +100,11 @@ class FastStreamInbox:
             lock_timeout=lock_timeout,
             serialization_retries=serialization_retries,
         )
-        self.policy = ConsumerPolicy(
-            missing_identity=check_policy(missing_identity),
-            permanent_errors=tuple(permanent_errors),
-            max_attempts=max_attempts,
-            redelivery_limit=redelivery_limit,
-            retention_window=retention_window,
-            expired_redelivery=expired_redelivery,
-            shadow=shadow,
-            retry_backoff=retry_backoff,
-            max_output_bytes=max_output_bytes,
-        )
+        self.policy = (policy or ConsumerPolicy()).override(**settings)
         self.quarantine = quarantine
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
-        self.backoff = HandBackDelays(*retry_backoff)
         self.check_database = check_database
-        self.direct_publish = check_direct_publish(direct_publish)
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
@@ -164,25 +113,21 @@ class FastStreamInbox:
         self._lock = asyncio.Lock()
         self._database_checked = False
 
-    # The consumer settings, read from the policy (set them when creating the inbox).
-    missing_identity = property(lambda self: self.policy.missing_identity)
-    permanent_errors = property(lambda self: self.policy.permanent_errors)
-    max_attempts = property(lambda self: self.policy.max_attempts)
-    redelivery_limit = property(lambda self: self.policy.redelivery_limit)
-    retention_window = property(lambda self: self.policy.retention_window)
-    expired_redelivery = property(lambda self: self.policy.expired_redelivery)
-    shadow = property(lambda self: self.policy.shadow)
+    def __getattr__(self, name: str) -> Any:
+        # The consumer settings read as attributes (inbox.max_attempts): the policy's.
+        if name in SETTINGS:
+            return getattr(self.policy, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def consumer(
         self,
         name: str,
         handler_version: str = "",
         *,
-        missing_identity: MissingIdentityPolicy | None = None,
         canonical_form: CanonicalForm | None = None,
         quarantine: str | None = None,
         dead_letter: str | _Unset | None = UNSET,
-        shadow: bool | None = None,
+        **settings: Unpack[PolicySettings],
     ) -> Any:
         """A subscriber dependency naming the handler's inbox consumer::
 
@@ -194,28 +139,20 @@ class FastStreamInbox:
           name: the consumer's name in the inbox key; keep it when code moves.
           handler_version: recorded with each claim, compared on replays and in
             quarantine decisions.
-          missing_identity: overrides the inbox's setting for this subscriber.
           canonical_form: overrides the inbox's setting for this subscriber.
           quarantine: overrides the inbox's setting for this subscriber.
           dead_letter: overrides the inbox's setting for this subscriber; None uses the
             broker's own dead-letter path here.
-          shadow: overrides the inbox's setting for this subscriber.
+          **settings: any `ConsumerPolicy` setting, for this subscriber alone
+            (``shadow=True``, ``max_attempts=3``, ``missing_identity="broker_id"``).
         """
         try:
             validate_name(name, "consumer name", max_length=MAX_NAME_LENGTH)
         except Exception as exc:
             raise ConfigurationError(str(exc)) from None
-        if missing_identity is not None:
-            check_policy(missing_identity)
+        self.policy.override(**settings)  # a setting that cannot work fails here
         declaration = InboxConsumer(
-            self,
-            name,
-            str(handler_version),
-            missing_identity,
-            canonical_form,
-            quarantine,
-            dead_letter,
-            shadow,
+            self, name, str(handler_version), canonical_form, quarantine, dead_letter, settings
         )
         return Depends(declaration, cast=False)
 
@@ -290,7 +227,6 @@ class FastStreamInbox:
             canonical_form=self.canonical_form,
             quarantine=self.quarantine,
             dead_letter=self.dead_letter,
-            backoff=self.backoff,
             tracing=self.tracing,
         )
 

@@ -11,7 +11,6 @@ from faststream import BaseMiddleware
 from faststream.message import SourceType
 
 from .. import direct
-from ..direct import DirectPublishPolicy
 from .context import current_attempt
 from .outcome import HandedBack
 
@@ -27,8 +26,6 @@ __all__ = ["InboxMiddlewareFactory", "RoutingMiddleware"]
 class Subscriptions(Protocol):
     """What the middleware asks of its `FastStreamInbox` (which builds the middleware, so
     this module does not import it)."""
-
-    direct_publish: DirectPublishPolicy
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None: ...
 
@@ -70,7 +67,7 @@ class RoutingMiddleware(BaseMiddleware):
         attempt = current_attempt()
         if attempt is not None:  # the handler publishes before its transaction commits
             where = getattr(cmd, "destination", None) or "a destination"
-            direct.check(self.inbox.direct_publish, attempt.consumer, f"a publish to {where!r}")
+            direct.check(attempt.direct_publish, attempt.consumer, f"a publish to {where!r}")
         return await call_next(cmd)
 
     async def after_processed(

@@ -134,16 +134,13 @@ class Subscription:
         canonical_form: CanonicalForm | None,
         quarantine: str,
         dead_letter: str | None,
-        backoff: HandBackDelays,
         tracing: Tracing | NoTracing = OFF,
     ) -> None:
         self.tracing = tracing
         self.storage = storage
         self.consumer = consumer
         self.adapter = adapter
-        self.policy = policy.override(
-            missing_identity=consumer.missing_identity, shadow=consumer.shadow
-        )
+        self.policy = policy.override_set(consumer.settings)
         self.canonical_form = consumer.canonical_form or canonical_form
         source = adapter.source
         self.quarantine = (consumer.quarantine or quarantine).format(source=source)
@@ -151,7 +148,7 @@ class Subscription:
         if isinstance(chosen, _Unset):
             chosen = dead_letter
         self.dead_letter = chosen.format(source=source) if chosen is not None else None
-        self.backoff = backoff
+        self.backoff = HandBackDelays(*self.policy.retry_backoff)
         subscriber = adapter.subscriber
         self.publishes = any(call.handler._publishers for call in getattr(subscriber, "calls", ()))
         self.replies = not getattr(subscriber, "_no_reply", False)
@@ -293,7 +290,9 @@ class Subscription:
         with that claim, and the body answers the `Output`."""
 
         async def body(session: AsyncSession) -> Any:
-            token = set_attempt(Attempt(session, batch, self.consumer.name))
+            token = set_attempt(
+                Attempt(session, batch, self.consumer.name, self.policy.direct_publish)
+            )
             refused = refuse_manual_settling(message)
             try:
                 result = await call_next(message)
