@@ -1,6 +1,7 @@
-"""The walk of one FastStream message through the library: which files it enters, in order.
+"""The walk of one message through the library: which files it enters, in order.
 
-    python -m bench.walk            # RabbitMQ and PostgreSQL of scripts/services
+    python -m bench.walk            # FastStream, on RabbitMQ and PostgreSQL of scripts/services
+    python -m bench.walk --dramatiq # Dramatiq, from the actor call (`InboxActor.call`)
 
 One first-seen message is published to a real RabbitMQ queue and consumed by an inbox
 subscriber on a throwaway PostgreSQL database; every call of a function of
@@ -19,6 +20,7 @@ import dis
 import functools
 import os
 import sys
+import time
 import uuid
 from importlib.machinery import SourceFileLoader
 from pathlib import Path
@@ -82,7 +84,7 @@ async def walk() -> list[tuple[str | None, str]]:
 
         consume = Subscription.consume
 
-        async def traced(self: Subscription, call_next: Any, message: Any) -> Any:
+        async def traced(self: Subscription, call_next: Any, message: Any, *rest: Any) -> Any:
             def profile(frame: Any, event: str, arg: Any) -> None:
                 if event != "call" or frame.f_lasti > _start(frame.f_code):
                     return
@@ -92,7 +94,7 @@ async def walk() -> list[tuple[str | None, str]]:
 
             sys.setprofile(profile)
             try:
-                return await consume(self, call_next, message)
+                return await consume(self, call_next, message, *rest)
             finally:
                 sys.setprofile(None)
 
@@ -113,16 +115,85 @@ async def walk() -> list[tuple[str | None, str]]:
     return calls
 
 
+def _profiler(calls: list[tuple[str | None, str]]) -> Any:
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_lasti > _start(frame.f_code):
+            return
+        called = _file(frame)
+        if called is not None:
+            calls.append((_file(frame.f_back), called))
+
+    return profile
+
+
+def walk_dramatiq() -> list[tuple[str | None, str]]:
+    """(calling file, called file) for each call into the library during one actor call."""
+    import threading
+
+    import dramatiq
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    from sqlalchemy import create_engine
+
+    from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+    from inbox_middleware.dramatiq.actor import InboxActor
+
+    template = Template(os.environ.get(SERVER_VARIABLE, DEFAULT_SERVER), migrate_inbox)
+    database = template.clone()
+    calls: list[tuple[str | None, str]] = []
+    queue = f"walk-{uuid.uuid4().hex[:8]}"
+    try:
+        engine = create_engine(database.url)
+        broker = RabbitmqBroker(url=BROKER_URL, confirm_delivery=True)
+        broker.add_middleware(InboxMiddleware(engine))
+        done = threading.Event()
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="walk", broker=broker)
+        def handle(n: int) -> None:
+            current_session()
+            done.set()
+
+        call = InboxActor.call
+
+        def traced(self: InboxActor, *args: Any) -> Any:
+            sys.setprofile(_profiler(calls))
+            try:
+                return call(self, *args)
+            finally:
+                sys.setprofile(None)
+
+        InboxActor.call = traced  # type: ignore[method-assign]
+        worker = dramatiq.Worker(broker, worker_threads=1)
+        worker.start()
+        try:
+            handle.send_with_options(
+                args=(1,), **identity(producer="walk", message_id=uuid.uuid4().hex)
+            )
+            if not done.wait(30):
+                raise TimeoutError("the actor did not run")
+            time.sleep(0.5)  # the ack after the commit
+        finally:
+            worker.stop()
+            InboxActor.call = call  # type: ignore[method-assign]
+            broker.channel.queue_delete(queue)
+            broker.close()
+            engine.dispose()
+    finally:
+        template.drop(database)
+        template.close()
+    return calls
+
+
 def main() -> None:
-    calls = asyncio.run(walk())
+    dramatiq = "--dramatiq" in sys.argv
+    calls = walk_dramatiq() if dramatiq else asyncio.run(walk())
     across = [(a, b) for a, b in calls if a is not None and a != b]
     files = sorted({b for _, b in calls})
-    processing = "faststream/processing.py"
+    processing = "dramatiq/actor.py" if dramatiq else "faststream/processing.py"
     back = sum(1 for a, _ in across if a == processing)
     upward = [(a, b) for a, b in across if floor(b) > floor(a) >= 0]
     print(f"files entered            {len(files)}: {', '.join(files)}")
     print(f"calls between files      {len(across)}")
-    print(f"returns to processing.py {back} (calls from it into another file)")
+    print(f"returns to {processing} {back} (calls from it into another file)")
     print(f"calls up the floors      {len(upward)}")
     if "--list" in sys.argv:
         for a, b in across:
