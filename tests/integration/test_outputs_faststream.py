@@ -194,3 +194,23 @@ async def test_outputs__a_direct_publish_from_a_handler_is_warned_or_refused(
         assert (applied, len(sent), poison, len(warned)) == (1, 1, None, 1)
     else:
         assert (applied, len(sent), poison) == (0, 0, "inbox_error")
+
+
+async def test_outputs__a_batch_subscriber_with_a_publisher_is_refused(inbox, seen):
+    # Given a batch inbox subscriber whose result would be published
+    h = await _harness("nats", inbox, seen)
+    publisher = h.publisher(f"{h.source}.out")
+
+    @publisher
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> int:
+        return len(bodies)
+
+    # Then the start-up check refuses it, naming the outbox
+    from inbox_middleware.exceptions import ConfigurationError
+
+    try:
+        with pytest.raises(ConfigurationError, match="batch subscriber's result"):
+            await inbox.check(h.broker)
+    finally:
+        await h.cleanup()

@@ -108,6 +108,13 @@ def _refusal(found: Found, peers: Sequence[Peer], middleware: object) -> str | N
             "AckPolicy.MANUAL leaves acknowledgement to the handler, but the inbox must ack "
             "only after its commit, and settles every message itself. Remove ack_policy"
         )
+    if found.adapter.batch and any(call.handler._publishers for call in subscriber.calls):
+        return (
+            "a batch subscriber's result belongs to its batch, which a redelivery does not "
+            "bring back as it was, so the inbox cannot publish it again for a duplicate. "
+            "Record each follow-up message with outbox.add(session, ...) in the handler instead "
+            "of a publisher"
+        )
     return None
 
 
