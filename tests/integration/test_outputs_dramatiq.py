@@ -183,3 +183,28 @@ def test_outputs__a_refused_direct_send_rolls_the_attempt_back(broker, queue, pg
         drain(broker, queue, worker)
     assert len(raised) == 1 and "outbox.add" in str(raised[0])
     assert _effects(pg_engine, 7) == 0
+
+
+def test_outputs__an_async_actor_stores_its_result_too(
+    broker, queue, pg_engine, pg_async_engine, results
+):
+    # Given an async inbox actor whose results are stored
+    from inbox_middleware.dramatiq import current_async_session
+
+    broker.add_middleware(InboxMiddleware(pg_async_engine, lock_timeout=10))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="stock", store_results=True)
+    async def reserve(account_id: int, delta: int) -> dict[str, int]:
+        session = current_async_session()
+        await session.run_sync(apply_credit, "stock", account_id, delta)
+        return {"reserved": delta}
+
+    with running_worker(broker) as worker:
+        first = reserve.send_with_options(args=(7, 10), **ident("a-1"))
+        second = reserve.send_with_options(args=(7, 10), **ident("a-1"))
+        drain(broker, queue, worker)
+        answers = [
+            m.get_result(backend=results, block=True, timeout=10_000) for m in (first, second)
+        ]
+    assert answers == [{"reserved": 10}, {"reserved": 10}]
+    assert _effects(pg_engine, 7) == 1
