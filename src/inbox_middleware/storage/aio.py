@@ -32,7 +32,7 @@ from .executors import (
     _Batch,
     _log,
     _Single,
-    _synchronous_commit,
+    database_settings,
     track_aborts,
 )
 from .failures import mark_recovered
@@ -75,7 +75,7 @@ class AsyncInbox(_Base):
         """Verify the schema version and the database settings the guarantee relies on."""
         async with self.engine.connect() as conn:
             await conn.run_sync(check_schema, self.naming)
-            self._check_settings(await conn.run_sync(_synchronous_commit))
+            self._check_settings(await conn.run_sync(database_settings))
 
     async def process(
         self,
