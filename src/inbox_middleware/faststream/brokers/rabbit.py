@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from faststream.rabbit import RabbitQueue
+from faststream.rabbit import QueueType, RabbitQueue
 
 from .base import BrokerAdapter, Item, _wait_then
 
@@ -24,9 +24,11 @@ class RabbitAdapter(BrokerAdapter):
         return f"{self.subscriber._outer_config.prefix}{queue.name}"
 
     async def prepare(self, destinations: Iterable[str]) -> None:
-        # Durable, like the queues a repair tool would declare to read them back.
+        # Durable, like the queues a repair tool would declare to read them back; quorum
+        # queues (replicated) when the source is one, so that they survive what it does.
+        kind = QueueType.QUORUM if self.quorum else QueueType.CLASSIC
         for name in destinations:
-            await self.broker.declare_queue(RabbitQueue(name, durable=True))
+            await self.broker.declare_queue(RabbitQueue(name, durable=True, queue_type=kind))
 
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
         # persist: FastStream publishes non-persistent messages unless asked. mandatory and
