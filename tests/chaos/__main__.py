@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--adapter", choices=sorted(BROKERS), default="dramatiq")
     parser.add_argument(
-        "--broker", choices=["rabbitmq", "redis", "nats", "kafka"], default="rabbitmq"
+        "--broker",
+        choices=["rabbitmq", "rabbitmq-quorum", "redis", "nats", "kafka"],
+        default="rabbitmq",
     )
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=3)

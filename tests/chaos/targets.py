@@ -30,9 +30,10 @@ __all__ = ["ADAPTERS", "BROKERS", "Found", "Producer", "Target", "make_target"]
 
 ADAPTERS = ("dramatiq", "faststream")
 BROKERS = {
-    "dramatiq": ("rabbitmq", "redis"),
-    "faststream": ("rabbitmq", "redis", "nats", "kafka"),
+    "dramatiq": ("rabbitmq", "rabbitmq-quorum", "redis"),
+    "faststream": ("rabbitmq", "rabbitmq-quorum", "redis", "nats", "kafka"),
 }
+QUORUM_DELIVERY_LIMIT = 20  # above the inbox's redelivery limit (10)
 PRODUCER = "orders"
 SEND_PATIENCE = 180.0  # seconds a producer keeps retrying one message through an outage
 
@@ -237,6 +238,7 @@ def _dramatiq_found(bodies: list[bytes]) -> Found:
 
 class DramatiqRabbitmq(DramatiqTarget):
     broker = "rabbitmq"
+    quorum = False
 
     def start(self) -> None:
         services.require(services.RABBITMQ, "RabbitMQ")
@@ -245,7 +247,19 @@ class DramatiqRabbitmq(DramatiqTarget):
     def broker_url(self) -> str:
         return services.RABBITMQ
 
+    def worker_env(self) -> dict[str, str]:
+        return super().worker_env() | {
+            "CHAOS_BROKER": "rabbitmq",
+            "CHAOS_QUORUM": str(+self.quorum),
+        }
+
     def _dramatiq_broker(self) -> Any:
+        if self.quorum:
+            from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+
+            return QuorumRabbitmqBroker(
+                url=self.broker_url, confirm_delivery=True, delivery_limit=QUORUM_DELIVERY_LIMIT
+            )
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         return RabbitmqBroker(url=self.broker_url, confirm_delivery=True)
@@ -264,6 +278,13 @@ class DramatiqRabbitmq(DramatiqTarget):
 
     def close(self) -> None:
         _rabbitmq_delete([self.source, *(f"{self.source}.{s}" for s in ("DQ", "XQ", "quarantine"))])
+
+
+class DramatiqRabbitmqQuorum(DramatiqRabbitmq):
+    """On quorum queues (`QuorumRabbitmqBroker`), the worker's and the producer's."""
+
+    broker = "rabbitmq-quorum"
+    quorum = True
 
 
 def _rabbitmq_drain(queue: str) -> list[bytes]:
@@ -421,6 +442,7 @@ class FastStreamProducer:
 
 class FastStreamRabbitmq(FastStreamTarget):
     broker = "rabbitmq"
+    quorum = False
 
     @property
     def broker_url(self) -> str:
@@ -433,7 +455,16 @@ class FastStreamRabbitmq(FastStreamTarget):
         connection = await aio_pika.connect(self.broker_url)
         async with connection:
             channel = await connection.channel()
-            await channel.declare_queue(self.source, durable=True)
+            arguments = None
+            if self.quorum:  # as the worker's subscriber declares it
+                arguments = {"x-queue-type": "quorum", "x-delivery-limit": QUORUM_DELIVERY_LIMIT}
+            await channel.declare_queue(self.source, durable=True, arguments=arguments)
+
+    def worker_env(self) -> dict[str, str]:
+        return super().worker_env() | {
+            "CHAOS_BROKER": "rabbitmq",
+            "CHAOS_QUORUM": str(+self.quorum),
+        }
 
     def publishing_broker(self) -> Any:
         from faststream.rabbit import RabbitBroker
@@ -459,6 +490,13 @@ class FastStreamRabbitmq(FastStreamTarget):
 
     def close(self) -> None:
         _rabbitmq_delete([self.source, f"{self.source}.quarantine", f"{self.source}.dead-letter"])
+
+
+class FastStreamRabbitmqQuorum(FastStreamRabbitmq):
+    """On a quorum queue with a delivery limit; the inbox's destinations quorum too."""
+
+    broker = "rabbitmq-quorum"
+    quorum = True
 
 
 def _rabbitmq_drain_with_headers(queue: str) -> list[tuple[bytes, dict[str, Any]]]:
@@ -652,8 +690,10 @@ class FastStreamKafka(FastStreamTarget):
 
 TARGETS: dict[tuple[str, str], type[Target]] = {
     ("dramatiq", "rabbitmq"): DramatiqRabbitmq,
+    ("dramatiq", "rabbitmq-quorum"): DramatiqRabbitmqQuorum,
     ("dramatiq", "redis"): DramatiqRedis,
     ("faststream", "rabbitmq"): FastStreamRabbitmq,
+    ("faststream", "rabbitmq-quorum"): FastStreamRabbitmqQuorum,
     ("faststream", "redis"): FastStreamRedis,
     ("faststream", "nats"): FastStreamNats,
     ("faststream", "kafka"): FastStreamKafka,

@@ -7,6 +7,8 @@ failover          the failover pair's primary stopped in immediate mode and its
                   both servers (``target_session_attrs=read-write``); RabbitMQ untouched
 failover-async    the same, the primary's replication made asynchronous for the run
                   (``synchronous_standby_names`` empty): what a failover can lose then
+quorum            RabbitMQ restarted once under load, every queue a quorum queue with a
+                  delivery limit (Dramatiq: ``QuorumRabbitmqBroker``)
 
 The workers are SIGKILLed every one to two seconds throughout. After a failover the pair
 is restored as ``scripts/services`` created it, and the run's database dropped there.
@@ -25,13 +27,18 @@ from .run import Config
 
 __all__ = ["TOPOLOGIES", "config", "run_database"]
 
-TOPOLOGIES = ("persistent-redis", "failover", "failover-async")
+TOPOLOGIES = ("persistent-redis", "failover", "failover-async", "quorum")
 KILL_EVERY = (1.0, 2.0)  # small runs last seconds: kill early and often
 
 
 def config(topology: str, adapter: str, messages: int, **options: Any) -> Config:
     if topology == "persistent-redis":
         made = Config(adapter, "redis", messages, postgres_fault="none", cuts=False, **options)
+        made.broker_restart_at = 0.4
+    elif topology == "quorum":
+        made = Config(
+            adapter, "rabbitmq-quorum", messages, postgres_fault="none", cuts=False, **options
+        )
         made.broker_restart_at = 0.4
     elif topology in ("failover", "failover-async"):
         made = Config(
@@ -44,6 +51,7 @@ def config(topology: str, adapter: str, messages: int, **options: Any) -> Config
             **options,
         )
         made.postgres_restart_at = 0.4
+        made.losses_expected = topology == "failover-async"
     else:
         raise ValueError(f"no topology {topology!r}; one of {', '.join(TOPOLOGIES)}")
     made.kill_every = KILL_EVERY

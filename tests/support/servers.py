@@ -13,8 +13,8 @@ it created it (the first cluster the primary again, the standby rebuilt from it)
 
 Restart commands can be replaced through ``INBOX_TEST_POSTGRES_RESTART``,
 ``INBOX_TEST_RABBITMQ_RESTART``, ``INBOX_TEST_REDIS_PERSISTENT_RESTART`` (the command that
-starts the killed Redis), ``INBOX_TEST_POSTGRES_FAILOVER`` and
-``INBOX_TEST_POSTGRES_PAIR_RESTORE`` (shell commands) on machines laid out differently.
+starts the killed Redis), ``INBOX_TEST_POSTGRES_STOP_PRIMARY``, ``INBOX_TEST_POSTGRES_PROMOTE``
+and ``INBOX_TEST_POSTGRES_PAIR_RESTORE`` (shell commands) on machines laid out differently.
 """
 
 from __future__ import annotations
@@ -260,17 +260,46 @@ def pair_roles() -> list[bool | None]:
     return roles
 
 
-def failover_postgres(timeout: float = 60) -> float:
-    """Stop the pair's primary in immediate mode (as a crash would: no shutdown
-    checkpoint, sessions cut) and promote its standby; seconds until the standby
-    accepts writes."""
+def _wal_sender(host: str, port: int) -> int | None:
+    """The process id of the primary's WAL sender (None: no standby is connected)."""
+    import psycopg
+
+    with psycopg.connect(f"postgresql://postgres@{host}:{port}/postgres") as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_replication LIMIT 1").fetchone()
+    return int(row[0]) if row and row[0] else None
+
+
+def failover_postgres(timeout: float = 60, lag: float = 1.0) -> float:
+    """The standby falls ``lag`` seconds behind (the primary's WAL sender stopped with
+    SIGSTOP, as a slow network would hold the WAL back), then the pair's primary crashes
+    (that sender SIGKILLed, which ends every session, then an immediate stop: no shutdown
+    checkpoint) and the standby is promoted; seconds from the crash until the standby
+    accepts writes.
+
+    With synchronous replication the primary's commits wait meanwhile, and none is
+    reported that the standby lacks; with asynchronous replication those commits are
+    reported, and lost with the old primary.
+    """
     primary, standby = _pair_clusters()
-    started = time.monotonic()
-    command = os.environ.get("INBOX_TEST_POSTGRES_FAILOVER") or (
-        f"pg_ctlcluster --skip-systemctl-redirect {primary[0]} {primary[1]} stop -m immediate"
-        f" && pg_ctlcluster --skip-systemctl-redirect {standby[0]} {standby[1]} promote"
+    ctl = "pg_ctlcluster --skip-systemctl-redirect"
+    sender = _wal_sender(*services.pair_addresses()[0]) if lag > 0 else None
+    if sender is not None:
+        os.kill(sender, signal.SIGSTOP)
+    try:
+        time.sleep(lag)
+    finally:
+        started = time.monotonic()
+        if sender is not None:
+            os.kill(sender, signal.SIGKILL)  # the postmaster ends every session at once
+    _run(
+        os.environ.get("INBOX_TEST_POSTGRES_STOP_PRIMARY")
+        or f"{ctl} {primary[0]} {primary[1]} stop -m immediate",
+        timeout,
     )
-    _run(command, timeout)
+    _run(
+        os.environ.get("INBOX_TEST_POSTGRES_PROMOTE") or f"{ctl} {standby[0]} {standby[1]} promote",
+        timeout,
+    )
     _wait(lambda: pair_roles()[1] is False, timeout, "the promoted standby")
     return time.monotonic() - started
 
