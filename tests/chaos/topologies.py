@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from ..support import database, services
+from ..support import database, servers, services
 from .run import Config
 
 __all__ = ["TOPOLOGIES", "config", "run_database"]
@@ -76,14 +76,15 @@ def run_database(topology: str, adapter: str) -> Iterator[tuple[str, str | None]
         return
     for host, port in services.pair_addresses():
         services.require(f"postgresql://{host}:{port}", "The failover pair")
-    name = database.create_run_database(_primary())
     driver = "asyncpg" if adapter == "faststream" else "psycopg"
-    try:
-        with _asynchronous(topology == "failover-async"):
-            yield services.pair_url(name, driver), services.pair_url(name)
-    finally:
-        # The run restored the pair as created: the old primary's copy is dropped.
-        database.drop_database(name, _primary())
+    with servers.failover_pair_locked():
+        name = database.create_run_database(_primary())
+        try:
+            with _asynchronous(topology == "failover-async"):
+                yield services.pair_url(name, driver), services.pair_url(name)
+        finally:
+            # The run restored the pair as created: the old primary's copy is dropped.
+            database.drop_database(name, _primary())
 
 
 @contextlib.contextmanager

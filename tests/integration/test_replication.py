@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from inbox_middleware import AsyncInbox, Inbox
 from inbox_middleware.storage.executors import DatabaseSettings
 
-from ..support import database, services
+from ..support import database, servers, services
 from ..support.engines import sync_engine
 
 ASYNCHRONOUS = "streams its WAL to 1 standby(s) asynchronously"
@@ -51,7 +51,7 @@ def _warnings(url: str, caplog: pytest.LogCaptureFixture) -> str:
 
 @contextlib.contextmanager
 def _asynchronous() -> Iterator[None]:
-    with psycopg.connect(_primary(), autocommit=True) as conn:
+    with servers.failover_pair_locked(), psycopg.connect(_primary(), autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET synchronous_standby_names = ''")
         conn.execute("SELECT pg_reload_conf()")
         try:

@@ -20,11 +20,14 @@ and ``INBOX_TEST_POSTGRES_PAIR_RESTORE`` (shell commands) on machines laid out d
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +37,7 @@ __all__ = [
     "OwnedNats",
     "ensure_postgres",
     "ensure_rabbitmq",
+    "failover_pair_locked",
     "failover_postgres",
     "free_port",
     "kill_persistent_redis",
@@ -304,11 +308,32 @@ def failover_postgres(timeout: float = 60, lag: float = 1.0) -> float:
     return time.monotonic() - started
 
 
+@contextlib.contextmanager
+def failover_pair_locked() -> Iterator[None]:
+    """Hold the pair's lock: ``scripts/services`` (another checkout's, say) waits instead
+    of restoring the pair in the middle of a failover or a settings change."""
+    path = Path(tempfile.gettempdir()) / "inbox-middleware-failover-pair.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def restore_failover_pair(timeout: float = 180) -> None:
     """The pair as ``scripts/services`` creates it: the first cluster the primary, the
-    second its synchronous standby (rebuilt from the primary after a promotion)."""
+    second its synchronous standby (rebuilt from the primary after a promotion). Called
+    with `failover_pair_locked` held."""
     command = os.environ.get("INBOX_TEST_POSTGRES_PAIR_RESTORE") or str(SERVICES_SCRIPT)
-    _run(command, timeout)
+    subprocess.run(
+        command,
+        shell=True,
+        check=True,
+        timeout=timeout,
+        capture_output=True,
+        env=os.environ | {"INBOX_FAILOVER_PAIR_LOCKED": "1"},
+    )
     if pair_roles() != [False, True]:
         raise AssertionError(f"the failover pair was not restored: {pair_roles()}")
 
