@@ -26,9 +26,12 @@ class RabbitAdapter(BrokerAdapter):
     async def prepare(self, destinations: Iterable[str]) -> None:
         # Durable, like the queues a repair tool would declare to read them back; quorum
         # queues (replicated) when the source is one, so that they survive what it does.
-        kind = QueueType.QUORUM if self.quorum else QueueType.CLASSIC
         for name in destinations:
-            await self.broker.declare_queue(RabbitQueue(name, durable=True, queue_type=kind))
+            if self.quorum:
+                queue = RabbitQueue(name, durable=True, queue_type=QueueType.QUORUM)
+            else:
+                queue = RabbitQueue(name, durable=True)
+            await self.broker.declare_queue(queue)
 
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
         # persist: FastStream publishes non-persistent messages unless asked. mandatory and
