@@ -136,6 +136,28 @@ def rabbitmq_broker(queue: str) -> Iterator[dramatiq.Broker]:
     broker.close()
 
 
+@pytest.fixture
+def quorum_broker(queue: str) -> Iterator[dramatiq.Broker]:
+    """Dramatiq on RabbitMQ quorum queues, a delivery limit of 5."""
+    from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+
+    services.require(services.RABBITMQ, "RabbitMQ")
+    broker = QuorumRabbitmqBroker(url=services.RABBITMQ, confirm_delivery=True, delivery_limit=5)
+    _ready(broker)
+    yield broker
+    with contextlib.suppress(Exception):
+        channel = broker.channel
+        for name in (
+            queue,
+            f"{queue}.DQ",
+            f"{queue}.XQ",
+            f"{queue}.quarantine",
+            f"{queue}.quarantine.XQ",
+        ):
+            channel.queue_delete(name)
+    broker.close()
+
+
 @pytest.fixture(params=["redis", "rabbitmq"])
 def broker(request: pytest.FixtureRequest) -> dramatiq.Broker:
     """Each Dramatiq case runs on both real brokers."""

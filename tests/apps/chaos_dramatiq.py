@@ -4,6 +4,7 @@ Configured by environment variables:
 
 CHAOS_DATABASE_URL   SQLAlchemy URL (psycopg) of the run's database, through the proxy
 CHAOS_BROKER         "rabbitmq" or "redis";  CHAOS_BROKER_URL its URL
+CHAOS_QUORUM         "1": RabbitMQ quorum queues (QuorumRabbitmqBroker, delivery limit 20)
 CHAOS_NAMESPACE      Redis key namespace
 CHAOS_QUEUE          the actor's queue
 CHAOS_STATS          folder for the statistics files (see `chaos_domain.Stats`)
@@ -60,6 +61,10 @@ class Outcomes(Middleware):
 
 def _broker() -> dramatiq.Broker:
     url = ENV["CHAOS_BROKER_URL"]
+    if ENV["CHAOS_BROKER"] == "rabbitmq" and ENV.get("CHAOS_QUORUM") == "1":
+        from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+
+        return QuorumRabbitmqBroker(url=url, confirm_delivery=True, delivery_limit=20)
     if ENV["CHAOS_BROKER"] == "rabbitmq":
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 

@@ -4,6 +4,7 @@ Configured by environment variables:
 
 CHAOS_DATABASE_URL   SQLAlchemy URL (asyncpg) of the run's database, through the proxy
 CHAOS_BROKER         "rabbitmq", "redis", "nats" or "kafka";  CHAOS_BROKER_URL its URL
+CHAOS_QUORUM         "1": the RabbitMQ queue is a quorum queue, delivery limit 20
 CHAOS_QUEUE          the queue, stream, subject or topic (NATS: stream = its upper-case
                      name, durable consumer "d" + the subject; Kafka: group "g" + the topic)
 CHAOS_STATS          folder for the statistics files (see `chaos_domain.Stats`)
@@ -106,9 +107,18 @@ async def credit(body: dict[str, int], session: InboxSession) -> None:
 
 
 if ENV["CHAOS_BROKER"] == "rabbitmq":
-    from faststream.rabbit import RabbitQueue
+    from faststream.rabbit import QueueType, RabbitQueue
 
-    broker.subscriber(RabbitQueue(SOURCE, durable=True), **options)(credit)
+    if ENV.get("CHAOS_QUORUM") == "1":
+        queue = RabbitQueue(
+            SOURCE,
+            durable=True,
+            queue_type=QueueType.QUORUM,
+            arguments={"x-delivery-limit": 20},
+        )
+    else:
+        queue = RabbitQueue(SOURCE, durable=True)
+    broker.subscriber(queue, **options)(credit)
 elif ENV["CHAOS_BROKER"] == "redis":
     from faststream.redis import StreamSub
 

@@ -10,6 +10,11 @@ everything it can, then the ledger is checked exactly.
                             it again; restarts PostgreSQL once and the broker once
                             (unless it keeps nothing on disk: Kafka's tansu)
 
+A production topology's run (`Config.postgres_fault`, `broker_restart`, `cuts`) breaks one
+thing of it instead: the failover pair's primary stopped and its standby promoted, the
+workers connecting through a URL that names both; or the broker restarted (a persistent
+Redis SIGKILLed, RabbitMQ with quorum queues restarted); the SIGKILLs of workers go on.
+
 One worker (the first) is never killed: its pool and memory are watched over the whole
 run. The run ends when every intent is settled and the broker holds nothing for the run;
 then the pools must be idle, the workers stop, and the ledger must match the plan.
@@ -54,6 +59,18 @@ class Config:
     """Intents sent ahead of those settled, at most."""
     postgres_restart_at: float = 0.3
     broker_restart_at: float = 0.6
+    postgres_fault: str = "restart"
+    """What happens to PostgreSQL at ``postgres_restart_at``: "restart" (the server's fast
+    restart), "failover" (the failover pair's primary stopped in immediate mode and its
+    standby promoted: the run's database must be on the pair) or "none"."""
+    broker_restart: bool = True
+    losses_expected: bool = False
+    """A topology that can lose acknowledged effects (asynchronous replication): the run
+    ends once nothing settles any more and the broker holds nothing, and the ledger says
+    what was lost, instead of waiting for every intent."""
+    cuts: bool = True
+    """Whether the workers connect through the proxy that cuts their transactions (a URL
+    that names the failover pair's two servers connects directly)."""
     chaos_until: float = 0.9
     """Share of the intents settled after which the chaos stops and the run settles."""
 
@@ -69,7 +86,11 @@ class Events:
     cut_rounds: int = 0
     cut_links: int = 0
     postgres_restarts: list[float] = field(default_factory=list)
+    failovers: list[float] = field(default_factory=list)
     broker_restarts: list[float] = field(default_factory=list)
+    worker_restarts: int = 0
+    """Workers stopped gracefully and started again after the broker's restart, when the
+    target needs it (`Target.restart_workers_after_broker_restart`)."""
 
 
 @dataclass
@@ -120,7 +141,9 @@ class Report:
             f"{counts['refused']} refused) in {self.seconds:.0f}s | "
             f"{events.kills} SIGKILLs, {events.revived} revived, "
             f"{len(events.postgres_restarts)} PostgreSQL restart, "
+            f"{len(events.failovers)} failover, "
             f"{len(events.broker_restarts)} broker restart, "
+            f"{events.worker_restarts} workers restarted after it, "
             f"{events.cut_links} connections cut mid-transaction, "
             f"{self.publish_retries} publish retries | "
             f"applied {ledger.applied}, twice {ledger.applied_twice}, lost {ledger.lost}, "
@@ -195,6 +218,11 @@ class Fleet:
 
     def kill(self, name: str) -> None:
         self.workers[name].kill()
+        self.start(name)
+
+    def restart(self, name: str) -> None:
+        """A graceful stop, and a start."""
+        self.workers[name].stop()
         self.start(name)
 
     def revive(self) -> list[str]:
@@ -307,8 +335,16 @@ class Producing(threading.Thread):
             self.sent += 1
 
 
-def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Report:
-    """Run the chaos against the migrated database at ``database_url`` (SQLAlchemy URL)."""
+def run(
+    config: Config,
+    database_url: str,
+    folder: Path,
+    log: Any = print,
+    admin_url: str | None = None,
+) -> Report:
+    """Run the chaos against the migrated database at ``database_url`` (SQLAlchemy URL);
+    the harness's own connection at ``admin_url`` (libpq URL; by default the same
+    database on ``services.POSTGRES_SERVER``, past any pooler)."""
     started = time.monotonic()
     plan = make_plan(config.messages, config.seed)
     rng = random.Random(config.seed)
@@ -316,15 +352,20 @@ def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Re
     if target.kill_every is not None:
         config.kill_every = target.kill_every
     url = make_url(database_url)
-    # The harness's own connection goes to the server itself, past any pooler.
-    server = make_url(services.POSTGRES_SERVER)
-    admin_url = url.set(drivername="postgresql", host=server.host, port=server.port)
-    admin_url = admin_url.render_as_string(hide_password=False)
+    if admin_url is None:
+        # The harness's own connection goes to the server itself, past any pooler.
+        server = make_url(services.POSTGRES_SERVER)
+        admin_url = url.set(drivername="postgresql", host=server.host, port=server.port)
+        admin_url = admin_url.render_as_string(hide_password=False)
     admin = Admin(admin_url)
     _reset(admin)
-    proxy = CuttingProxy((url.host or "127.0.0.1", url.port or 5432))
     driver = "postgresql+asyncpg" if config.adapter == "faststream" else "postgresql+psycopg"
-    worker_url = url.set(drivername=driver, host="127.0.0.1", port=proxy.port)
+    proxy = None
+    if config.cuts:
+        proxy = CuttingProxy((url.host or "127.0.0.1", url.port or 5432))
+        worker_url = url.set(drivername=driver, host="127.0.0.1", port=proxy.port)
+    else:
+        worker_url = url.set(drivername=driver)
     env = target.worker_env() | {
         "CHAOS_DATABASE_URL": worker_url.render_as_string(hide_password=False)
     }
@@ -371,14 +412,17 @@ def run(config: Config, database_url: str, folder: Path, log: Any = print) -> Re
         producing.abort.set()
         producing.join(timeout=30)
         fleet.kill_all()
-        proxy.close()
+        if proxy is not None:
+            proxy.close()
         try:
             target.close()
         finally:
-            servers.ensure_postgres()
-            if config.broker == "rabbitmq":
-                servers.ensure_rabbitmq()
             admin.close()
+            if config.postgres_fault == "failover":
+                servers.restore_failover_pair()
+            servers.ensure_postgres()
+            if config.broker.startswith("rabbitmq"):
+                servers.ensure_rabbitmq()
 
 
 def _sessions(admin: Admin) -> dict[str, int]:
@@ -417,7 +461,7 @@ def _chaos(
     plan: Plan,
     rng: random.Random,
     admin: Admin,
-    proxy: CuttingProxy,
+    proxy: CuttingProxy | None,
     fleet: Fleet,
     producing: Producing,
     events: Events,
@@ -433,6 +477,7 @@ def _chaos(
     rss_middle: int | None = None
     victims = fleet.names[1:]
     restarts = Restarts(config, fleet.target, events, log)
+    last, still = None, time.monotonic()
     try:
         while True:
             journal, poison, quarantine = admin.query(
@@ -456,6 +501,17 @@ def _chaos(
                     )
                 return rss_middle
             now = time.monotonic()
+            if (journal, poison, quarantine) != last:
+                last, still = (journal, poison, quarantine), now
+            elif (
+                config.losses_expected
+                and restarts.done
+                and now - still > 10
+                and not any(fleet.target.leftover().values())
+            ):
+                log(f"  nothing settled for {now - still:.0f}s and the broker is empty: done")
+                producing.abort.set()  # conflicts whose first payload was lost stay unsent
+                return rss_middle
             if now > deadline:
                 raise AssertionError(
                     f"not settled after {config.timeout:.0f}s: journal {journal} of "
@@ -479,7 +535,7 @@ def _chaos(
                 fleet.kill(rng.choice(running))
                 events.kills += 1
                 next_kill = now + rng.uniform(*config.kill_every)
-            if chaos and now >= next_cut:
+            if chaos and proxy is not None and now >= next_cut:
                 # Running workers only: a starting one would fail its start-up check.
                 names = [APPLICATION + n for n in fleet.names if fleet.stats(n) is not None]
                 events.cut_rounds += 1
@@ -489,6 +545,15 @@ def _chaos(
                 restarts.postgres()
             if progress >= config.broker_restart_at or (settled and producing.done.is_set()):
                 restarts.broker()
+            if (
+                fleet.target.restart_workers_after_broker_restart
+                and events.broker_restarts
+                and not events.worker_restarts
+            ):
+                for name in fleet.names:
+                    fleet.restart(name)
+                events.worker_restarts = len(fleet.names)
+                log(f"  {len(fleet.names)} workers stopped and started again")
             time.sleep(0.25)
     finally:
         restarts.join()
@@ -510,7 +575,7 @@ class Restarts:
         def job() -> None:
             try:
                 record.append(restart())
-                self.log(f"  {what} restarted in {record[-1]:.1f}s")
+                self.log(f"  {what} in {record[-1]:.1f}s")
             except BaseException as exc:
                 self.errors.append(exc)
 
@@ -518,16 +583,31 @@ class Restarts:
         self.threads[what].start()
 
     def postgres(self) -> None:
-        self._start("PostgreSQL", servers.restart_postgres, self.events.postgres_restarts)
+        fault = self.config.postgres_fault
+        if fault == "restart":
+            restarts = self.events.postgres_restarts
+            self._start("PostgreSQL restarted", servers.restart_postgres, restarts)
+        elif fault == "failover":
+            failovers = self.events.failovers
+            self._start("PostgreSQL failed over", servers.failover_postgres, failovers)
+
+    @property
+    def restarts_broker(self) -> bool:
+        return self.config.broker_restart and self.target.restartable
 
     def broker(self) -> None:
-        if self.target.restartable:
-            self._start(self.config.broker, self.target.restart_broker, self.events.broker_restarts)
+        if self.restarts_broker:
+            restarts = self.events.broker_restarts
+            self._start(f"{self.config.broker} restarted", self.target.restart_broker, restarts)
 
     @property
     def done(self) -> bool:
-        broker = bool(self.events.broker_restarts) or not self.target.restartable
-        return bool(self.events.postgres_restarts) and broker
+        broker = bool(self.events.broker_restarts) or not self.restarts_broker
+        postgres = {
+            "restart": bool(self.events.postgres_restarts),
+            "failover": bool(self.events.failovers),
+        }.get(self.config.postgres_fault, True)
+        return postgres and broker
 
     def check(self) -> None:
         if self.errors:
@@ -560,6 +640,9 @@ def _pools(admin: Admin, fleet: Fleet) -> tuple[dict[str, dict[str, int]], int, 
     sessions those pools keep (none left behind by a cut, a restart or a killed worker)."""
     deadline = time.monotonic() + 15
     while True:
+        # A worker that exited by itself at the end (its start-up check found no database
+        # during a failover) is started again, and its new pool checked.
+        fleet.revive()
         time.sleep(1)  # statistics are written every half second
         pools = {}
         for name in fleet.names:

@@ -2,7 +2,9 @@
 that survives a broker restart, the restart itself, and a look at the broker's queues.
 
 RabbitMQ is the machine's server (restarted with ``rabbitmqctl``, its durable queues and
-persistent messages kept); Redis and NATS are servers the run owns, with persistence on
+persistent messages kept). Redis is the machine's persistent one (``scripts/services``,
+an append-only file fsynced on every write), SIGKILLed and started again; the run's keys
+carry its source's name. NATS is a server the run owns, with JetStream on file storage
 (`tests.support.servers`). Kafka is the machine's tansu, which keeps its topics in memory
 only: it is never restarted (``restartable = False``), the rest of the chaos is the same.
 """
@@ -28,9 +30,10 @@ __all__ = ["ADAPTERS", "BROKERS", "Found", "Producer", "Target", "make_target"]
 
 ADAPTERS = ("dramatiq", "faststream")
 BROKERS = {
-    "dramatiq": ("rabbitmq", "redis"),
-    "faststream": ("rabbitmq", "redis", "nats", "kafka"),
+    "dramatiq": ("rabbitmq", "rabbitmq-quorum", "redis"),
+    "faststream": ("rabbitmq", "rabbitmq-quorum", "redis", "nats", "kafka"),
 }
+QUORUM_DELIVERY_LIMIT = 20  # above the inbox's redelivery limit (10)
 PRODUCER = "orders"
 SEND_PATIENCE = 180.0  # seconds a producer keeps retrying one message through an outage
 
@@ -76,6 +79,9 @@ class Target:
     """Whether the chaos restarts the broker (a broker that keeps nothing on disk is not)."""
     kill_every: tuple[float, float] | None = None
     """Seconds between SIGKILLs, when the broker needs longer than the run's default."""
+    restart_workers_after_broker_restart = False
+    """Whether the workers are restarted (gracefully, one after the other) once the broker
+    was restarted: what a broker client that strands messages in a live worker needs."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -117,6 +123,33 @@ class Target:
     def destinations(self) -> tuple[Found, Found]:
         """What reached the quarantine and the dead-letter destinations."""
         raise NotImplementedError
+
+
+class PersistentRedis(Target):
+    """A target on the machine's persistent Redis: the run's keys start with its source's
+    name and are deleted at the end; the chaos SIGKILLs that Redis and starts it again."""
+
+    def start(self) -> None:
+        services.require(services.REDIS_PERSISTENT, "The persistent Redis")
+        super().start()
+
+    def close(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.broker_url)
+        try:
+            keys = list(client.scan_iter(match=f"{self.source}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+    @property
+    def broker_url(self) -> str:
+        return services.REDIS_PERSISTENT
+
+    def restart_broker(self) -> float:
+        return servers.kill_persistent_redis()
 
 
 class OwnedServer(Target):
@@ -205,6 +238,7 @@ def _dramatiq_found(bodies: list[bytes]) -> Found:
 
 class DramatiqRabbitmq(DramatiqTarget):
     broker = "rabbitmq"
+    quorum = False
 
     def start(self) -> None:
         services.require(services.RABBITMQ, "RabbitMQ")
@@ -213,7 +247,19 @@ class DramatiqRabbitmq(DramatiqTarget):
     def broker_url(self) -> str:
         return services.RABBITMQ
 
+    def worker_env(self) -> dict[str, str]:
+        return super().worker_env() | {
+            "CHAOS_BROKER": "rabbitmq",
+            "CHAOS_QUORUM": str(+self.quorum),
+        }
+
     def _dramatiq_broker(self) -> Any:
+        if self.quorum:
+            from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+
+            return QuorumRabbitmqBroker(
+                url=self.broker_url, confirm_delivery=True, delivery_limit=QUORUM_DELIVERY_LIMIT
+            )
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         return RabbitmqBroker(url=self.broker_url, confirm_delivery=True)
@@ -232,6 +278,13 @@ class DramatiqRabbitmq(DramatiqTarget):
 
     def close(self) -> None:
         _rabbitmq_delete([self.source, *(f"{self.source}.{s}" for s in ("DQ", "XQ", "quarantine"))])
+
+
+class DramatiqRabbitmqQuorum(DramatiqRabbitmq):
+    """On quorum queues (`QuorumRabbitmqBroker`), the worker's and the producer's."""
+
+    broker = "rabbitmq-quorum"
+    quorum = True
 
 
 def _rabbitmq_drain(queue: str) -> list[bytes]:
@@ -264,10 +317,16 @@ def _rabbitmq_delete(queues: list[str]) -> None:
         connection.close()
 
 
-class DramatiqRedis(OwnedServer, DramatiqTarget):
-    broker = "redis"
+class DramatiqRedis(PersistentRedis, DramatiqTarget):
+    """Dramatiq's Redis broker keeps each fetched message in its worker's acknowledgement
+    set until the ack; only when that worker's heartbeat stops (the process gone) are the
+    set's messages enqueued again. A Redis outage strands there the messages a consumer
+    had fetched and not yet handed out (the consumer is replaced) and those whose ack
+    failed, for as long as the worker runs: after a Redis restart the workers are
+    restarted, as an operator must."""
 
-    owned = servers.OwnedRedis
+    broker = "redis"
+    restart_workers_after_broker_restart = True
 
     def _dramatiq_broker(self) -> Any:
         from dramatiq.brokers.redis import RedisBroker
@@ -383,6 +442,7 @@ class FastStreamProducer:
 
 class FastStreamRabbitmq(FastStreamTarget):
     broker = "rabbitmq"
+    quorum = False
 
     @property
     def broker_url(self) -> str:
@@ -395,7 +455,16 @@ class FastStreamRabbitmq(FastStreamTarget):
         connection = await aio_pika.connect(self.broker_url)
         async with connection:
             channel = await connection.channel()
-            await channel.declare_queue(self.source, durable=True)
+            arguments = None
+            if self.quorum:  # as the worker's subscriber declares it
+                arguments = {"x-queue-type": "quorum", "x-delivery-limit": QUORUM_DELIVERY_LIMIT}
+            await channel.declare_queue(self.source, durable=True, arguments=arguments)
+
+    def worker_env(self) -> dict[str, str]:
+        return super().worker_env() | {
+            "CHAOS_BROKER": "rabbitmq",
+            "CHAOS_QUORUM": str(+self.quorum),
+        }
 
     def publishing_broker(self) -> Any:
         from faststream.rabbit import RabbitBroker
@@ -423,6 +492,13 @@ class FastStreamRabbitmq(FastStreamTarget):
         _rabbitmq_delete([self.source, f"{self.source}.quarantine", f"{self.source}.dead-letter"])
 
 
+class FastStreamRabbitmqQuorum(FastStreamRabbitmq):
+    """On a quorum queue with a delivery limit; the inbox's destinations quorum too."""
+
+    broker = "rabbitmq-quorum"
+    quorum = True
+
+
 def _rabbitmq_drain_with_headers(queue: str) -> list[tuple[bytes, dict[str, Any]]]:
     import pika
 
@@ -440,11 +516,9 @@ def _rabbitmq_drain_with_headers(queue: str) -> list[tuple[bytes, dict[str, Any]
         connection.close()
 
 
-class FastStreamRedis(OwnedServer, FastStreamTarget):
+class FastStreamRedis(PersistentRedis, FastStreamTarget):
     broker = "redis"
     group = "ledger"
-
-    owned = servers.OwnedRedis
 
     def _client(self) -> Any:
         from redis.asyncio import Redis
@@ -616,8 +690,10 @@ class FastStreamKafka(FastStreamTarget):
 
 TARGETS: dict[tuple[str, str], type[Target]] = {
     ("dramatiq", "rabbitmq"): DramatiqRabbitmq,
+    ("dramatiq", "rabbitmq-quorum"): DramatiqRabbitmqQuorum,
     ("dramatiq", "redis"): DramatiqRedis,
     ("faststream", "rabbitmq"): FastStreamRabbitmq,
+    ("faststream", "rabbitmq-quorum"): FastStreamRabbitmqQuorum,
     ("faststream", "redis"): FastStreamRedis,
     ("faststream", "nats"): FastStreamNats,
     ("faststream", "kafka"): FastStreamKafka,

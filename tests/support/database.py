@@ -32,35 +32,38 @@ def _digest() -> str:
     return hasher.hexdigest()[:12]
 
 
-def _admin() -> psycopg.Connection[tuple[object, ...]]:
+def _admin(server: str = POSTGRES_SERVER) -> psycopg.Connection[tuple[object, ...]]:
     # The server itself, never a pooler: the template's advisory lock is session-level.
-    url = POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
+    url = server.replace("postgresql+psycopg", "postgresql")
     return psycopg.connect(url, autocommit=True)
 
 
-def create_run_database() -> str:
-    """Create this run's database; return its name."""
+def create_run_database(server: str = POSTGRES_SERVER) -> str:
+    """Create this run's database on ``server`` (a URL of any of its databases); return
+    its name."""
     template = f"inbox_tpl_{_digest()}"
     name = f"inbox_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    with _admin() as admin:
+    with _admin(server) as admin:
         # Two runs at once must not both build the template.
         admin.execute("SELECT pg_advisory_lock(hashtext('inbox-middleware-test-template'))")
         try:
             if not admin.execute(
                 "SELECT 1 FROM pg_database WHERE datname = %s", (template,)
             ).fetchone():
-                _build_template(admin, template)
+                _build_template(admin, template, server)
         finally:
             admin.execute("SELECT pg_advisory_unlock(hashtext('inbox-middleware-test-template'))")
         admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     return name
 
 
-def _build_template(admin: psycopg.Connection[tuple[object, ...]], template: str) -> None:
+def _build_template(
+    admin: psycopg.Connection[tuple[object, ...]], template: str, server: str
+) -> None:
     building = f"{template}_building"
     admin.execute(f'DROP DATABASE IF EXISTS "{building}"')
     admin.execute(f'CREATE DATABASE "{building}"')
-    engine = create_engine(with_database(POSTGRES_SERVER, building), poolclass=None)
+    engine = create_engine(with_database(server, building), poolclass=None)
     try:
         migrate(engine)
         with engine.begin() as conn:
@@ -89,8 +92,8 @@ def scratch_database(**settings: str) -> Iterator[str]:
         drop_database(name)
 
 
-def drop_database(name: str) -> None:
-    with _admin() as admin:
+def drop_database(name: str, server: str = POSTGRES_SERVER) -> None:
+    with _admin(server) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

@@ -2,22 +2,32 @@
 
 PostgreSQL and RabbitMQ are the machine's: a restart always ends with the server answering
 again, even when the restart itself failed half-way (the ``finally`` starts it and waits).
-Redis and NATS are started by the test on a free 127.0.0.1 port with their own data folder
-and persistence (Redis: append-only file, fsync on every write; NATS: JetStream file
-storage), because the machine's Redis keeps nothing across a restart.
+NATS is started by the test on a free 127.0.0.1 port with its own data folder and
+JetStream file storage.
 
-Restart commands can be replaced through ``INBOX_TEST_POSTGRES_RESTART`` and
-``INBOX_TEST_RABBITMQ_RESTART`` (shell commands) on machines laid out differently.
+The production topologies are the machine's too, started by ``scripts/services``: the
+persistent Redis is SIGKILLed (whatever it acknowledged must be in its fsynced append-only
+file) and started again by that script; the failover pair's primary is stopped in
+immediate mode and its standby promoted, and ``scripts/services`` restores the pair as
+it created it (the first cluster the primary again, the standby rebuilt from it).
+
+Restart commands can be replaced through ``INBOX_TEST_POSTGRES_RESTART``,
+``INBOX_TEST_RABBITMQ_RESTART``, ``INBOX_TEST_REDIS_PERSISTENT_RESTART`` (the command that
+starts the killed Redis), ``INBOX_TEST_POSTGRES_STOP_PRIMARY``, ``INBOX_TEST_POSTGRES_PROMOTE``
+and ``INBOX_TEST_POSTGRES_PAIR_RESTORE`` (shell commands) on machines laid out differently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,13 +35,18 @@ from . import services
 
 __all__ = [
     "OwnedNats",
-    "OwnedRedis",
     "ensure_postgres",
     "ensure_rabbitmq",
+    "failover_pair_locked",
+    "failover_postgres",
     "free_port",
+    "kill_persistent_redis",
     "restart_postgres",
     "restart_rabbitmq",
+    "restore_failover_pair",
 ]
+
+SERVICES_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "services"
 
 
 def free_port() -> int:
@@ -183,6 +198,146 @@ def rabbitmq_queue_counts() -> dict[str, tuple[int, int]]:
     return counts
 
 
+# -- the persistent Redis ------------------------------------------------------------------
+
+
+def persistent_redis_answers() -> bool:
+    import redis
+
+    client = redis.Redis.from_url(services.REDIS_PERSISTENT, socket_timeout=2)
+    try:
+        # LOADING is answered (an error) while the append-only file is replayed
+        return bool(client.ping())
+    finally:
+        client.close()
+
+
+def kill_persistent_redis(timeout: float = 60) -> float:
+    """SIGKILL the persistent Redis, no shutdown, and start it again with
+    ``scripts/services``; seconds until it answered again."""
+    import redis
+
+    client = redis.Redis.from_url(services.REDIS_PERSISTENT, socket_timeout=5)
+    try:
+        pid = int(client.info("server")["process_id"])
+    finally:
+        client.close()
+    started = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    port = urlsplit(services.REDIS_PERSISTENT).port or 6379
+    _wait(lambda: not answering(port), 10, "the killed Redis's port closing")
+    command = os.environ.get("INBOX_TEST_REDIS_PERSISTENT_RESTART") or str(SERVICES_SCRIPT)
+    _run(command, timeout)
+    _wait(persistent_redis_answers, timeout, "the persistent Redis")
+    return time.monotonic() - started
+
+
+# -- the failover pair --------------------------------------------------------------------
+
+
+def _pair_clusters() -> list[tuple[str, str]]:
+    """(version, name) of the local clusters on the pair's ports: primary, then standby."""
+    listing = subprocess.run(
+        ["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True
+    ).stdout
+    by_port = {}
+    for line in listing.splitlines():
+        version, name, port, *_ = line.split()
+        by_port[int(port)] = (version, name)
+    return [by_port[port] for _, port in services.pair_addresses()]
+
+
+def pair_roles() -> list[bool | None]:
+    """For the primary then the standby as created: whether it is in recovery (None: it
+    does not answer)."""
+    import psycopg
+
+    roles: list[bool | None] = []
+    for host, port in services.pair_addresses():
+        try:
+            url = f"postgresql://postgres@{host}:{port}/postgres"
+            with psycopg.connect(url, connect_timeout=2) as conn:
+                row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+                roles.append(bool(row[0]) if row else None)
+        except psycopg.OperationalError:
+            roles.append(None)
+    return roles
+
+
+def _wal_sender(host: str, port: int) -> int | None:
+    """The process id of the primary's WAL sender (None: no standby is connected)."""
+    import psycopg
+
+    with psycopg.connect(f"postgresql://postgres@{host}:{port}/postgres") as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_replication LIMIT 1").fetchone()
+    return int(row[0]) if row and row[0] else None
+
+
+def failover_postgres(timeout: float = 60, lag: float = 1.0) -> float:
+    """The standby falls ``lag`` seconds behind (the primary's WAL sender stopped with
+    SIGSTOP, as a slow network would hold the WAL back), then the pair's primary crashes
+    (that sender SIGKILLed, which ends every session, then an immediate stop: no shutdown
+    checkpoint) and the standby is promoted; seconds from the crash until the standby
+    accepts writes.
+
+    With synchronous replication the primary's commits wait meanwhile, and none is
+    reported that the standby lacks; with asynchronous replication those commits are
+    reported, and lost with the old primary.
+    """
+    primary, standby = _pair_clusters()
+    ctl = "pg_ctlcluster --skip-systemctl-redirect"
+    sender = _wal_sender(*services.pair_addresses()[0]) if lag > 0 else None
+    if sender is not None:
+        os.kill(sender, signal.SIGSTOP)
+    try:
+        time.sleep(lag)
+    finally:
+        started = time.monotonic()
+        if sender is not None:
+            os.kill(sender, signal.SIGKILL)  # the postmaster ends every session at once
+    _run(
+        os.environ.get("INBOX_TEST_POSTGRES_STOP_PRIMARY")
+        or f"{ctl} {primary[0]} {primary[1]} stop -m immediate",
+        timeout,
+    )
+    _run(
+        os.environ.get("INBOX_TEST_POSTGRES_PROMOTE") or f"{ctl} {standby[0]} {standby[1]} promote",
+        timeout,
+    )
+    _wait(lambda: pair_roles()[1] is False, timeout, "the promoted standby")
+    return time.monotonic() - started
+
+
+@contextlib.contextmanager
+def failover_pair_locked() -> Iterator[None]:
+    """Hold the pair's lock: ``scripts/services`` (another checkout's, say) waits instead
+    of restoring the pair in the middle of a failover or a settings change."""
+    path = Path(tempfile.gettempdir()) / "inbox-middleware-failover-pair.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def restore_failover_pair(timeout: float = 180) -> None:
+    """The pair as ``scripts/services`` creates it: the first cluster the primary, the
+    second its synchronous standby (rebuilt from the primary after a promotion). Called
+    with `failover_pair_locked` held."""
+    command = os.environ.get("INBOX_TEST_POSTGRES_PAIR_RESTORE") or str(SERVICES_SCRIPT)
+    subprocess.run(
+        command,
+        shell=True,
+        check=True,
+        timeout=timeout,
+        capture_output=True,
+        env=os.environ | {"INBOX_FAILOVER_PAIR_LOCKED": "1"},
+    )
+    if pair_roles() != [False, True]:
+        raise AssertionError(f"the failover pair was not restored: {pair_roles()}")
+
+
 # -- servers the test owns ----------------------------------------------------------------
 
 
@@ -244,45 +399,6 @@ class _Owned:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class OwnedRedis(_Owned):
-    """redis-server with an append-only file fsynced on every write."""
-
-    name = "redis"
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def command(self) -> list[str]:
-        return [
-            "redis-server",
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dir",
-            str(self.folder),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--save",
-            "",
-            "--daemonize",
-            "no",
-        ]
-
-    def answers(self) -> bool:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
-        try:
-            # LOADING is answered while the append-only file is replayed
-            return bool(client.ping())
-        finally:
-            client.close()
 
 
 class OwnedNats(_Owned):

@@ -10,6 +10,12 @@ server itself, for what a pooler cannot carry: creating and dropping the run's d
 (under a session-level advisory lock), restarting the server, watching its sessions.
 When the two differ the run is through a pooler: the tests' engines are then configured
 as docs/how-to/pgbouncer.md tells users to (`engine_options`).
+
+The production topologies (``scripts/services`` starts them too): ``INBOX_TEST_REDIS_PERSISTENT``,
+a Redis with an append-only file fsynced on every write; ``INBOX_TEST_POSTGRES_PAIR``, the
+``host:port`` of a PostgreSQL primary and of its synchronous streaming standby, comma
+separated (two local clusters, restarted and promoted by the failover tests, see
+`tests.support.servers`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ POSTGRES = os.environ.get("INBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.
 POSTGRES_SERVER = os.environ.get("INBOX_TEST_POSTGRES_SERVER", POSTGRES)
 THROUGH_POOLER = urlsplit(POSTGRES)[1:3] != urlsplit(POSTGRES_SERVER)[1:3]
 REDIS = os.environ.get("INBOX_TEST_REDIS", "redis://127.0.0.1:6379/15")
+REDIS_PERSISTENT = os.environ.get("INBOX_TEST_REDIS_PERSISTENT", "redis://127.0.0.1:6380/0")
+POSTGRES_PAIR = os.environ.get("INBOX_TEST_POSTGRES_PAIR", "127.0.0.1:5433,127.0.0.1:5434")
 RABBITMQ = os.environ.get("INBOX_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS = os.environ.get("INBOX_TEST_NATS", "nats://127.0.0.1:4222")
 KAFKA = os.environ.get("INBOX_TEST_KAFKA", "127.0.0.1:9092")  # bootstrap servers
@@ -55,6 +63,27 @@ def postgres_address() -> tuple[str, int]:
     """Host and port of ``INBOX_TEST_POSTGRES`` (the server, or the pooler in front)."""
     parts = urlsplit(POSTGRES)
     return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
+def pair_addresses() -> list[tuple[str, int]]:
+    """(host, port) of the failover pair's primary, then of its standby, as created."""
+    hosts = []
+    for entry in POSTGRES_PAIR.split(","):
+        host, _, port = entry.strip().rpartition(":")
+        hosts.append((host, int(port)))
+    return hosts
+
+
+def pair_url(database: str, driver: str | None = None) -> str:
+    """A URL of ``database`` on the failover pair naming both servers, with
+    ``target_session_attrs=read-write``: a connection goes to whichever is the primary.
+    With ``driver``, a SQLAlchemy URL (``postgresql+<driver>``); without, a libpq one."""
+    hosts = pair_addresses()
+    if driver is None:
+        netloc = ",".join(f"{host}:{port}" for host, port in hosts)
+        return f"postgresql://postgres@{netloc}/{database}?target_session_attrs=read-write"
+    query = "&".join(f"host={host}:{port}" for host, port in hosts)
+    return f"postgresql+{driver}://postgres@/{database}?{query}&target_session_attrs=read-write"
 
 
 def via_port(url: str, port: int) -> str:

@@ -51,6 +51,10 @@ from .context import CONSUMER_INFO, identity, session_var
 from .payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
 
+DELIVERIES = "inbox_deliveries"
+"""The attribute of a message from a quorum queue (`QuorumRabbitmqBroker`) that holds the
+broker's count of its deliveries, this one included."""
+
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -166,6 +170,8 @@ class InboxActor:
     def arrival(self, message: MessageProxy) -> Arrival:
         common: dict[str, Any] = {
             "redelivered": bool(getattr(message, "redelivered", False)),
+            # RabbitMQ quorum queues count deliveries (QuorumRabbitmqBroker reads them)
+            "deliveries": getattr(message, DELIVERIES, None),
             "repair_marker": message.options.get(OPTION_REPAIR),
             "gives_up": functools.partial(self.middleware.gives_up, self.actor, message),
             "interrupts": (TimeLimitExceeded,),

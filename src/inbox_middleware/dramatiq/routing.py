@@ -92,13 +92,16 @@ class MemoryPublisher:
 
 
 def publisher_for(broker: Broker) -> QuarantinePublisher:
-    name = type(broker).__module__
-    if name.startswith("dramatiq.brokers.rabbitmq"):
-        return RabbitmqPublisher(broker)
-    if name.startswith("dramatiq.brokers.redis"):
-        return RedisPublisher(broker)
-    if name.startswith("dramatiq.brokers.stub"):
-        return MemoryPublisher()
+    # By the module of Dramatiq's broker class it is (or derives from: a subclass such as
+    # QuorumRabbitmqBroker), without importing a broker's client library.
+    for kind in type(broker).__mro__:
+        name = kind.__module__
+        if name.startswith("dramatiq.brokers.rabbitmq"):
+            return RabbitmqPublisher(broker)
+        if name.startswith("dramatiq.brokers.redis"):
+            return RedisPublisher(broker)
+        if name.startswith("dramatiq.brokers.stub"):
+            return MemoryPublisher()
     raise ConfigurationError(
         f"no quarantine publisher for {type(broker).__name__}; pass "
         "InboxMiddleware(quarantine_publisher=...) with a publish(message, queue_name) method"

@@ -30,8 +30,8 @@ from .base import (
     Outcome,
     SingleAttempts,
     any_first_seen,
+    database_settings,
     log_event,
-    synchronous_commit,
     track_aborts,
 )
 from .errors import as_transient
@@ -75,7 +75,7 @@ class AsyncInbox(Executor):
         """Verify the schema version and the database settings the guarantee relies on."""
         async with self.engine.connect() as conn:
             await conn.run_sync(check_schema, self.naming)
-            self._check_settings(await conn.run_sync(synchronous_commit))
+            self._check_settings(await conn.run_sync(database_settings))
 
     async def process(
         self,

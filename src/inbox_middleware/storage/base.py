@@ -52,14 +52,15 @@ __all__ = [
     "Attempts",
     "BatchAttempts",
     "BatchOutcome",
+    "DatabaseSettings",
     "Executor",
     "Outcome",
     "SingleAttempts",
     "any_first_seen",
     "current_delivery",
+    "database_settings",
     "log_event",
     "shadow_verdict",
-    "synchronous_commit",
     "track_aborts",
 ]
 
@@ -227,13 +228,17 @@ class Executor:
         faults.at("claim", attempts.delivery.identity.message_id)
         return verdict
 
-    def _check_settings(self, synchronous_commit: str | None) -> None:
-        if synchronous_commit == "off":
+    def _check_settings(self, settings: DatabaseSettings | None) -> None:
+        if settings is None:
+            return
+        if settings.synchronous_commit == "off":
             raise PrerequisiteError(
                 "synchronous_commit is off for this database: a message could be acked and "
                 "its effect then lost in a database crash. Set it to on (or local) for the "
                 "role or database the inbox uses."
             )
+        for warning in settings.replication_warnings():
+            logger.warning(warning)
 
 
 class Attempts(Generic[V]):
@@ -441,11 +446,49 @@ def _on_driver(
     return ClaimStatements.answer(step, None if row is None else tuple(row))
 
 
-def synchronous_commit(conn: Connection) -> str | None:
+@dataclass(frozen=True)
+class DatabaseSettings:
+    """What the start-up check reads of the server: the durability of a commit."""
+
+    synchronous_commit: str
+    synchronous_standby_names: str
+    standbys: int
+    """Standbys streaming from this server now (``pg_stat_replication``)."""
+
+    def replication_warnings(self) -> list[str]:
+        """What a failover to a standby could lose, in words (none: nothing)."""
+        warnings = []
+        if self.standbys and not self.synchronous_standby_names.strip():
+            warnings.append(
+                f"this server streams its WAL to {self.standbys} standby(s) asynchronously "
+                "(synchronous_standby_names is empty): a failover to one of them loses the "
+                "effects committed here and not yet replicated, whose messages were already "
+                "acknowledged. Name the standbys in synchronous_standby_names to make a "
+                "commit wait for them (docs: Run several workers and dispatchers)."
+            )
+        replicated = self.standbys or self.synchronous_standby_names.strip()
+        if self.synchronous_commit == "local" and replicated:
+            warnings.append(
+                "synchronous_commit is local for this database: a commit does not wait for "
+                "the standbys, so a failover loses the effects committed here and not yet "
+                "replicated, whose messages were already acknowledged. Set it to on for the "
+                "role or database the inbox uses."
+            )
+        return warnings
+
+
+def database_settings(conn: Connection) -> DatabaseSettings | None:
+    """The server's commit durability settings; None on another database than PostgreSQL."""
     if conn.dialect.name != "postgresql":
         return None
-    value: str | None = conn.scalar(text("SHOW synchronous_commit"))
-    return value
+    row = conn.execute(
+        text(
+            "SELECT current_setting('synchronous_commit'), "
+            "current_setting('synchronous_standby_names'), "
+            "(SELECT count(*) FROM pg_stat_replication)"
+        )
+    ).one()
+    return DatabaseSettings(str(row[0]), str(row[1]), int(row[2]))
 
 
 def _log_verdict(delivery: Delivery, verdict: Verdict) -> None:

@@ -56,9 +56,9 @@ from .base import (
     SingleAttempts,
     any_first_seen,
     current_delivery,
+    database_settings,
     log_event,
     shadow_verdict,
-    synchronous_commit,
     track_aborts,
 )
 from .errors import as_transient
@@ -116,7 +116,7 @@ class Inbox(Executor):
         """Verify the schema version and the database settings the guarantee relies on."""
         with self.engine.connect() as conn:
             check_schema(conn, self.naming)
-            self._check_settings(synchronous_commit(conn))
+            self._check_settings(database_settings(conn))
 
     def process(
         self,

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from faststream.rabbit import RabbitQueue, RabbitResponse
+from faststream.rabbit import QueueType, RabbitQueue, RabbitResponse
 
 from ...outbox.confirms import unconfirmed
 from ...outputs import Output
@@ -35,9 +35,14 @@ class RabbitAdapter(BrokerAdapter):
         )
 
     async def prepare(self, destinations: Iterable[str]) -> None:
-        # Durable, like the queues a repair tool would declare to read them back.
+        # Durable, like the queues a repair tool would declare to read them back; quorum
+        # queues (replicated) when the source is one, so that they survive what it does.
         for name in destinations:
-            await self.broker.declare_queue(RabbitQueue(name, durable=True))
+            if self.quorum:
+                queue = RabbitQueue(name, durable=True, queue_type=QueueType.QUORUM)
+            else:
+                queue = RabbitQueue(name, durable=True)
+            await self.broker.declare_queue(queue)
 
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
         # persist: FastStream publishes non-persistent messages unless asked. mandatory
