@@ -33,6 +33,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Unpack
 
 import dramatiq
+import tenacity
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
@@ -119,6 +120,8 @@ class InboxMiddleware(dramatiq.Middleware):
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         The producer's trace joins through `StampTraceContext`.
+      hand_back_patience: seconds a hand-back keeps trying to enqueue the message again
+        while the broker is unreachable, before it leaves the message to Retries.
       policy: the consumer settings (`ConsumerPolicy`: missing identities, permanent
         errors, redeliveries, retention, shadow mode, outputs, direct sends), documented
         there once. Here ``max_attempts`` defaults to None: Dramatiq's Retries bounds
@@ -154,6 +157,7 @@ class InboxMiddleware(dramatiq.Middleware):
         canonical_form: CanonicalForm | None = None,
         check_database: bool = True,
         tracing: Any = False,
+        hand_back_patience: float = 60.0,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
@@ -181,6 +185,9 @@ class InboxMiddleware(dramatiq.Middleware):
         self.in_progress_delay = in_progress_delay
         self.canonical_form = canonical_form
         self.check_database = check_database
+        if hand_back_patience < 0:
+            raise ConfigurationError("hand_back_patience must be zero or more seconds")
+        self.hand_back_patience = hand_back_patience
         self.retries: Retries | None = None
         self.backoffs: dict[str, HandBackDelays] = {}
         self._actors: dict[str, InboxActor] = {}
@@ -348,12 +355,31 @@ class InboxMiddleware(dramatiq.Middleware):
             case HandedBack(error=error):
                 delay = self._hand_back_delay(error, pending)
                 try:
-                    self.broker_of(bound).enqueue(message._message, delay=round(delay * 1000))
+                    self._enqueue_again(bound, message, delay)
                 except Exception:
                     logger.exception("could not hand message %s back", message.message_id)
                     raise error from None  # not re-enqueued: Retries takes it (counted)
                 self._quiet.mark(message)
                 raise SkipMessage(f"handed back for {bound.consumer}: {type(error).__name__}")
+
+    def _enqueue_again(self, bound: InboxActor, message: MessageProxy, delay: float) -> None:
+        """Enqueue the handed-back message again, waiting out a broker outage for up to
+        ``hand_back_patience`` seconds: the worker holds the message meanwhile. Giving up
+        at once would leave Retries to enqueue it, which fails as well, and Dramatiq would
+        then acknowledge a message that nothing holds any more."""
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(self.hand_back_patience),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=5),
+            before_sleep=lambda state: logger.warning(
+                "could not hand message %s back (%s); trying again",
+                message.message_id,
+                state.outcome.exception() if state.outcome else "?",
+            ),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                self.broker_of(bound).enqueue(message._message, delay=round(delay * 1000))
 
     def _hand_back_delay(self, error: BaseException, pending: Pending) -> float:
         if isinstance(error, ClaimInProgress) and self.in_progress_delay is not None:
