@@ -336,7 +336,7 @@ class InboxActor:
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
             output = self.encode(outcome.result)
-            self._store.store(session.connection(), keep, output)
+            self._storage.keep_output(session, keep, output)
             return output
 
         return body
@@ -354,15 +354,14 @@ class InboxActor:
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
             output = self.encode(outcome.result)
-            store = self._store.store
-            await session.run_sync(lambda sync: store(sync.connection(), keep, output))
+            self._storage.keep_output(session.sync_session, keep, output)
             return output
 
         return body
 
     @property
-    def _store(self) -> Any:
-        return (self._async_inbox if self.is_async else self._inbox).outputs
+    def _storage(self) -> Any:
+        return self._async_inbox if self.is_async else self._inbox
 
     # -- plumbing ---------------------------------------------------------------------------
 

@@ -299,8 +299,7 @@ class Subscription:
                 if keep is None or result is ACKED:
                     return result
                 output = self.encode(result, keep)
-                store = self.storage.outputs.store
-                await session.run_sync(lambda sync: store(sync.connection(), keep, output))
+                self.storage.keep_output(session.sync_session, keep, output)
                 return output
             except (Skipped, HandedBack):
                 raise  # a nested inbox consumer's own settlement

@@ -35,6 +35,7 @@ from ..exceptions import (
     TransactionAborted,
 )
 from ..instruments import metrics
+from ..outputs import Output
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
 from .errors import Failure, classify, from_driver, sqlstate, transient_error
 from .failures import FailureRecorder
@@ -74,6 +75,7 @@ _READ_COMMITTED = {"isolation_level": "READ COMMITTED"}
 DELIVERY_KEY = "inbox_middleware.delivery"
 BATCH_KEY = "inbox_middleware.batch"
 SHADOW_KEY = "inbox_middleware.shadow_verdict"
+OUTPUT_KEY = "inbox_middleware.output"
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -201,6 +203,15 @@ class Executor:
                 producer=delivery.identity.producer if delivery else None,
                 message_id=delivery.identity.message_id if delivery else None,
             )
+        kept = session.info.pop(OUTPUT_KEY, None)
+        if kept is not None:  # the handler's result, written just before the COMMIT
+            claim, output = kept
+            self.outputs.store(session.connection(), claim, output)
+
+    def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
+        """Store ``output`` with ``delivery``'s claim: written in its transaction, right
+        before the COMMIT (no round trip of its own from the handler's side)."""
+        session.info[OUTPUT_KEY] = (delivery, output)
 
     def _learn_isolation(self, dialect: Dialect, engine_options: Mapping[str, Any]) -> None:
         """After the first connection: stop forcing READ COMMITTED if it is the default."""
