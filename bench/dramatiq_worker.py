@@ -7,6 +7,9 @@ Modes:
   inbox          this library: the claim in the same transaction
   redis_setnx    SET NX on Redis before the transaction (fast, not atomic with the DB)
   select_insert  SELECT, then INSERT into a dedup table, then the update (the race-prone way)
+  powertools     AWS Lambda Powertools' idempotency utility on Redis around the transaction
+  justonce       the justonce library's PostgreSQL store around the transaction
+  (these four as bench.peers writes them, the same code the correctness tests run)
   empty          the framework's ceiling: an actor that does nothing
 
 Each handled message's end-to-end latency (send to commit) is kept in memory and written
@@ -25,7 +28,8 @@ from dramatiq.middleware import Middleware
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from bench.common import RABBITMQ, REDIS, sqlalchemy_url
+from bench import peers
+from bench.common import DATABASE, PG, RABBITMQ, REDIS, sqlalchemy_url
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
 MODE = os.environ.get("BENCH_MODE", "inbox")
@@ -77,38 +81,14 @@ elif MODE == "bare":
             session.execute(UPDATE, {"account": account})
         _done(sent_at)
 
-elif MODE == "redis_setnx":
-    import redis
-
-    client = redis.Redis.from_url(REDIS)
+elif MODE in peers.WAYS:
+    way = peers.make(MODE, engine, redis_url=REDIS, dsn=f"{PG}/{DATABASE}")
 
     @dramatiq.actor(**options)
     def credit(account: int, sent_at: float) -> None:
         message = dramatiq.middleware.CurrentMessage.get_current_message()
-        key = f"bench:seen:{message.options['inbox_message_id']}"
-        if not client.set(key, 1, nx=True, ex=86400):
-            return  # a duplicate, unless the first attempt failed after the SET...
-        with Session(engine) as session, session.begin():
-            session.execute(UPDATE, {"account": account})
-        _done(sent_at)
-
-    broker.add_middleware(dramatiq.middleware.CurrentMessage())
-
-elif MODE == "select_insert":
-
-    @dramatiq.actor(**options)
-    def credit(account: int, sent_at: float) -> None:
-        message = dramatiq.middleware.CurrentMessage.get_current_message()
-        message_id = message.options["inbox_message_id"]
-        with Session(engine) as session, session.begin():
-            seen = session.execute(
-                text("SELECT 1 FROM bench_seen WHERE message_id = :m"), {"m": message_id}
-            ).first()
-            if seen:
-                return
-            session.execute(text("INSERT INTO bench_seen VALUES (:m)"), {"m": message_id})
-            session.execute(UPDATE, {"account": account})
-        _done(sent_at)
+        if way.deliver(message.options["inbox_message_id"], account):
+            _done(sent_at)
 
     broker.add_middleware(dramatiq.middleware.CurrentMessage())
 

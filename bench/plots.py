@@ -44,12 +44,13 @@ LATENCY_MODES = [
 def load(path: Path) -> Report:
     """A report as `python -m bench` writes it (latest.json)."""
     data: dict[str, Any] = json.loads(path.read_text())
-    fields = ("group", "mode", "unit", "runs", "p50_ms", "p99_ms", "note")
+    fields = ("group", "mode", "unit", "runs", "cpu_us", "p50_ms", "p99_ms", "note")
     measurements = [
         Measurement(**{name: item[name] for name in fields if name in item})
         for item in data["measurements"]
     ]
-    return Report(data["machine"], data["settings"], measurements, data.get("ratios", {}))
+    ratios, cpu = data.get("ratios", {}), data.get("cpu", {})
+    return Report(data["machine"], data["settings"], measurements, ratios, cpu)
 
 
 def write(report: Report, out: Path) -> list[Path]:
