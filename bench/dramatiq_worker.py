@@ -12,12 +12,16 @@ Modes:
   (these four as bench.peers writes them, the same code the correctness tests run)
   empty          the framework's ceiling: an actor that does nothing
 
+BENCH_LOG_LEVEL sets the inbox's loggers' level (a duplicate's line is INFO, the level the
+Dramatiq CLI configures): WARNING measures the duplicate path without it.
+
 Each handled message's end-to-end latency (send to commit) is kept in memory and written
 to BENCH_LATENCY_DIR/<pid>.txt when the worker shuts down.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -33,6 +37,8 @@ from bench.common import DATABASE, PG, RABBITMQ, REDIS, sqlalchemy_url
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
 MODE = os.environ.get("BENCH_MODE", "inbox")
+if "BENCH_LOG_LEVEL" in os.environ:
+    logging.getLogger("inbox_middleware").setLevel(os.environ["BENCH_LOG_LEVEL"])
 LATENCIES: list[float] = []
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 

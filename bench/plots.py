@@ -33,7 +33,7 @@ OTHER = "#9aa9b8"
 ALTERNATIVES = [
     ("dramatiq", "inbox", "Dramatiq: inbox"),
     ("dramatiq", "redis_setnx", "Dramatiq: Redis SET NX first\n(not atomic with the database)"),
-    ("dramatiq", "select_insert", "Dramatiq: SELECT, then INSERT\n(a concurrent copy fails on the key)"),
+    ("dramatiq", "select_insert", "Dramatiq: SELECT, then INSERT\n(copies fail on the key)"),
     (
         "dramatiq",
         "powertools",
