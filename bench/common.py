@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,11 @@ def prepare_database() -> None:
 def reset_database() -> None:
     with admin() as conn:
         conn.execute("TRUNCATE consumer_inbox, inbox_quarantine, bench_seen")
+        # The justonce peer's table, created by its store when that mode first runs.
+        conn.execute(
+            "DO $$ BEGIN IF to_regclass('justonce_keys') IS NOT NULL THEN "
+            "TRUNCATE justonce_keys; END IF; END $$"
+        )
         conn.execute("DELETE FROM bench_accounts")
         conn.execute(
             "INSERT INTO bench_accounts SELECT n, 0 FROM generate_series(1, %s) n", (ACCOUNTS,)
@@ -72,8 +78,11 @@ def applied() -> int:
     return int(row[0]) if row else 0
 
 
-def wait_applied(expected: int, timeout: float) -> tuple[float, float]:
-    """Poll until `expected` messages are applied; return (first seen, done) times."""
+def wait_applied(
+    expected: int, timeout: float, on_first: Callable[[], None] | None = None
+) -> tuple[float, float]:
+    """Poll until `expected` messages are applied; return (first seen, done) times.
+    ``on_first`` is called as soon as the first one is seen."""
     deadline = time.monotonic() + timeout
     first = None
     with admin() as conn:
@@ -83,6 +92,8 @@ def wait_applied(expected: int, timeout: float) -> tuple[float, float]:
             now = time.monotonic()
             if count and first is None:
                 first = now
+                if on_first is not None:
+                    on_first()
             if count >= expected:
                 return first or now, now
             time.sleep(0.01)
@@ -91,6 +102,28 @@ def wait_applied(expected: int, timeout: float) -> tuple[float, float]:
 
 def run_python(code: str, env: dict[str, str] | None = None) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` and every process below it, so far."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """The median of ``values`` with its range: what a figure of this benchmark reports."""
+    if not values:
+        return {"median": float("nan"), "low": float("nan"), "high": float("nan")}
+    return {"median": statistics.median(values), "low": min(values), "high": max(values)}
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -108,6 +141,8 @@ class Measurement:
     mode: str
     unit: str
     runs: list[float] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    """CPU time of the worker's process tree per message, in µs, in each repetition."""
     p50_ms: float | None = None
     p99_ms: float | None = None
     note: str = ""
@@ -122,7 +157,10 @@ class Report:
     machine: dict[str, Any]
     settings: dict[str, Any]
     measurements: list[Measurement] = field(default_factory=list)
-    ratios: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """name -> median, low and high of the ratio within each repetition, and the runs."""
+    cpu: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """name -> median, low and high of a CPU figure (µs per message), and the runs."""
 
     def find(self, group: str, mode: str) -> Measurement:
         for measurement in self.measurements:

@@ -8,35 +8,59 @@ each one, the time from send to commit.
 
 from __future__ import annotations
 
+import bisect
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROOT, applied, percentile, reset_database, wait_applied
+from bench.common import ROOT, applied, cpu_seconds, percentile, reset_database, wait_applied
 
 SEND = """
 import sys, time
 sys.argv = ["bench"]
+from bench.dramatiq_bench import intents
 from bench.dramatiq_worker import credit, broker
 from inbox_middleware.dramatiq import identity
 total, unique, pace = {total}, {unique}, {pace}
 start = time.monotonic()
-for n in range(total):
+for n, intent in enumerate(intents(total, unique)):
     if pace:
         delay = start + n / pace - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-    intent = n % unique
     credit.send_with_options(
         args=(intent % 100 + 1, 0.0 if not pace else time.time()),
         **identity(producer="bench", message_id=f"{{tag}}-{{intent}}"),
     )
 broker.close()
 """
+
+
+def intents(total: int, unique: int, gap: int = 64) -> list[int]:
+    """The intent of each of ``total`` messages, ``unique`` of them first seen.
+
+    The first-seen messages are spread evenly, the last of them near the end, so the clock
+    (which stops when every intent is applied) runs over the duplicates too; a duplicate
+    repeats an intent first sent at least ``gap`` messages earlier (once there is one), so
+    that it meets a committed claim rather than one still in flight."""
+    firsts = {(i * total) // unique: i for i in range(unique)}
+    sequence: list[int] = []
+    first_at: list[int] = []
+    pick = random.Random(total * 31 + unique)
+    for n in range(total):
+        if n in firsts:
+            sequence.append(firsts[n])
+            first_at.append(n)
+            continue
+        old = bisect.bisect_right(first_at, n - gap)
+        sequence.append(pick.randrange(old) if old else sequence[first_at[-1]])
+    return sequence
 
 
 def worker_arguments(processes: int = 1, threads: int = 8) -> list[str]:
@@ -84,8 +108,10 @@ def send(mode: str, queue: str, total: int, unique: int, pace: float = 0.0) -> N
 
 def throughput(
     mode: str, messages: int, *, duplicates: float = 0.0, processes: int = 1, threads: int = 8
-) -> float:
-    """Messages per second draining `messages` deliveries, `duplicates` of them copies."""
+) -> tuple[float, float]:
+    """Messages per second draining `messages` deliveries, `duplicates` of them copies, and
+    the worker's CPU time per message in µs (its process tree, user and system, over the
+    same interval: from the first applied message to the last)."""
     queue = f"bench_{mode}"
     unique = max(1, round(messages * (1 - duplicates)))
     reset_database()
@@ -93,16 +119,22 @@ def throughput(
     send(mode, queue, messages, unique)
     expected = messages if mode == "bare" else unique
     worker = Worker(mode, queue, processes, threads)
+    cpu: list[float] = []
     try:
+
+        def sample() -> None:
+            cpu.append(cpu_seconds(worker.proc.pid))
+
         if mode == "empty":
-            first, done = _drained(queue, messages)
+            first, done = _drained(queue, messages, sample)
         else:
-            first, done = wait_applied(expected, timeout=600)
+            first, done = wait_applied(expected, timeout=600, on_first=sample)
+        sample()
     finally:
         worker.stop()
     # The first applied message is counted as the start, so one fewer is timed.
     handled = messages if duplicates else expected
-    return (handled - 1) / max(done - first, 1e-6)
+    return (handled - 1) / max(done - first, 1e-6), (cpu[1] - cpu[0]) / (handled - 1) * 1e6
 
 
 def latency(mode: str, messages: int, pace: float) -> tuple[float, float]:
@@ -138,7 +170,7 @@ def _purge(queue: str) -> None:
     connection.close()
 
 
-def _drained(queue: str, messages: int) -> tuple[float, float]:
+def _drained(queue: str, messages: int, on_first: Callable[[], None]) -> tuple[float, float]:
     import pika
 
     from bench.common import RABBITMQ
@@ -153,6 +185,7 @@ def _drained(queue: str, messages: int) -> tuple[float, float]:
             now = time.monotonic()
             if first is None and ready < messages:
                 first = now
+                on_first()
             if ready == 0:
                 return first or now, now
             time.sleep(0.01)

@@ -7,7 +7,13 @@ Modes:
   inbox          this library: the claim in the same transaction
   redis_setnx    SET NX on Redis before the transaction (fast, not atomic with the DB)
   select_insert  SELECT, then INSERT into a dedup table, then the update (the race-prone way)
+  powertools     AWS Lambda Powertools' idempotency utility on Redis around the transaction
+  justonce       the justonce library's PostgreSQL store around the transaction
+  (these four as bench.peers writes them, the same code the correctness tests run)
   empty          the framework's ceiling: an actor that does nothing
+
+BENCH_LOG_LEVEL sets the inbox's loggers' level (a duplicate's line is INFO, the level the
+Dramatiq CLI configures): WARNING measures the duplicate path without it.
 
 Each handled message's end-to-end latency (send to commit) is kept in memory and written
 to BENCH_LATENCY_DIR/<pid>.txt when the worker shuts down.
@@ -15,6 +21,7 @@ to BENCH_LATENCY_DIR/<pid>.txt when the worker shuts down.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,10 +32,13 @@ from dramatiq.middleware import Middleware
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from bench.common import RABBITMQ, REDIS, sqlalchemy_url
+from bench import peers
+from bench.common import DATABASE, PG, RABBITMQ, REDIS, sqlalchemy_url
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
 MODE = os.environ.get("BENCH_MODE", "inbox")
+if "BENCH_LOG_LEVEL" in os.environ:
+    logging.getLogger("inbox_middleware").setLevel(os.environ["BENCH_LOG_LEVEL"])
 LATENCIES: list[float] = []
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 
@@ -77,38 +87,14 @@ elif MODE == "bare":
             session.execute(UPDATE, {"account": account})
         _done(sent_at)
 
-elif MODE == "redis_setnx":
-    import redis
-
-    client = redis.Redis.from_url(REDIS)
+elif MODE in peers.WAYS:
+    way = peers.make(MODE, engine, redis_url=REDIS, dsn=f"{PG}/{DATABASE}")
 
     @dramatiq.actor(**options)
     def credit(account: int, sent_at: float) -> None:
         message = dramatiq.middleware.CurrentMessage.get_current_message()
-        key = f"bench:seen:{message.options['inbox_message_id']}"
-        if not client.set(key, 1, nx=True, ex=86400):
-            return  # a duplicate, unless the first attempt failed after the SET...
-        with Session(engine) as session, session.begin():
-            session.execute(UPDATE, {"account": account})
-        _done(sent_at)
-
-    broker.add_middleware(dramatiq.middleware.CurrentMessage())
-
-elif MODE == "select_insert":
-
-    @dramatiq.actor(**options)
-    def credit(account: int, sent_at: float) -> None:
-        message = dramatiq.middleware.CurrentMessage.get_current_message()
-        message_id = message.options["inbox_message_id"]
-        with Session(engine) as session, session.begin():
-            seen = session.execute(
-                text("SELECT 1 FROM bench_seen WHERE message_id = :m"), {"m": message_id}
-            ).first()
-            if seen:
-                return
-            session.execute(text("INSERT INTO bench_seen VALUES (:m)"), {"m": message_id})
-            session.execute(UPDATE, {"account": account})
-        _done(sent_at)
+        if way.deliver(message.options["inbox_message_id"], account):
+            _done(sent_at)
 
     broker.add_middleware(dramatiq.middleware.CurrentMessage())
 

@@ -16,7 +16,7 @@ def test_plots__the_docs_charts_redraw_from_their_results_file(tmp_path: Path):
 
     written = plots.write(report, tmp_path)
 
-    assert [path.name for path in written] == ["ratios.png", "latency.png"]
+    assert [path.name for path in written] == ["ratios.png", "peers.png", "cpu.png", "latency.png"]
     assert all(path.read_bytes().startswith(b"\x89PNG") for path in written)
 
 
