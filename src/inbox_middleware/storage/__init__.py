@@ -12,7 +12,7 @@ from .migrate import (
     migrate,
     render_sql,
 )
-from .session import ClaimSession, InboxSession
+from .session import ClaimSession
 from .tables import InboxSchema
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "ClaimSession",
     "Inbox",
     "InboxSchema",
-    "InboxSession",
     "Outcome",
     "check_schema",
     "current_delivery",

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import HandlerTransactionError
 
-__all__ = ["ClaimSession", "InboxSession"]
+__all__ = ["ClaimSession"]
 
 
 class ClaimSession(Session):
@@ -42,8 +42,3 @@ class ClaimSession(Session):
 
     def reset(self) -> NoReturn:
         raise HandlerTransactionError("the handler called reset(); the inbox owns this session")
-
-
-InboxSession = ClaimSession
-"""The former name of `ClaimSession`, kept so that existing imports keep working. The name
-now belongs to the FastStream handler's parameter (`inbox_middleware.faststream`)."""
