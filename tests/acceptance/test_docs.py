@@ -361,3 +361,40 @@ async def test_outputs_snippet__a_reservation_sent_twice_publishes_one_result_tw
     with pg_engine.connect() as conn:
         assert balance(conn, 5) == 9
     assert [body for body, _ in sent] == [b'{"order":1,"left":9}'] * 2
+
+
+def test_scaling_snippets__the_pair_url_finds_the_primary_and_the_queues_are_quorum(
+    pg_engine: Engine,
+):
+    import uuid
+
+    from faststream.rabbit import QueueType
+
+    from ..integration.test_quorum import queue_types
+    from ..support import services
+
+    snippet = load("scaling")
+    # The failover pair's two servers in one URL: the connection lands on the primary
+    hosts = "&".join(f"host={host}:{port}" for host, port in services.pair_addresses())
+    engine = snippet.pair_engine(hosts, "postgres")
+    try:
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT pg_is_in_recovery()")) is False
+    finally:
+        engine.dispose()
+    # Dramatiq's queue declared by the guide's broker is a quorum queue
+    broker = snippet.quorum_broker(pg_engine, services.RABBITMQ)
+    name = f"t{uuid.uuid4().hex[:10]}"
+    try:
+        ping = dramatiq.actor(
+            lambda: None, actor_name=f"ping_{name}", queue_name=name, broker=broker
+        )
+        ping.send()  # Dramatiq declares a queue on its first enqueue
+        assert queue_types(name) == {name: "quorum"}
+    finally:
+        for suffix in ("", ".DQ", ".XQ"):
+            broker.channel.queue_delete(f"{name}{suffix}")
+        broker.close()
+    # FastStream's queue, as the guide declares it
+    queue = snippet.quorum_queue("billing")
+    assert queue.arguments == {"x-queue-type": QueueType.QUORUM.value, "x-delivery-limit": 20}
