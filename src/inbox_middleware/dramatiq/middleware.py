@@ -196,11 +196,13 @@ class InboxMiddleware(dramatiq.Middleware):
         self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
 
-    def __getattr__(self, name: str) -> Any:
-        # The consumer settings read as attributes (middleware.shadow): the policy's.
-        if name in SETTINGS:
-            return getattr(self.policy, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if not TYPE_CHECKING:  # hidden from mypy, which would accept any attribute then
+
+        def __getattr__(self, name: str) -> Any:
+            # The consumer settings read as attributes (middleware.shadow): the policy's.
+            if name in SETTINGS:
+                return getattr(self.policy, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def actor_options(self) -> set[str]:

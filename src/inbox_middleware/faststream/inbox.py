@@ -21,6 +21,7 @@ from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
+from ..consumption import HandBackDelays
 from ..exceptions import ConfigurationError
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
@@ -105,6 +106,8 @@ class FastStreamInbox:
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
         self.check_database = check_database
+        # Delays of the messages held back while the start-up check fails.
+        self.backoff = HandBackDelays(*self.policy.retry_backoff)
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
@@ -113,11 +116,13 @@ class FastStreamInbox:
         self._lock = asyncio.Lock()
         self._database_checked = False
 
-    def __getattr__(self, name: str) -> Any:
-        # The consumer settings read as attributes (inbox.max_attempts): the policy's.
-        if name in SETTINGS:
-            return getattr(self.policy, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if not TYPE_CHECKING:  # hidden from mypy, which would accept any attribute then
+
+        def __getattr__(self, name: str) -> Any:
+            # The consumer settings read as attributes (inbox.max_attempts): the policy's.
+            if name in SETTINGS:
+                return getattr(self.policy, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def consumer(
         self,
