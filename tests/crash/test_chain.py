@@ -51,8 +51,11 @@ def test_chain__every_order_has_one_effect_in_each_service_through_kills(
         "INBOX_TEST_BROKER_URL": services.RABBITMQ,
         "INBOX_TEST_SOURCE": source,
         "INBOX_TEST_SEED": str(seed),
-        "INBOX_TEST_KILL_CHANCE": os.environ.get("INBOX_TEST_CHAIN_KILL_CHANCE", "0.01"),
     }
+    # A dies at two points, B at one: B's chance is twice A's, so that each has about 6
+    # kills at 300 orders (and none in a run is a chance of about 1 in 400 for either).
+    chance = float(os.environ.get("INBOX_TEST_CHAIN_KILL_CHANCE", "0.01"))
+    chances = {"a": str(chance), "b": str(2 * chance)}
     kill_at = {"a": "after_commit,outputs_published", "b": "after_commit"}
     workers: dict[str, FastStreamWorker] = {}
     kills = {"a": 0, "b": 0}
@@ -63,7 +66,12 @@ def test_chain__every_order_has_one_effect_in_each_service_through_kills(
         role = name[0]
         workers[name] = FastStreamWorker(
             APP,
-            env | {"INBOX_TEST_ROLE": role, "INBOX_TEST_KILL_AT": kill_at[role]},
+            env
+            | {
+                "INBOX_TEST_ROLE": role,
+                "INBOX_TEST_KILL_AT": kill_at[role],
+                "INBOX_TEST_KILL_CHANCE": chances[role],
+            },
             tmp_path / f"{name}-{started}.log",
         )
         started += 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from urllib.parse import urlsplit
 
 import dramatiq
 import pytest
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_dramatiq__a_hand_back_while_redis_restarts_waits_for_it_and_loses_nothing(
-    pg_url, pg_engine
+    pg_url, pg_engine, caplog
 ):
     services.require(services.REDIS_PERSISTENT, "The persistent Redis")
     namespace = f"inbox-test-{uuid.uuid4().hex[:8]}"
@@ -48,17 +47,25 @@ def test_dramatiq__a_hand_back_while_redis_restarts_waits_for_it_and_loses_nothi
     # Given a database that cannot be reached, and a Redis that goes down just as the
     # inbox hands the message back (SIGKILLed, then started again from its append-only file)
     restarted = threading.Event()
-    port = urlsplit(services.REDIS_PERSISTENT).port or 6379
+    down = threading.Event()
+    trouble: list[BaseException] = []
 
     def redis_down_at_the_hand_back(point: str, message_id: str | None) -> None:
-        if point == "settle" and not restarted.is_set():
-            restarted.set()
-            threading.Thread(target=_restart, daemon=True).start()
-            wait_for(lambda: not servers.answering(port), timeout=10, what="Redis down")
+        if point != "settle" or restarted.is_set():
+            return
+        restarted.set()
+        threading.Thread(target=_restart, daemon=True).start()
+        try:
+            if not down.wait(15):
+                trouble.append(AssertionError("the persistent Redis did not go down"))
+        finally:
             proxy.up()  # the database is back for the redelivery
 
     def _restart() -> None:
-        servers.kill_persistent_redis()
+        try:
+            servers.kill_persistent_redis(on_down=down.set)
+        except BaseException as exc:
+            trouble.append(exc)
 
     faults.hook = redis_down_at_the_hand_back
     try:
@@ -79,6 +86,9 @@ def test_dramatiq__a_hand_back_while_redis_restarts_waits_for_it_and_loses_nothi
         broker.close()
         engine.dispose()
         proxy.close()
+    assert trouble == []
+    # ... the hand-back did meet the outage, and waited it out
+    assert any("trying again" in r.getMessage() for r in caplog.records)
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
 

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -212,9 +212,10 @@ def persistent_redis_answers() -> bool:
         client.close()
 
 
-def kill_persistent_redis(timeout: float = 60) -> float:
+def kill_persistent_redis(timeout: float = 60, on_down: Callable[[], None] | None = None) -> float:
     """SIGKILL the persistent Redis, no shutdown, and start it again with
-    ``scripts/services``; seconds until it answered again."""
+    ``scripts/services``; seconds until it answered again. ``on_down`` is called once its
+    port is closed, before the restart begins."""
     import redis
 
     client = redis.Redis.from_url(services.REDIS_PERSISTENT, socket_timeout=5)
@@ -226,6 +227,8 @@ def kill_persistent_redis(timeout: float = 60) -> float:
     os.kill(pid, signal.SIGKILL)
     port = urlsplit(services.REDIS_PERSISTENT).port or 6379
     _wait(lambda: not answering(port), 10, "the killed Redis's port closing")
+    if on_down is not None:
+        on_down()
     command = os.environ.get("INBOX_TEST_REDIS_PERSISTENT_RESTART") or str(SERVICES_SCRIPT)
     _run(command, timeout)
     _wait(persistent_redis_answers, timeout, "the persistent Redis")
