@@ -138,6 +138,7 @@ class InboxActor:
         # an identity derived from the message's, and again by a duplicate; Dramatiq's
         # Callbacks middleware (after the ack, with no identity) must not send them too.
         self.on_success: str | None = options.pop("on_success", None)
+        self._results_found: tuple[Results | None] | None = None
         original = actor.fn
         self.target: Callable[..., Any] = getattr(original, "__wrapped__", original)
         self.payload = ActorPayload(
@@ -207,13 +208,20 @@ class InboxActor:
         options = message.options
         if options.get("pipe_target") or options.get("on_success") or self.on_success:
             return True
-        results = next((m for m in self.actor.broker.middleware if isinstance(m, Results)), None)
+        results = self._results()
         if results is None:
             return False
         stores = options.get("store_results")
         if stores is None:
             stores = self.actor.options.get("store_results", results.store_results)
         return bool(stores)
+
+    def _results(self) -> Results | None:
+        """The broker's Results middleware, looked up at the first message, not at each."""
+        if self._results_found is None:
+            middleware = self.actor.broker.middleware
+            self._results_found = (next((m for m in middleware if isinstance(m, Results)), None),)
+        return self._results_found[0]
 
     def encode(self, result: Any) -> Output:
         """The result as Dramatiq's encoder writes it into a message or a result backend."""
@@ -222,7 +230,6 @@ class InboxActor:
         encoder = dramatiq.get_encoder()
         try:
             body = encoder.encode(result)
-            encoder.decode(body)  # what a duplicate will read back
         except Exception as exc:
             raise unstorable(f"{type(exc).__name__}: {exc}") from exc
         json = isinstance(encoder, dramatiq.JSONEncoder)
