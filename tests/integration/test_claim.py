@@ -20,8 +20,8 @@ from inbox_middleware.exceptions import (
     PrerequisiteError,
 )
 from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
+from inbox_middleware.protocol import Claim, Decision, Delivery
+from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema, driver
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support import database, services
@@ -397,6 +397,114 @@ def test_claim__connection_cut_mid_transaction_commits_nothing(pg_engine, pg_url
         proxy.close()
     with pg_engine.connect() as conn:
         assert effects(conn) == 1
+
+
+# -- the claim and its BEGIN in one round trip (psycopg) ----------------------------------
+
+
+@pytest.fixture
+def begins(monkeypatch):
+    """What each `claim_with_begin` answered (None: it left the claim to the cursor)."""
+    answers = []
+    real = driver.claim_with_begin
+
+    def recording(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(driver, "claim_with_begin", recording)
+    return answers
+
+
+def test_claim__sent_with_its_begin_it_is_in_the_handlers_transaction(pg_engine, begins):
+    # Given a handler that looks for its own claim from another connection, then fails
+    inbox = Inbox(pg_engine)
+    seen = []
+
+    def look_then_fail(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        status = session.connection().connection.dbapi_connection.info.transaction_status
+        with pg_engine.connect() as other:
+            seen.append((status.name, inbox_rows(pg_engine), effects(other)))
+        raise RuntimeError("after the claim")
+
+    # When the claim goes with its BEGIN and the handler fails
+    with pytest.raises(RuntimeError, match="after the claim"):
+        inbox.process(delivery(), look_then_fail)
+
+    # Then the claim was one uncommitted transaction with the effect, rolled back with it
+    assert begins == [(b"1",)]
+    assert seen == [("INTRANS", 0, 0)]
+    assert inbox_rows(pg_engine) == 0
+    # And the next delivery claims, applies and commits once; a duplicate does nothing
+    assert inbox.process(delivery(), credit()).decision is Decision.FIRST
+    assert inbox.process(delivery(), credit()).decision is Decision.DUPLICATE
+    assert begins[1:] == [(b"1",), ()]
+    with pg_engine.connect() as conn:
+        assert (effects(conn), balance(conn, 1)) == (1, 10)
+
+
+@pytest.mark.parametrize(
+    "message_id",
+    ["it's", "back\\slash", "100%", "%(message_id)s", "a'; DROP TABLE consumer_inbox; --", "é€𝄞"],
+)
+def test_claim__values_written_as_literals_are_stored_as_sent(pg_engine, begins, message_id):
+    inbox = Inbox(pg_engine)
+
+    first = inbox.process(delivery(message_id), credit())
+    second = inbox.process(delivery(message_id), credit())
+
+    assert (first.decision, second.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    assert begins[0] == (b"1",)
+    with pg_engine.connect() as conn:
+        stored = conn.execute(text("SELECT message_id, received_at FROM consumer_inbox")).all()
+    assert [row.message_id for row in stored] == [message_id]
+    assert abs(utc(stored[0].received_at) - datetime.now(UTC)) < timedelta(minutes=1)
+
+
+def test_claim__an_open_transaction_or_autocommit_leaves_the_claim_to_the_cursor(pg_engine):
+    statement = Inbox(pg_engine).statements.driver_sql(pg_engine.dialect)[Claim]
+    args = statement.parameters(Inbox(pg_engine).statements.statement(claim_step())[1])
+    raw = pg_engine.raw_connection()
+    try:
+        dbapi = raw.driver_connection
+        dbapi.execute("SELECT 1")  # psycopg opened a transaction for it
+        assert driver.claim_with_begin(dbapi, statement, args) is None
+        dbapi.rollback()
+        dbapi.autocommit = True
+        assert driver.claim_with_begin(dbapi, statement, args) is None
+        dbapi.autocommit = False
+        assert driver.claim_with_begin(dbapi, statement, args) == (b"1",)
+        dbapi.rollback()
+    finally:
+        raw.close()
+    assert inbox_rows(pg_engine) == 0
+
+
+def test_claim__connection_cut_before_the_claim_is_transient_and_loses_nothing(
+    pg_engine, pg_url, begins
+):
+    # Given a pooled connection the proxy then cuts, and no pre-ping to notice it
+    proxy = Proxy(services.postgres_address())
+    engine = sync_engine(services.via_port(pg_url, proxy.port))
+    inbox = Inbox(engine, serialization_retries=0)
+    try:
+        inbox.process(delivery("warm-up"), credit(account=9))
+        proxy.cut()
+        # When the claim goes with its BEGIN on the dead connection
+        with pytest.raises(DatabaseUnavailable):
+            inbox.process(delivery(), credit())
+        # Then the connection was dropped, and the next delivery is first seen, once
+        assert inbox.process(delivery(), credit()).decision is Decision.FIRST
+    finally:
+        engine.dispose()
+        proxy.close()
+    with pg_engine.connect() as conn:
+        assert effects(conn, 1) == 1
+
+
+def claim_step():
+    return Claim(delivery())
 
 
 # -- the async executor (asyncpg) ---------------------------------------------------------

@@ -37,10 +37,11 @@ from ..exceptions import (
 from ..instruments import metrics
 from ..outputs import Output
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .errors import Failure, classify, from_driver, sqlstate, transient_error
+from .driver import driver_path, on_driver
+from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
-from .statements import ClaimStatements, DriverStatement
+from .statements import ClaimStatements
 from .tables import InboxSchema
 
 __all__ = [
@@ -366,14 +367,14 @@ def any_first_seen(verdicts: Sequence[Verdict]) -> bool:
 
 
 def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
-    dbapi, direct = _driver_path(conn, statements)
+    dbapi, direct = driver_path(conn, statements)
     try:
         step = next(steps)
         while True:
             statement, params = statements.statement(step)
             compiled = direct.get(type(step))
             if compiled is not None:
-                answer = _on_driver(conn, dbapi, compiled, step, params)
+                answer = on_driver(conn, dbapi, compiled, step, params)
             else:
                 answer = statements.result(step, conn.execute(statement, params))
             step = steps.send(answer)
@@ -382,7 +383,6 @@ def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimSt
         return verdict
 
 
-_DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
 ABORTED = "inbox_middleware.aborted"
 """Set in a connection's info when a statement failed in its transaction."""
 _UNRECORDED_MEMORY = 10_000
@@ -422,39 +422,6 @@ def _statement_failed(context: Any) -> None:
 
 def _savepoint_rolled_back(conn: Connection, name: str, context: Any) -> None:
     conn.info.pop(ABORTED, None)
-
-
-def _driver_path(
-    conn: Connection, statements: ClaimStatements
-) -> tuple[Any, Mapping[type[Any], DriverStatement]]:
-    """The DBAPI connection and the steps it runs directly: the claim and the look-up,
-    compiled; none for other drivers.
-
-    With psycopg and asyncpg the claim and its look-up go straight to the DBAPI cursor:
-    SQLAlchemy's execution work costs more CPU than the statement itself (about 150 µs a
-    message with psycopg). Both drivers open the transaction on the first statement, as
-    they would have through SQLAlchemy (asyncpg through SQLAlchemy's adapter, which this
-    cursor is). Other drivers, and every other statement, take the ordinary path.
-    """
-    if conn.dialect.driver not in _DIRECT_DRIVERS:
-        return None, {}
-    return conn.connection.dbapi_connection, statements.driver_sql(conn.dialect)
-
-
-def _on_driver(
-    conn: Connection, dbapi: Any, compiled: DriverStatement, step: Step, params: dict[str, Any]
-) -> object:
-    args = compiled.parameters(params)
-    try:
-        cursor = dbapi.cursor()
-        try:
-            cursor.execute(compiled.sql, args)
-            row = cursor.fetchone()
-        finally:
-            cursor.close()
-    except conn.dialect.loaded_dbapi.Error as exc:
-        raise from_driver(exc, conn, dbapi, compiled.sql, args) from exc
-    return ClaimStatements.answer(step, None if row is None else tuple(row))
 
 
 @dataclass(frozen=True)

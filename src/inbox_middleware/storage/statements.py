@@ -65,6 +65,20 @@ class DriverStatement:
         return merged if self.order is None else [merged[name] for name in self.order]
 
 
+def begin_command(isolation_level: Any, read_only: bool | None, deferrable: bool | None) -> bytes:
+    """The BEGIN psycopg sends for a connection with these characteristics (its
+    ``isolation_level``, ``read_only`` and ``deferrable``), for `driver.claim_with_begin`
+    to send in its stead."""
+    parts = ["BEGIN"]
+    if isolation_level is not None:
+        parts.append(f"ISOLATION LEVEL {isolation_level.name.replace('_', ' ')}")
+    if read_only is not None:
+        parts.append("READ ONLY" if read_only else "READ WRITE")
+    if deferrable is not None:
+        parts.append("DEFERRABLE" if deferrable else "NOT DEFERRABLE")
+    return " ".join(parts).encode()
+
+
 class ClaimStatements:
     """Statements for one naming and dialect; ``lock_timeout`` in seconds or None."""
 

@@ -1,0 +1,129 @@
+"""The inbox's own CPU per message, in one thread, with no broker in the way.
+
+    python -m bench.hotpath                 # 3,000 messages a mode, 5 alternating reps
+    python -m bench.hotpath --profile       # and the functions that cost most (cProfile)
+
+A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
+benchmark's actor (one account update on the benchmark database): each message goes
+through what a worker thread does with it (``before_process_message``, the actor call,
+``after_process_message``), in a loop, and the process's CPU time is divided by the
+message count. Bare (the update in a transaction of its own) and inbox alternate within
+each repetition. With no broker, no other threads and no GIL hand-offs, the figure moves
+by a few µs between runs: the measure to judge a change of the hot path by. The worker
+benchmark (``python -m bench``) says what the change is worth end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import dramatiq
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.broker import MessageProxy
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from bench.common import prepare_database, reset_database, sqlalchemy_url
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+
+UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
+
+
+def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
+    broker = StubBroker()
+    options: dict[str, Any] = {"queue_name": f"hotpath-{mode}", "broker": broker}
+    if mode == "inbox":
+        broker.add_middleware(InboxMiddleware(engine, check_database=False))
+        options["inbox_consumer"] = "hotpath"
+
+        def credit(account: int) -> None:
+            current_session().execute(UPDATE, {"account": account})
+
+    else:
+
+        def credit(account: int) -> None:
+            with Session(engine) as session, session.begin():
+                session.execute(UPDATE, {"account": account})
+
+    return broker, dramatiq.actor(credit, actor_name=f"credit_{mode}", **options)
+
+
+def _messages(actor: dramatiq.Actor[Any, Any], count: int) -> list[MessageProxy]:
+    run = uuid.uuid4().hex[:8]
+    return [
+        MessageProxy(
+            actor.message_with_options(
+                args=(n % 100 + 1,), **identity(producer="hotpath", message_id=f"{run}-{n}")
+            )
+        )
+        for n in range(count)
+    ]
+
+
+def _consume(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any]) -> Callable[[Any], None]:
+    def consume(message: MessageProxy) -> None:
+        # What dramatiq's WorkerThread.process_message does for a message that succeeds.
+        broker.emit_before("process_message", message)
+        result = actor(*message.args, **message.kwargs)
+        broker.emit_after("process_message", message, result=result)
+
+    return consume
+
+
+def measure(count: int, reps: int, profile: bool) -> None:
+    prepare_database()
+    reset_database()
+    engine = create_engine(sqlalchemy_url(), pool_size=2)
+    setups = {mode: _broker(mode, engine) for mode in ("bare", "inbox")}
+    for broker, actor in setups.values():  # warm: pool, statement caches, imports
+        consume = _consume(broker, actor)
+        for message in _messages(actor, 200):
+            consume(message)
+    cpu: dict[str, list[float]] = {mode: [] for mode in setups}
+    # CPU time, not wall time: a wait on the database costs nothing here
+    profiler = cProfile.Profile(time.process_time) if profile else None
+    for _ in range(reps):
+        for mode, (broker, actor) in setups.items():
+            messages = _messages(actor, count)
+            consume = _consume(broker, actor)
+            if profiler is not None and mode == "inbox":
+                profiler.enable()
+            start = time.process_time()
+            for message in messages:
+                consume(message)
+            cpu[mode].append((time.process_time() - start) / count * 1e6)
+            if profiler is not None:
+                profiler.disable()
+    engine.dispose()
+    added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
+    for mode, values in cpu.items():
+        print(f"{mode:6} {statistics.median(values):7.1f} µs CPU/msg  runs {_runs(values)}")
+    print(f"added  {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
+    if profiler is not None:
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(30)
+
+
+def _runs(values: list[float]) -> str:
+    return " ".join(f"{v:.0f}" for v in values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.hotpath")
+    parser.add_argument("--messages", type=int, default=3000)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    measure(args.messages, args.reps, args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
