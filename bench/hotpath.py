@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import dramatiq
-from dramatiq.brokers.stub import StubBroker
 from dramatiq.broker import MessageProxy
+from dramatiq.brokers.stub import StubBroker
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
