@@ -4,7 +4,7 @@
     python -m bench --quick         # CI's regression check (under 2 minutes)
     python -m bench --only dramatiq,limit --messages 3000
 
-Every figure is the median of --reps repetitions (5), the modes of a group
+Every figure is the median of --reps repetitions (5; 3 with --quick), the modes of a group
 alternating within each repetition so that a noisy machine affects them alike; a ratio is
 the median of the ratios within each repetition, with their range. The Dramatiq runs also
 measure the worker's CPU time per message (its process tree, user and system), which
@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="bare vs inbox only, small N")
     parser.add_argument("--messages", type=int, default=5000)
-    parser.add_argument("--reps", type=int, default=None, help="repetitions of each mode (5)")
+    parser.add_argument("--reps", type=int, default=None, help="5; 3 with --quick")
     parser.add_argument("--only", default=",".join(GROUPS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     groups = ["dramatiq"] if args.quick else args.only.split(",")
     messages = 3000 if args.quick else args.messages
-    reps = args.reps or 5
+    reps = args.reps or (3 if args.quick else 5)
 
     prepare_database()
     report = Report(machine(), {"messages": messages, "reps": reps, "groups": groups})
