@@ -539,7 +539,9 @@ def _chaos(
                 # Running workers only: a starting one would fail its start-up check.
                 names = [APPLICATION + n for n in fleet.names if fleet.stats(n) is not None]
                 events.cut_rounds += 1
-                events.cut_links += proxy.cut_mid_transaction(admin.connection(), names)
+                events.cut_links += proxy.cut_mid_transaction(
+                    admin.connection(), names, fleet.target.cut_search
+                )
                 next_cut = now + rng.uniform(*config.cut_every)
             if progress >= config.postgres_restart_at or (settled and producing.done.is_set()):
                 restarts.postgres()

@@ -18,7 +18,7 @@ from .run import Config, run
 
 # scripts/test's second run, through PgBouncer, sets a smaller size for its time budget.
 CI_MESSAGES = int(os.environ.get("INBOX_TEST_CHAOS_MESSAGES", "10000"))
-KAFKA_CI_MESSAGES = 1000
+KAFKA_CI_MESSAGES = 1500
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 

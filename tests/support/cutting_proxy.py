@@ -10,6 +10,7 @@ PgBouncer, its admin console links them).
 from __future__ import annotations
 
 import socket
+import time
 
 import psycopg
 
@@ -61,11 +62,18 @@ class CuttingProxy(Proxy):
             _reset(server)
         return len(cut)
 
-    def cut_mid_transaction(self, admin: psycopg.Connection, applications: list[str]) -> int:
+    def cut_mid_transaction(
+        self, admin: psycopg.Connection, applications: list[str], search: float = 0.0
+    ) -> int:
         """Cut every connection of sessions named one of ``applications`` that has a
         transaction open right now (asked on ``admin``, a connection that does not pass
-        through here)."""
+        through here); with ``search``, keep asking for up to that many seconds until one
+        has (where transactions are short and few, one look mostly finds none)."""
+        deadline = time.monotonic() + search
         rows = admin.execute(MID_TRANSACTION, (applications,)).fetchall()
+        while not rows and time.monotonic() < deadline:
+            time.sleep(0.002)
+            rows = admin.execute(MID_TRANSACTION, (applications,)).fetchall()
         ports = {int(port) for (port,) in rows if port is not None}
         if services.THROUGH_POOLER:
             ports = _client_ports_behind_pgbouncer(ports)
