@@ -81,18 +81,17 @@ def claim_with_begin(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]
     pgconn = dbapi.pgconn
     if dbapi.autocommit or pgconn.transaction_status != pq.TransactionStatus.IDLE:
         return None
-    literals = _literals(pq.Escaping(pgconn), args, dbapi.info.encoding)
+    encoding = dbapi.info.encoding
+    literals = _literals(pq.Escaping(pgconn), args, encoding)
     if literals is None:
         return None
     begin = begin_command(dbapi.isolation_level, dbapi.read_only, dbapi.deferrable)
-    result = pgconn.exec_(begin + b"; " + compiled.sql.encode() % literals)
+    result = pgconn.exec_(begin + b"; " + compiled.sql_bytes % literals)
     if result.status != pq.ExecStatus.TUPLES_OK:
-        raise errors.error_from_result(result, encoding=dbapi.info.encoding)
-    return (
-        tuple(result.get_value(0, column) for column in range(result.nfields))
-        if (result.ntuples)
-        else ()
-    )
+        raise errors.error_from_result(result, encoding=encoding)
+    if not result.ntuples:
+        return ()
+    return tuple(result.get_value(0, column) for column in range(result.nfields))
 
 
 def _literals(escaping: Any, args: dict[str, Any], encoding: str) -> dict[bytes, bytes] | None:

@@ -9,7 +9,7 @@ per delivery), and SQLAlchemy caches each size's compiled form.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -59,12 +59,19 @@ class DriverStatement:
     constants: dict[str, Any]
     order: tuple[str, ...] | None
 
+    sql_bytes: bytes = field(init=False, repr=False)
+    """The SQL encoded once, for `driver.claim_with_begin` to fill with literals."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sql_bytes", self.sql.encode())
+
     def parameters(self, params: dict[str, Any]) -> Any:
         """The step's parameters as the driver takes them: a mapping, or a sequence."""
         merged = self.constants | params
         return merged if self.order is None else [merged[name] for name in self.order]
 
 
+@functools.cache
 def begin_command(isolation_level: Any, read_only: bool | None, deferrable: bool | None) -> bytes:
     """The BEGIN psycopg sends for a connection with these characteristics (its
     ``isolation_level``, ``read_only`` and ``deferrable``), for `driver.claim_with_begin`
