@@ -1,0 +1,711 @@
+"""The settlement core's table: one row per arrow of the diagram in `consumption`.
+
+Each row is an arrival, the consumer's settings and a script of answers; it says which
+operations the core performs, in order, and which settlement comes out. No database, no
+broker: the suites with real services prove that the adapters perform and tell the
+broker what these rows decide. A new decision gets its row here first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from inbox_middleware.consumption import (
+    EXPIRED_REDELIVERY,
+    HANDLER_REJECTED,
+    INBOX_ERROR,
+    REDELIVERY_LIMIT,
+    RETRIES_EXHAUSTED,
+    Arrival,
+    CountFailure,
+    CountHandBack,
+    CountRedelivery,
+    DeadLettered,
+    Duplicate,
+    HandBackRequested,
+    HandedBack,
+    LoadOutputs,
+    Poisoned,
+    Process,
+    Processed,
+    Publish,
+    Quarantined,
+    RecordPoison,
+    RedeliveryCount,
+    RejectRequested,
+    Route,
+    RunUnprotected,
+    Unfit,
+    drive,
+    outputs_failed_steps,
+)
+from inbox_middleware.exceptions import (
+    DatabaseUnavailable,
+    HandlerTransactionError,
+    InboxError,
+    InvalidIdentity,
+    MissingIdentity,
+    PayloadNotHashable,
+    PermanentError,
+    SchemaError,
+    TransientError,
+)
+from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
+from inbox_middleware.policy import ConsumerPolicy
+from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
+
+from .script import Poison, Script, delivery, run, run_async
+
+STORED = StoredClaim("ab" * 32, "v1", "", datetime(2026, 1, 1, tzinfo=UTC))
+FIRST = Verdict(Decision.FIRST)
+DUPLICATE = Verdict(Decision.DUPLICATE, STORED)
+CONFLICT = Verdict(Decision.CONFLICT, STORED, quarantine=QuarantineRecord(7, 2))
+SHADOW_DUPLICATE = Verdict(Decision.DUPLICATE, STORED, shadow=True)
+OUTPUT = Output(b'"stored"', "json")
+POISON = Poison(12, 3)
+CONFIRMED = None  # what a confirmed publish answers
+
+
+class Boom(Exception):
+    """An ordinary handler failure."""
+
+
+class Timeout(BaseException):
+    """Stands for a framework interruption that fails the attempt (Dramatiq's TimeLimit)."""
+
+
+class Shutdown(BaseException):
+    """Stands for a worker shutting down: no fault of the message."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One arrow: given this arrival, settings and answers, these operations and this
+    settlement."""
+
+    arrival: dict[str, Any]
+    answers: dict[type, list[Any]]
+    ops: list[str]
+    settled: type
+    policy: dict[str, Any] = field(default_factory=dict)
+    expect: dict[str, Any] = field(default_factory=dict)
+
+
+def arrival(**given: Any) -> Arrival:
+    fields: dict[str, Any] = {"delivery": delivery()}
+    fields.update(given)
+    return Arrival(**fields)
+
+
+OLD = datetime.now(UTC) - timedelta(days=30)
+
+ROWS: dict[str, Row] = {
+    # -- no usable identity ------------------------------------------------------------
+    "missing identity, policy process: run unprotected, processed": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {RunUnprotected: ["raw result"]},
+        ["RunUnprotected"],
+        Processed,
+        policy={"missing_identity": "process"},
+        expect={"result": "raw result", "verdict": None},
+    ),
+    "missing identity, policy process, the handler fails: handed back, counted": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {RunUnprotected: [Boom()]},
+        ["RunUnprotected"],
+        HandedBack,
+        policy={"missing_identity": "process"},
+        expect={"counted": True, "delay": None},
+    ),
+    "missing identity, policy process, the handler asks for a delay: handed back with it": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {RunUnprotected: [HandBackRequested(5.0)]},
+        ["RunUnprotected"],
+        HandedBack,
+        policy={"missing_identity": "process"},
+        expect={"counted": True, "delay": 5.0},
+    ),
+    "missing identity, policy process, a framework interruption: handed back, counted": Row(
+        {"delivery": None, "problem": MissingIdentity(), "interrupts": (Timeout,)},
+        {RunUnprotected: [Timeout()]},
+        ["RunUnprotected"],
+        HandedBack,
+        policy={"missing_identity": "process"},
+        expect={"counted": True},
+    ),
+    "missing identity, shadow mode: run unprotected": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {RunUnprotected: [None]},
+        ["RunUnprotected"],
+        Processed,
+        policy={"shadow": True},
+    ),
+    "missing identity, policy reject: dead-lettered, reason missing": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {Publish: [CONFIRMED]},
+        ["Publish"],
+        DeadLettered,
+        expect={"reason": "missing"},
+    ),
+    "invalid identity, even with policy process: dead-lettered, reason invalid": Row(
+        {"delivery": None, "problem": InvalidIdentity("too long")},
+        {Publish: [CONFIRMED]},
+        ["Publish"],
+        DeadLettered,
+        policy={"missing_identity": "process"},
+        expect={"reason": "invalid"},
+    ),
+    "payload without a canonical form: dead-lettered, reason unhashable": Row(
+        {"delivery": None, "problem": PayloadNotHashable()},
+        {Publish: [CONFIRMED]},
+        ["Publish"],
+        DeadLettered,
+        expect={"reason": "unhashable"},
+    ),
+    "dead letter refused by the broker: handed back, uncounted": Row(
+        {"delivery": None, "problem": MissingIdentity()},
+        {Publish: [ConnectionError("broker down")]},
+        ["Publish"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    # -- the redelivery limit ----------------------------------------------------------
+    "broker count within the limit: no count, processed": Row(
+        {"deliveries": 11, "redelivered": True},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "no limit set: no count, processed": Row(
+        {"deliveries": 500, "redelivered": True},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        policy={"redelivery_limit": None},
+    ),
+    "broker count over the limit, failures and hand-backs explain it: processed": Row(
+        {"deliveries": 13, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(0, 1, 1, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "broker count over the limit, crashes: poisoned and dead-lettered": Row(
+        {"deliveries": 13, "redelivered": True},
+        {
+            CountRedelivery: [RedeliveryCount(0, 0, 1, False)],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["CountRedelivery", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"redelivery_limit": 10},
+        expect={"reason": REDELIVERY_LIMIT},
+    ),
+    "over the limit but the claim committed (a lost ack): processed as a duplicate": Row(
+        {"deliveries": 20, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(0, 0, 0, True)], Process: [DUPLICATE]},
+        ["CountRedelivery", "Process"],
+        Duplicate,
+        policy={"redelivery_limit": 10},
+    ),
+    "no broker count: the inbox's own count decides, within the limit": Row(
+        {"redelivered": True},
+        {CountRedelivery: [RedeliveryCount(3, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "no broker count: the inbox's own count over the limit: poisoned": Row(
+        {"redelivered": True},
+        {
+            CountRedelivery: [RedeliveryCount(11, 0, 0, False)],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["CountRedelivery", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"redelivery_limit": 10},
+        expect={"reason": REDELIVERY_LIMIT},
+    ),
+    "outcomes do not come back as redeliveries: failures are not subtracted": Row(
+        {"deliveries": 13, "redelivered": True, "outcomes_redeliver": False},
+        {
+            CountRedelivery: [RedeliveryCount(0, 5, 5, False)],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["CountRedelivery", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"redelivery_limit": 10},
+    ),
+    "the count fails (the database is down): handed back, uncounted": Row(
+        {"redelivered": True},
+        {CountRedelivery: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["CountRedelivery", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "poisoned by the limit, the dead letter refused: handed back": Row(
+        {"redelivered": True},
+        {
+            CountRedelivery: [RedeliveryCount(11, 0, 0, False)],
+            RecordPoison: [POISON],
+            Publish: [ConnectionError()],
+            CountHandBack: [None],
+        },
+        ["CountRedelivery", "RecordPoison", "Publish", "CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 10},
+        expect={"counted": False},
+    ),
+    # -- claim, handler, commit --------------------------------------------------------
+    "first seen: processed with the handler's result": Row(
+        {},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"result": "handler result", "recovered": None, "expired": None},
+    ),
+    "first seen, a redriven poison message: processed and recovered": Row(
+        {"repair_marker": "poison:12"},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"recovered": "poison"},
+    ),
+    "first seen, an accepted quarantined message: processed and recovered": Row(
+        {"repair_marker": "quarantine:7"},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"recovered": "quarantine"},
+    ),
+    "first seen, a malformed repair marker: processed, nothing recovered": Row(
+        {"repair_marker": "poison:x"},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"recovered": None},
+    ),
+    "duplicate, nothing downstream: duplicate, no output loaded": Row(
+        {},
+        {Process: [DUPLICATE]},
+        ["Process"],
+        Duplicate,
+        expect={"output": None},
+    ),
+    "duplicate with outputs kept: the stored output loaded": Row(
+        {"keeps_outputs": True},
+        {Process: [DUPLICATE], LoadOutputs: [OUTPUT]},
+        ["Process", "LoadOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT},
+    ),
+    "duplicate, the output cannot be loaded: handed back": Row(
+        {"keeps_outputs": True},
+        {Process: [DUPLICATE], LoadOutputs: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["Process", "LoadOutputs", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "conflict: published to quarantine, quarantined": Row(
+        {},
+        {Process: [CONFLICT], Publish: [CONFIRMED]},
+        ["Process", "Publish"],
+        Quarantined,
+    ),
+    "conflict, the quarantine publish refused: handed back (the row is committed)": Row(
+        {},
+        {Process: [CONFLICT], Publish: [ConnectionError()], CountHandBack: [None]},
+        ["Process", "Publish", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "shadow mode, a would-be duplicate: the handler ran, processed": Row(
+        {"delivery": delivery(shadow=True)},
+        {Process: [SHADOW_DUPLICATE]},
+        ["Process"],
+        Processed,
+        policy={"shadow": True},
+    ),
+    # -- expired redeliveries ----------------------------------------------------------
+    "first seen, older than the retention window, policy reject: poisoned, expired": Row(
+        {"delivery": delivery(produced_at=OLD)},
+        {Process: [FIRST], CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]},
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"retention_window": timedelta(days=7)},
+        expect={"reason": EXPIRED_REDELIVERY},
+    ),
+    "first seen, older than the window, policy process: processed, its age reported": Row(
+        {"delivery": delivery(produced_at=OLD)},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        policy={"retention_window": timedelta(days=7), "expired_redelivery": "process"},
+    ),
+    "first seen, older than the window, shadow: processed": Row(
+        {"delivery": delivery(produced_at=OLD, shadow=True)},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        policy={"retention_window": timedelta(days=7), "shadow": True},
+    ),
+    "first seen, within the window: processed, no age": Row(
+        {"delivery": delivery(produced_at=datetime.now(UTC))},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        policy={"retention_window": timedelta(days=7)},
+        expect={"expired": None},
+    ),
+    "a duplicate older than the window: a duplicate (its claim is still there)": Row(
+        {"delivery": delivery(produced_at=OLD)},
+        {Process: [DUPLICATE]},
+        ["Process"],
+        Duplicate,
+        policy={"retention_window": timedelta(days=7)},
+    ),
+    # -- raised: rolled back, the claim with it ----------------------------------------
+    "the body does not fit the handler: dead-lettered, reason unfit": Row(
+        {},
+        {Process: [Unfit("bad body")], Publish: [CONFIRMED]},
+        ["Process", "Publish"],
+        DeadLettered,
+        expect={"reason": "unfit"},
+    ),
+    "transient (database): handed back, uncounted, counted as a hand-back": Row(
+        {},
+        {Process: [TransientError()], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the database unreachable: the hand-back remembered in this process": Row(
+        {},
+        {Process: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the schema missing or older (a migration running): handed back": Row(
+        {},
+        {Process: [SchemaError()], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+    ),
+    "a worker shutting down: handed back, uncounted": Row(
+        {"shutdowns": (Shutdown,)},
+        {Process: [Shutdown()], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the hand-back cannot be counted: handed back all the same": Row(
+        {},
+        {Process: [TransientError()], CountHandBack: [DatabaseUnavailable()]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "permanent (PermanentError): counted, poisoned with its code, dead-lettered": Row(
+        {},
+        {
+            Process: [PermanentError("bad_account")],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        expect={"reason": "bad_account"},
+    ),
+    "the handler rejected it: poisoned, handler_rejected": Row(
+        {},
+        {
+            Process: [RejectRequested()],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        expect={"reason": HANDLER_REJECTED},
+    ),
+    "a type listed as permanent: poisoned under the type's name": Row(
+        {},
+        {Process: [KeyError("x")], CountFailure: [1], RecordPoison: [POISON], Publish: [None]},
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"permanent_errors": (KeyError,)},
+        expect={"reason": "KeyError"},
+    ),
+    "an ordinary failure with attempts left: handed back, counted": Row(
+        {},
+        {Process: [Boom()], CountFailure: [3]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 10},
+        expect={"counted": True, "delay": None},
+    ),
+    "the handler asks for a redelivery after a delay: handed back with it, counted": Row(
+        {},
+        {Process: [HandBackRequested(2.5)], CountFailure: [1]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        expect={"counted": True, "delay": 2.5},
+    ),
+    "the last attempt fails: poisoned, retries_exhausted": Row(
+        {},
+        {Process: [Boom()], CountFailure: [10], RecordPoison: [POISON], Publish: [None]},
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": RETRIES_EXHAUSTED},
+    ),
+    "the last attempt fails in the inbox's own path: poisoned, inbox_error": Row(
+        {},
+        {
+            Process: [InboxError("the inbox's own trouble")],
+            CountFailure: [10],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": INBOX_ERROR},
+    ),
+    "the framework's retries end with this failure: poisoned, retries_exhausted": Row(
+        {"gives_up": lambda exc: True},
+        {Process: [Boom()], CountFailure: [1], RecordPoison: [POISON], Publish: [None]},
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": None},
+        expect={"reason": RETRIES_EXHAUSTED},
+    ),
+    "no limit of the inbox's own and none of the framework's: handed back": Row(
+        {},
+        {Process: [Boom()], CountFailure: [1000]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": None},
+        expect={"counted": True},
+    ),
+    "a framework interruption (time limit) fails the attempt: counted": Row(
+        {"interrupts": (Timeout,)},
+        {Process: [Timeout()], CountFailure: [1]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        expect={"counted": True},
+    ),
+    "the failure cannot be counted: handed back, uncounted": Row(
+        {},
+        {Process: [Boom()], CountFailure: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["Process", "CountFailure", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a permanent failure whose poison cannot be recorded: handed back, uncounted": Row(
+        {},
+        {
+            Process: [PermanentError("bad")],
+            CountFailure: [1],
+            RecordPoison: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["Process", "CountFailure", "RecordPoison", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "poisoned, the dead letter refused: handed back (the poison row is committed)": Row(
+        {},
+        {
+            Process: [PermanentError("bad")],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [ConnectionError()],
+            CountHandBack: [None],
+        },
+        ["Process", "CountFailure", "RecordPoison", "Publish", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the handler ended the transaction itself: an ordinary counted failure today": Row(
+        {},
+        {Process: [HandlerTransactionError("commit() inside the handler")], CountFailure: [1]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        expect={"counted": True},
+    ),
+}
+
+
+def _settings(row: Row) -> ConsumerPolicy:
+    return replace(ConsumerPolicy(), **row.policy)
+
+
+def _check(row: Row, script: Script, settled: Any) -> None:
+    assert script.names == row.ops
+    assert type(settled) is row.settled, settled
+    for name, value in row.expect.items():
+        assert getattr(settled, name) == value, (name, getattr(settled, name))
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_core__settles_each_arrow_of_the_diagram(name: str) -> None:
+    row = ROWS[name]
+    script = Script(row.answers)
+    _check(row, script, run(arrival(**row.arrival), script, _settings(row)))
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_core__the_async_driver_settles_alike(name: str) -> None:
+    row = ROWS[name]
+    script = Script(row.answers)
+    _check(row, script, run_async(arrival(**row.arrival), script, _settings(row)))
+
+
+# -- what the rows above cannot say in one line ----------------------------------------------
+
+
+def test_core__the_dead_letter_says_why_and_whose_it_is() -> None:
+    script = Script({Publish: [CONFIRMED]})
+    run(arrival(delivery=None, problem=MissingIdentity("no producer")), script)
+    (publish,) = script.performed
+    assert isinstance(publish, Publish)
+    assert publish.route is Route.DEAD_LETTER
+    assert publish.details["reason"] == "MissingIdentity"
+    assert publish.details["detail"] == "no producer"
+
+
+def test_core__the_quarantine_publish_carries_both_hashes_and_the_row() -> None:
+    script = Script({Process: [CONFLICT], Publish: [CONFIRMED]})
+    run(arrival(), script)
+    publish = script.performed[-1]
+    assert isinstance(publish, Publish)
+    assert publish.route is Route.QUARANTINE
+    assert publish.details["quarantine_id"] == 7
+    assert publish.details["stored_sha256"] == STORED.payload_sha256
+    assert publish.details["consumer"] == "billing"
+
+
+def test_core__the_poison_dead_letter_names_the_row() -> None:
+    script = Script(
+        {Process: [PermanentError("bad")], CountFailure: [1], RecordPoison: [POISON]}
+        | {Publish: [CONFIRMED]}
+    )
+    settled = run(arrival(), script)
+    assert isinstance(settled, Poisoned)
+    record = script.performed[2]
+    assert isinstance(record, RecordPoison)
+    assert (record.reason, record.attempts) == ("bad", 1)
+    assert script.performed[-1].details["poison_id"] == POISON.id  # type: ignore[union-attr]
+
+
+def test_core__the_hand_back_is_remembered_in_process_only_when_the_database_is_down() -> None:
+    for error, unreachable in ((DatabaseUnavailable(), True), (TransientError(), False)):
+        script = Script({Process: [error], CountHandBack: [None]})
+        run(arrival(), script)
+        count = script.performed[-1]
+        assert isinstance(count, CountHandBack)
+        assert count.unreachable is unreachable
+
+
+def test_core__the_process_is_going_down_the_core_lets_it() -> None:
+    # KeyboardInterrupt and cancellation: nothing is settled, the broker keeps the message.
+    for exc in (KeyboardInterrupt(), SystemExit()):
+        script = Script({Process: [exc]})
+        with pytest.raises(type(exc)):
+            run(arrival(), script)
+        script = Script({RunUnprotected: [exc]})
+        with pytest.raises(type(exc)):
+            run(
+                arrival(delivery=None, problem=MissingIdentity()),
+                script,
+                ConsumerPolicy(missing_identity="process"),
+            )
+
+
+def test_core__the_process_op_carries_the_repair_marker_and_outputs_flag() -> None:
+    script = Script({Process: [FIRST]})
+    run(arrival(repair_marker="poison:3", keeps_outputs=True), script)
+    (process,) = script.performed
+    assert isinstance(process, Process)
+    assert (process.repair_marker, process.keeps_outputs) == ("poison:3", True)
+
+
+# -- outputs that could not be published after the commit -------------------------------------
+
+OUTPUT_ROWS: dict[str, Row] = {
+    "transient trouble publishing outputs: handed back, uncounted": Row(
+        {},
+        {CountHandBack: [None]},
+        ["CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a failed publish with attempts left: handed back, counted": Row(
+        {},
+        {CountFailure: [2]},
+        ["CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 10},
+        expect={"counted": True},
+    ),
+    "the last attempt: poisoned, outputs_undeliverable, dead-lettered": Row(
+        {},
+        {CountFailure: [10], RecordPoison: [POISON], Publish: [CONFIRMED]},
+        ["CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": OUTPUTS_UNDELIVERABLE},
+    ),
+    "the framework gives up: poisoned, outputs_undeliverable": Row(
+        {"gives_up": lambda exc: True},
+        {CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]},
+        ["CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": None},
+        expect={"reason": OUTPUTS_UNDELIVERABLE},
+    ),
+    "the failure cannot be counted: handed back, uncounted": Row(
+        {},
+        {CountFailure: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["CountFailure", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_ROWS))
+def test_core__outputs_that_failed_after_the_commit(name: str) -> None:
+    row = OUTPUT_ROWS[name]
+    script = Script(row.answers)
+    exc: Exception = TransientError() if "transient" in name else ConnectionError("refused")
+    settled = drive(outputs_failed_steps(arrival(**row.arrival), _settings(row), exc), script)
+    _check(row, script, settled)
+
+
+def test_core__every_arrow_has_a_row() -> None:
+    # The diagram's settlements and operations all appear in the table.
+    settlements = {row.settled for row in ROWS.values()}
+    assert settlements == {Processed, Duplicate, Quarantined, DeadLettered, Poisoned, HandedBack}
+    performed = {op for row in ROWS.values() for op in row.ops}
+    assert performed == {
+        "RunUnprotected",
+        "Publish",
+        "CountRedelivery",
+        "RecordPoison",
+        "Process",
+        "LoadOutputs",
+        "CountFailure",
+        "CountHandBack",
+    }
