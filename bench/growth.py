@@ -1,0 +1,496 @@
+"""How the claim's cost grows with the inbox table, and what the purge costs.
+
+    python -m bench.growth --quick                      # empty and 10^6 rows, ~2 minutes
+    python -m bench.growth --sizes 0,1e6,1e7,5e7        # a full run (disk: ~290 B a row)
+    python -m bench.growth --shapes random --seconds 20 --threads 8
+
+For each key shape (``random``: UUIDv4-like message ids, every claim lands on a random
+primary-key page; ``ordered``: time-ordered ids, every claim lands on the rightmost
+page), the library's own tables are filled to each size with generated rows, and then,
+side by side in one run, with the same threads on the same database:
+
+- ``update``: BEGIN; UPDATE one account; COMMIT (the business change alone);
+- ``claim``: BEGIN; the library's claim statement (a new identity); the same UPDATE; COMMIT;
+- ``duplicate``: BEGIN; the claim of an identity already stored (no row), then the
+  library's hash look-up; COMMIT.
+
+Each reports transactions a second, p50 and p99 latency, WAL bytes and blocks read
+(from disk or the OS cache) per transaction; ``claim / update`` is the ratio the inbox
+costs. Then, at the largest size: bytes per remembered message (table, primary key,
+other indexes), the library's `purge` of the oldest tenth alone (rows a second, WAL) and
+the VACUUM it leaves, and a second tenth purged while claims run at half of their
+measured rate (their p99 during the purge against the same rate without it).
+
+The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
+psycopg connections: the figures are the database's, not the worker's Python. Server
+settings are printed with the results; they are the server's own, not tuned here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
+
+from bench.common import PG, ROOT, percentile
+from inbox_middleware.retention import purge
+from inbox_middleware.storage import InboxSchema, migrate
+from inbox_middleware.storage.statements import ClaimStatements
+
+DATABASE = os.environ.get("BENCH_GROWTH_DATABASE", "inbox_growth")
+CONSUMER, PRODUCER, SCHEME = "growth", "orders", "v1"
+WINDOW = timedelta(days=14)
+"""The generated rows' processed_at spans this window, oldest first."""
+ACCOUNTS = 100
+FILL_CHUNK = 1_000_000
+SETTINGS = (
+    "server_version",
+    "shared_buffers",
+    "max_wal_size",
+    "checkpoint_timeout",
+    "full_page_writes",
+    "synchronous_commit",
+    "autovacuum",
+    "maintenance_work_mem",
+)
+
+
+def _url(database: str) -> str:
+    return f"{PG}/{database}"
+
+
+def _compiled(statement: Any) -> str:
+    return str(statement.compile(dialect=psycopg_dialect.dialect()))
+
+
+CLAIMS = ClaimStatements(InboxSchema(), "postgresql", lock_timeout=5.0)
+CLAIM_SQL, LOOK_UP_SQL = _compiled(CLAIMS.claim), _compiled(CLAIMS.look_up)
+UPDATE_SQL = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = %(account)s"
+
+
+# -- the rows ---------------------------------------------------------------------------------
+
+
+def message_id(shape: str, n: int) -> str:
+    """The message id of the ``n``-th message of a shape; the same in SQL (`_ID_SQL`)."""
+    digest = hashlib.md5(f"{shape}{n}".encode()).hexdigest()
+    if shape == "random":
+        return str(uuid.UUID(digest))
+    return f"{n:016x}-{digest[:16]}"  # time-ordered: the sequence first
+
+
+_ID_SQL = {
+    "random": "md5('random' || n)::uuid::text",
+    "ordered": "lpad(to_hex(n), 16, '0') || '-' || left(md5('ordered' || n), 16)",
+}
+_HASH = hashlib.sha256(b"payload").hexdigest()
+
+
+def _fill(conn: psycopg.Connection[Any], shape: str, start: int, stop: int, top: int) -> None:
+    """Insert messages ``start`` to ``stop - 1``; processed_at rises with n over `WINDOW`,
+    ``top`` (the largest size of the run) being now."""
+    oldest = datetime.now(UTC) - WINDOW
+    step = WINDOW.total_seconds() / max(top, 1)
+    for low in range(start, stop, FILL_CHUNK):
+        high = min(stop, low + FILL_CHUNK)
+        conn.execute(
+            f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
+                    payload_sha256, hash_scheme, handler_version, produced_at, received_at,
+                    processed_at)
+                SELECT %(consumer)s, %(producer)s, '', {_ID_SQL[shape]}, %(hash)s, %(scheme)s,
+                    '', t, t, t
+                FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n,
+                    LATERAL (SELECT %(oldest)s::timestamptz
+                        + make_interval(secs => n * %(step)s::float8)) AS at(t)""",
+            {
+                "consumer": CONSUMER,
+                "producer": PRODUCER,
+                "hash": _HASH,
+                "scheme": SCHEME,
+                "low": low,
+                "high": high,
+                "oldest": oldest,
+                "step": step,
+            },
+        )
+
+
+def _claim_params(shape: str, n: int) -> dict[str, Any]:
+    now = datetime.now(UTC)
+    return {
+        "consumer_name": CONSUMER,
+        "producer_name": PRODUCER,
+        "tenant": "",
+        "message_id": message_id(shape, n),
+        "payload_sha256": _HASH,
+        "hash_scheme": SCHEME,
+        "handler_version": "",
+        "trace_id": None,
+        "produced_at": None,
+        "received_at": now,
+        "set_config_2": "lock_timeout",
+        "lock_timeout": "5000ms",
+    }
+
+
+# -- one load -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """One mode's run: what the threads did and what the server did for it."""
+
+    mode: str
+    shape: str
+    rows: int
+    seconds: float
+    transactions: int = 0
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    wal_bytes: int = 0
+    blocks_read: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.transactions / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        per = max(self.transactions, 1)
+        return {
+            "mode": self.mode,
+            "shape": self.shape,
+            "rows": self.rows,
+            "tps": round(self.rate, 1),
+            "p50_ms": round(percentile(self.latencies_ms, 0.5), 3),
+            "p99_ms": round(percentile(self.latencies_ms, 0.99), 3),
+            "wal_bytes_per_tx": round(self.wal_bytes / per, 1),
+            "blocks_read_per_tx": round(self.blocks_read / per, 3),
+        }
+
+
+class Counter:
+    """Hands out message numbers above the rows already stored, across threads."""
+
+    def __init__(self, start: int) -> None:
+        self._next = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next
+
+
+def _transaction(mode: str, shape: str, stored: int, fresh: Counter) -> Callable[..., None]:
+    import random
+
+    def update(conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
+            conn.execute(UPDATE_SQL, {"account": random.randint(1, ACCOUNTS)})
+
+    def claim(conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
+            claimed = conn.execute(CLAIM_SQL, _claim_params(shape, fresh())).fetchone()
+            assert claimed is not None, "a new identity was not claimed"
+            conn.execute(UPDATE_SQL, {"account": random.randint(1, ACCOUNTS)})
+
+    def duplicate(conn: psycopg.Connection[Any]) -> None:
+        params = _claim_params(shape, random.randrange(max(stored, 1)))
+        with conn.transaction():
+            assert conn.execute(CLAIM_SQL, params).fetchone() is None, "not a duplicate"
+            assert conn.execute(LOOK_UP_SQL, params).fetchone() is not None
+
+    return {"update": update, "claim": claim, "duplicate": duplicate}[mode]
+
+
+def _server_counters(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    wal = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    reads = conn.execute(
+        "SELECT blks_read FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()
+    assert wal is not None
+    assert reads is not None
+    return int(wal[0]), int(reads[0])
+
+
+def run_load(
+    mode: str,
+    shape: str,
+    stored: int,
+    fresh: Counter,
+    *,
+    threads: int,
+    seconds: float,
+    rate: float | None = None,
+    during: Callable[[], None] | None = None,
+) -> Load:
+    """Run ``threads`` connections doing ``mode`` for ``seconds`` (at most ``rate``
+    transactions a second in all, when given); with ``during``, until it returns."""
+    load = Load(mode, shape, stored, seconds)
+    work = _transaction(mode, shape, stored, fresh)
+    stop = threading.Event()
+    lock = threading.Lock()
+    interval = threads / rate if rate else 0.0
+
+    def worker() -> None:
+        latencies: list[float] = []
+        with psycopg.connect(_url(DATABASE)) as conn:
+            due = time.monotonic()
+            while not stop.is_set():
+                if interval:
+                    due += interval
+                    pause = due - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                began = time.perf_counter()
+                work(conn)
+                latencies.append((time.perf_counter() - began) * 1000)
+            conn.execute("SELECT pg_stat_force_next_flush()")
+        with lock:
+            load.transactions += len(latencies)
+            load.latencies_ms.extend(latencies)
+
+    with psycopg.connect(_url(DATABASE), autocommit=True) as admin:
+        wal0, reads0 = _server_counters(admin)
+        began = time.monotonic()
+        pool = [threading.Thread(target=worker) for _ in range(threads)]
+        for thread in pool:
+            thread.start()
+        if during is not None:
+            during()
+        else:
+            time.sleep(seconds)
+        stop.set()
+        for thread in pool:
+            thread.join()
+        load.seconds = time.monotonic() - began
+        time.sleep(0.2)
+        wal1, reads1 = _server_counters(admin)
+    load.wal_bytes, load.blocks_read = wal1 - wal0, reads1 - reads0
+    return load
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _reset() -> None:
+    with psycopg.connect(_url("postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{DATABASE}"')
+    engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
+    migrate(engine)
+    engine.dispose()
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
+        conn.execute(
+            "INSERT INTO bench_accounts SELECT n, 0 FROM generate_series(1, %s) n", (ACCOUNTS,)
+        )
+
+
+def _settle(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("VACUUM ANALYZE consumer_inbox")
+    conn.execute("CHECKPOINT")
+
+
+def sizes_of(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    row = conn.execute(
+        """SELECT pg_table_size('consumer_inbox'),
+                  pg_relation_size('consumer_inbox_pkey'),
+                  pg_indexes_size('consumer_inbox'),
+                  (SELECT count(*) FROM consumer_inbox)"""
+    ).fetchone()
+    assert row is not None
+    table, key, indexes, count = (int(value) for value in row)
+    per = max(count, 1)
+    return {
+        "rows": count,
+        "table_bytes": table,
+        "primary_key_bytes": key,
+        "index_bytes": indexes,
+        "bytes_per_row": round((table + indexes) / per, 1),
+        "table_bytes_per_row": round(table / per, 1),
+        "primary_key_bytes_per_row": round(key / per, 1),
+    }
+
+
+def _purge_tenth(tenth: int) -> tuple[int, float]:
+    """Purge the ``tenth``-th oldest tenth of the generated rows with the library's purge;
+    answer (rows deleted, seconds)."""
+    engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        # Row n was processed at oldest + n * WINDOW / top: keep what is younger than the
+        # end of this tenth.
+        older_than = WINDOW * (1 - (tenth + 1) / 10)
+        began = time.monotonic()
+        deleted = purge(engine, InboxSchema(), older_than)
+        return deleted, time.monotonic() - began
+    finally:
+        engine.dispose()
+
+
+def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, float]:
+    wal0, _ = _server_counters(conn)
+    began = time.monotonic()
+    conn.execute("VACUUM consumer_inbox")
+    seconds = time.monotonic() - began
+    wal1, _ = _server_counters(conn)
+    return {"vacuum_seconds": round(seconds, 2), "vacuum_wal_bytes": wal1 - wal0}
+
+
+def measure_purge(shape: str, top: int, claim_rate: float, threads: int) -> dict[str, Any]:
+    """The oldest tenth purged alone, then the next tenth under claims at half their rate."""
+    result: dict[str, Any] = {}
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        wal0, _ = _server_counters(conn)
+        deleted, seconds = _purge_tenth(0)
+        wal1, _ = _server_counters(conn)
+        result["alone"] = {
+            "rows": deleted,
+            "seconds": round(seconds, 2),
+            "rows_per_second": round(deleted / seconds) if seconds else None,
+            "wal_bytes_per_row": round((wal1 - wal0) / max(deleted, 1), 1),
+        } | _vacuum(conn)
+        dead = conn.execute(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'consumer_inbox'"
+        ).fetchone()
+        result["alone"]["dead_tuples_after_vacuum"] = int(dead[0]) if dead else None
+
+    fresh = Counter(top * 2)
+    half = claim_rate / 2
+    baseline = run_load("claim", shape, top, fresh, threads=threads, seconds=5, rate=half)
+    purged: dict[str, Any] = {}
+
+    def purge_now() -> None:
+        deleted, seconds = _purge_tenth(1)
+        purged.update(rows=deleted, seconds=round(seconds, 2))
+        purged["rows_per_second"] = round(deleted / seconds) if seconds else None
+
+    during = run_load(
+        "claim", shape, top, fresh, threads=threads, seconds=0, rate=half, during=purge_now
+    )
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        purged |= _vacuum(conn)
+    base_p99 = percentile(baseline.latencies_ms, 0.99)
+    load_p99 = percentile(during.latencies_ms, 0.99)
+    result["under_load"] = purged | {
+        "claim_rate": round(half, 1),
+        "claim_p99_ms_without": round(base_p99, 3),
+        "claim_p99_ms_during": round(load_p99, 3),
+        "claim_p99_rise": round(load_p99 / base_p99 - 1, 3) if base_p99 else None,
+        "ingest_rows_per_second": round(during.rate, 1),
+    }
+    return result
+
+
+def run(shapes: list[str], sizes: list[int], seconds: float, threads: int) -> dict[str, Any]:
+    report: dict[str, Any] = {"loads": [], "sizes": {}, "purge": {}, "ratios": []}
+    top = max(sizes)
+    with psycopg.connect(_url("postgres"), autocommit=True) as conn:
+        report["server"] = {name: _setting(conn, name) for name in SETTINGS}
+    for shape in shapes:
+        _reset()
+        stored = 0
+        claim_rate = 0.0
+        for size in sorted(sizes):
+            with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+                began = time.monotonic()
+                _fill(conn, shape, stored, size, top)
+                stored = size
+                _settle(conn)
+                filled = time.monotonic() - began
+                report["sizes"][f"{shape}/{size}"] = sizes_of(conn) | {"fill_seconds": filled}
+            fresh = Counter(top * 4 + size)  # above every stored and purge-time number
+            loads = {}
+            for mode in ("update", "claim", "duplicate"):
+                if mode == "duplicate" and not size:
+                    continue
+                loads[mode] = run_load(mode, shape, stored, fresh, threads=threads, seconds=seconds)
+                report["loads"].append(loads[mode].summary())
+                print(json.dumps(loads[mode].summary()), flush=True)
+            claim_rate = loads["claim"].rate
+            report["ratios"].append(
+                {
+                    "shape": shape,
+                    "rows": size,
+                    "claim_over_update": round(claim_rate / loads["update"].rate, 3),
+                }
+            )
+            # The claims of this size are part of the table now.
+            with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+                _settle(conn)
+        if top:
+            report["purge"][shape] = measure_purge(shape, top, claim_rate, threads)
+            print(json.dumps({shape: report["purge"][shape]}), flush=True)
+    return report
+
+
+def _setting(conn: psycopg.Connection[Any], name: str) -> str:
+    row = conn.execute(f"SHOW {name}").fetchone()
+    return str(row[0]) if row else "?"
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def table(report: dict[str, Any]) -> Iterator[str]:
+    """The report as Markdown tables, for the performance page."""
+    yield (
+        "| shape | rows | claim / update | update tps | claim tps | claim p99 ms "
+        "| WAL bytes a claim tx | blocks read a claim tx | duplicate tps |"
+    )
+    yield "|---|---|---|---|---|---|---|---|---|"
+    loads = {(x["shape"], x["rows"], x["mode"]): x for x in report["loads"]}
+    for ratio in report["ratios"]:
+        key = (ratio["shape"], ratio["rows"])
+        update, claim = loads[(*key, "update")], loads[(*key, "claim")]
+        duplicate = loads.get((*key, "duplicate"), {}).get("tps", "-")
+        yield (
+            f"| {key[0]} | {key[1]:,} | {ratio['claim_over_update']} | {update['tps']} "
+            f"| {claim['tps']} | {claim['p99_ms']} | {claim['wal_bytes_per_tx']} "
+            f"| {claim['blocks_read_per_tx']} | {duplicate} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="empty and 10^6 rows, 3 s loads")
+    parser.add_argument("--sizes", type=_sizes, default=None, help="e.g. 0,1e6,1e7")
+    parser.add_argument("--shapes", default="random,ordered")
+    parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
+    seconds = args.seconds or (3.0 if args.quick else 20.0)
+    shapes = [shape for shape in args.shapes.split(",") if shape]
+    for shape in shapes:
+        if shape not in _ID_SQL:
+            parser.error(f"unknown shape {shape!r}: random or ordered")
+    began = time.monotonic()
+    report = run(shapes, sizes, seconds, args.threads)
+    report["settings"] = {"sizes": sizes, "seconds": seconds, "threads": args.threads}
+    report["elapsed_seconds"] = round(time.monotonic() - began, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "growth.json").write_text(json.dumps(report, indent=2, default=str))
+    print("\n".join(table(report)))
+    print(json.dumps({"sizes": report["sizes"], "purge": report["purge"]}, indent=2))
+    print(f"server: {report['server']}")
+    print(f"elapsed: {report['elapsed_seconds']} s; written to {args.out / 'growth.json'}")
+
+
+if __name__ == "__main__":
+    main()
