@@ -19,7 +19,7 @@ from typing import Any
 
 import dramatiq
 import yaml
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, create_engine, inspect, select, text
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.storage import InboxSchema, migrate
@@ -150,6 +150,20 @@ def test_readme__links_to_documentation_pages_that_exist():
     links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", readme)
     assert len(links) >= 10, "the README should send readers to the documentation"
     assert [link for link in links if not (ROOT / link).is_file()] == []
+
+
+def test_migrations_guide__counts_the_tables_migrate_creates(tmp_path: Path):
+    engine = create_engine(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        migrate(engine)
+        tables = inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    count = words[len(tables) - 1]
+    guide = (DOCS / "how-to" / "migrations.md").read_text()
+    assert f"dropping all {count}:" in guide, tables
+    assert f"drops the {count} tables" in guide, tables
 
 
 def test_readme__its_code_is_taken_from_a_tested_snippet():
