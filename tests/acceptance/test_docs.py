@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import dramatiq
+import pytest
 import yaml
 from sqlalchemy import Engine, create_engine, inspect, select, text
 
@@ -145,11 +146,23 @@ class _IgnoreTags(yaml.SafeLoader):
 _IgnoreTags.add_multi_constructor("tag:yaml.org,2002:python/", lambda *_: None)
 
 
-def test_readme__links_to_documentation_pages_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", readme)
+def site_url() -> str:
+    return str(yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_IgnoreTags)["site_url"])
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README-pypi.md"])
+def test_readme__links_to_pages_of_the_built_site_that_exist(readme: str):
+    # The Markdown sources pull their code in at build time (`--8<--`), which GitHub shows
+    # as it is: a reader is sent to the site, and each link to a page the site builds.
+    text = (ROOT / readme).read_text()
+    site = site_url()
+    links = re.findall(r"\]\(" + re.escape(site) + r"([^)#]*)(?:#[^)]*)?\)", text)
     assert len(links) >= 10, "the README should send readers to the documentation"
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+    pages = {str(page.relative_to(DOCS).with_suffix("")) for page in PAGES}
+    built = {("" if page == "index" else f"{page}/") for page in pages}
+    assert [link for link in links if link not in built] == []
+    sources = re.findall(r"\]\(([^)]*docs/[^)]*\.md)[^)]*\)", text)
+    assert sources == [], "links to Markdown sources, which show include lines on GitHub"
 
 
 def test_migrations_guide__counts_the_tables_migrate_creates(tmp_path: Path):
