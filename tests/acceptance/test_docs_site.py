@@ -3,8 +3,9 @@ opened page by page in Debian's headless Chromium.
 
 On every page: each Mermaid diagram rendered (an <svg>, not its source shown as text), no
 console error, no request for anything but 127.0.0.1, no element id twice (the API page
-once documented the testing classes twice), no table wider than the page, and in the CLI
-reference no `Sentinel.UNSET` and no empty code span for a default.
+once documented the testing classes twice), no table wider than the page or with rows
+of unequal width, and in the CLI reference no `Sentinel.UNSET` and no empty code span for
+a default.
 
 The build itself is strict and shows its warnings (`--quiet` would hide them, and strict
 mode then passes whatever they say). A table row with more or fewer cells than its header
@@ -56,6 +57,10 @@ PAGE_FACTS = """(() => {
       .filter((t) => t.getBoundingClientRect().right > width + 1
         || (t.closest('.md-typeset__scrollwrap') || t).scrollWidth
           > (t.closest('.md-typeset__scrollwrap') || t).clientWidth + 1)
+      .map(label),
+    raggedTables: [...content.querySelectorAll('table')]
+      .filter((t) => new Set([...t.rows].map((r) => [...r.cells]
+        .reduce((n, c) => n + c.colSpan, 0))).size > 1)
       .map(label),
     emptyCode: [...content.querySelectorAll('code')]
       .filter((c) => !c.closest('pre') && !c.textContent.trim()).length,
@@ -217,5 +222,6 @@ def test_docs_site__page_renders_offline(page: str, site: Path, served: str, bro
     assert visit.foreign_requests() == [], f"{page}: requests that leave 127.0.0.1"
     assert facts["duplicateIds"] == [], f"{page}: ids on more than one element"
     assert facts["wideTables"] == [], f"{page}: tables wider than the page"
+    assert facts["raggedTables"] == [], f"{page}: tables whose rows have unequal cells"
     assert facts["emptyCode"] == 0, f"{page}: empty code spans"
     assert not facts["sentinel"], f"{page}: shows a click sentinel as a default"
