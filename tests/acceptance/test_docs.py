@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -177,6 +178,32 @@ def test_migrations_guide__counts_the_tables_migrate_creates(tmp_path: Path):
     guide = (DOCS / "how-to" / "migrations.md").read_text()
     assert f"dropping all {count}:" in guide, tables
     assert f"drops the {count} tables" in guide, tables
+
+
+def test_docs__every_pip_install_of_the_project_is_quoted_and_names_its_extras():
+    # Unquoted brackets are a file pattern to zsh ("no matches found"); and until the
+    # package is on an index, only the installation page and the READMEs may show the
+    # index's form, next to the clone's.
+    declared = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    index_form_allowed = {"README.md", "README-pypi.md", "docs/install.md"}
+    bad = []
+    for page in [ROOT / "README.md", ROOT / "README-pypi.md", *PAGES]:
+        name = str(page.relative_to(ROOT))
+        for target in re.findall(
+            r"pip install (?:-c \S+ )?([\w'./-]*\[[^\]]*\]'?)", page.read_text()
+        ):
+            quoted = re.fullmatch(r"'(?P<path>[^'\[]*)\[(?P<extras>[^\]]+)\]'", target)
+            if quoted is None:
+                bad.append((name, target, "not quoted"))
+                continue
+            unknown = set(quoted["extras"].split(",")) - declared
+            if unknown:
+                bad.append((name, target, f"no such extra: {sorted(unknown)}"))
+            if quoted["path"] == "inbox-middleware" and name not in index_form_allowed:
+                bad.append((name, target, "from an index, where the package is not yet"))
+    assert bad == []
 
 
 def test_readme__its_code_is_taken_from_a_tested_snippet():
