@@ -13,11 +13,17 @@
   where nothing is set, on every click version; an empty string shows as `""`, and a
   required option as *required* (mkdocs-click writes `_required`, which Markdown
   leaves as it is).
+- A table row with more or fewer cells than its header is a warning, so the strict build
+  fails on it. Python-Markdown pads or drops cells to the header's count, which hides the
+  mistake in the page: a row with one cell too many loses its last one, and a paragraph
+  that follows a table without a blank line becomes rows of the table.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,9 @@ MERMAID_SOURCE = ROOT / "node_modules" / "mermaid" / "dist" / "mermaid.min.js"
 MERMAID_JS = "assets/javascripts/mermaid.min.js"
 
 _format_table_option_row = _docs._format_table_option_row
+log = logging.getLogger("mkdocs.hooks.tables")
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+SEPARATOR = re.compile(r"^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$")
 
 
 def on_startup(**_: Any) -> None:
@@ -48,6 +57,83 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         )
     files.append(File.generated(config, MERMAID_JS, abs_src_path=str(MERMAID_SOURCE)))
     return files
+
+
+def on_page_markdown(markdown: str, page: Page, **_: Any) -> str:
+    for line, cells, expected in ragged_table_rows(markdown):
+        log.warning(
+            "%s:%d: a table row with %d cells under a header of %d (a missing or extra "
+            "'|', or a paragraph with no blank line after the table)",
+            page.file.src_uri,
+            line,
+            cells,
+            expected,
+        )
+    return markdown
+
+
+def ragged_table_rows(markdown: str) -> list[tuple[int, int, int]]:
+    """(line number, cells, the header's cells) of each table row whose count differs from
+    its header's, with the table extension's rules: a table is a block whose second line is
+    a separator row, every line up to the next blank one is a row, and a `|` inside a code
+    span or escaped is no separator. Fenced code is skipped."""
+    lines = markdown.splitlines()
+    ragged: list[tuple[int, int, int]] = []
+    fence: str | None = None
+    start = 0
+    while start < len(lines):
+        opening = FENCE.match(lines[start])
+        if opening and (fence is None or opening[1].startswith(fence)):
+            fence = None if fence else opening[1]
+            start += 1
+            continue
+        is_table = (
+            fence is None
+            and "|" in lines[start]
+            and start + 1 < len(lines)
+            and SEPARATOR.match(lines[start + 1]) is not None
+            and (start == 0 or not lines[start - 1].strip() or lines[start - 1].startswith("#"))
+        )
+        if not is_table:
+            start += 1
+            continue
+        expected = len(_cells(lines[start]))
+        end = start + 1
+        while end < len(lines) and lines[end].strip():
+            cells = len(_cells(lines[end]))
+            if cells != expected:
+                ragged.append((end + 1, cells, expected))
+            end += 1
+        start = end
+    return ragged
+
+
+def _cells(row: str) -> list[str]:
+    """A table row's cells, split as Python-Markdown's table extension splits them."""
+    row = row.strip()
+    row = row.removeprefix("|")
+    if row.endswith("|") and not row.endswith("\\|"):
+        row = row[:-1]
+    cells, cell, at = [], "", 0
+    while at < len(row):
+        char = row[at]
+        if char == "\\" and at + 1 < len(row):
+            cell += row[at : at + 2]
+            at += 2
+        elif char == "`":
+            run = len(row[at:]) - len(row[at:].lstrip("`"))
+            close = re.compile(rf"(?<!`)`{{{run}}}(?!`)").search(row, at + run)
+            end = close.end() if close else at + run
+            cell += row[at:end]
+            at = end
+        elif char == "|":
+            cells.append(cell)
+            cell, at = "", at + 1
+        else:
+            cell += char
+            at += 1
+    cells.append(cell)
+    return cells
 
 
 def on_post_page(output: str, page: Page, config: MkDocsConfig) -> str:

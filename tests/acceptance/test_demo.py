@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,8 @@ import pytest
 
 from ..support import services
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dramatiq"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "dramatiq"
 pytestmark = pytest.mark.slow
 
 
@@ -39,3 +42,52 @@ def test_demo__falls_back_to_sqlite_and_the_stub_broker_and_says_so():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "embedded SQLite and Dramatiq's stub broker" in result.stdout
     assert "60 credits applied, one per order" in result.stdout
+
+
+# What scripts/services does for each service it is asked for: the functions it calls.
+SERVICE_STEPS = {
+    "ensure PostgreSQL": "PostgreSQL",
+    "ensure Redis": "Redis",
+    "ensure 'persistent Redis'": "persistent Redis",
+    "ensure_failover_pair_unlocked": "PostgreSQL failover pair",
+    "ensure RabbitMQ": "RabbitMQ",
+    "ensure NATS": "NATS",
+    "install_pgbouncer": "PgBouncer",
+    "ensure PgBouncer": "PgBouncer",
+    "ensure_kafka": "Kafka",
+}
+
+
+def services_started(arguments: list[str]) -> set[str]:
+    """The services ``scripts/services arguments`` looks after, read from bash's trace of
+    the steps it runs (each starts its service when it is down)."""
+    traced = subprocess.run(
+        ["bash", "-x", str(ROOT / "scripts" / "services"), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    steps = [line.lstrip("+ ") for line in traced.stderr.splitlines() if line.startswith("+")]
+    return {
+        service
+        for step in steps
+        for prefix, service in SERVICE_STEPS.items()
+        if step == prefix or step.startswith(prefix + " ")
+    }
+
+
+@pytest.mark.parametrize(
+    ("variant", "uses"),
+    [("dramatiq", {"PostgreSQL", "Redis"}), ("faststream", {"PostgreSQL", "RabbitMQ"})],
+)
+def test_demo__starts_only_the_services_it_uses(variant: str, uses: set[str]):
+    # Given the scripts/services call of each branch of scripts/demo
+    demo = (ROOT / "scripts" / "demo").read_text()
+    faststream, dramatiq = demo.split("exec ../../.venv/bin/python demo.py\nfi\n")
+    branch = faststream if variant == "faststream" else dramatiq
+    (call,) = re.findall(r"^\s*scripts/services (.*?)(?: \|\| true)?$", branch, re.MULTILINE)
+
+    # When it runs, Then it looks after the demo's database and broker, and nothing else
+    # (no PgBouncer installed, no failover pair built, no Kafka reported missing)
+    assert services_started(shlex.split(call)) == uses

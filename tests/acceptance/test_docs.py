@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -18,8 +19,9 @@ from types import ModuleType
 from typing import Any
 
 import dramatiq
+import pytest
 import yaml
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, create_engine, inspect, select, text
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.storage import InboxSchema, migrate
@@ -145,11 +147,63 @@ class _IgnoreTags(yaml.SafeLoader):
 _IgnoreTags.add_multi_constructor("tag:yaml.org,2002:python/", lambda *_: None)
 
 
-def test_readme__links_to_documentation_pages_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", readme)
+def site_url() -> str:
+    return str(yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_IgnoreTags)["site_url"])
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README-pypi.md"])
+def test_readme__links_to_pages_of_the_built_site_that_exist(readme: str):
+    # The Markdown sources pull their code in at build time (`--8<--`), which GitHub shows
+    # as it is: a reader is sent to the site, and each link to a page the site builds.
+    text = (ROOT / readme).read_text()
+    site = site_url()
+    links = re.findall(r"\]\(" + re.escape(site) + r"([^)#]*)(?:#[^)]*)?\)", text)
     assert len(links) >= 10, "the README should send readers to the documentation"
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+    pages = {str(page.relative_to(DOCS).with_suffix("")) for page in PAGES}
+    built = {("" if page == "index" else f"{page}/") for page in pages}
+    assert [link for link in links if link not in built] == []
+    sources = re.findall(r"\]\(([^)]*docs/[^)]*\.md)[^)]*\)", text)
+    assert sources == [], "links to Markdown sources, which show include lines on GitHub"
+
+
+def test_migrations_guide__counts_the_tables_migrate_creates(tmp_path: Path):
+    engine = create_engine(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        migrate(engine)
+        tables = inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    count = words[len(tables) - 1]
+    guide = (DOCS / "how-to" / "migrations.md").read_text()
+    assert f"dropping all {count}:" in guide, tables
+    assert f"drops the {count} tables" in guide, tables
+
+
+def test_docs__every_pip_install_of_the_project_is_quoted_and_names_its_extras():
+    # Unquoted brackets are a file pattern to zsh ("no matches found"); and until the
+    # package is on an index, only the installation page and the READMEs may show the
+    # index's form, next to the clone's.
+    declared = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    index_form_allowed = {"README.md", "README-pypi.md", "docs/install.md"}
+    bad = []
+    for page in [ROOT / "README.md", ROOT / "README-pypi.md", *PAGES]:
+        name = str(page.relative_to(ROOT))
+        for target in re.findall(
+            r"pip install (?:-c \S+ )?([\w'./-]*\[[^\]]*\]'?)", page.read_text()
+        ):
+            quoted = re.fullmatch(r"'(?P<path>[^'\[]*)\[(?P<extras>[^\]]+)\]'", target)
+            if quoted is None:
+                bad.append((name, target, "not quoted"))
+                continue
+            unknown = set(quoted["extras"].split(",")) - declared
+            if unknown:
+                bad.append((name, target, f"no such extra: {sorted(unknown)}"))
+            if quoted["path"] == "inbox-middleware" and name not in index_form_allowed:
+                bad.append((name, target, "from an index, where the package is not yet"))
+    assert bad == []
 
 
 def test_readme__its_code_is_taken_from_a_tested_snippet():

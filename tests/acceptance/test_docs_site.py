@@ -3,8 +3,14 @@ opened page by page in Debian's headless Chromium.
 
 On every page: each Mermaid diagram rendered (an <svg>, not its source shown as text), no
 console error, no request for anything but 127.0.0.1, no element id twice (the API page
-once documented the testing classes twice), no table wider than the page, and in the CLI
-reference no `Sentinel.UNSET` and no empty code span for a default.
+once documented the testing classes twice), no table wider than the page or with rows
+of unequal width, and in the CLI reference no `Sentinel.UNSET` and no empty code span for
+a default.
+
+The build itself is strict and shows its warnings (`--quiet` would hide them, and strict
+mode then passes whatever they say). A table row with more or fewer cells than its header
+is one of them (the site's build hooks): once rendered, the row has been padded or cut to
+the header's width, and the page no longer shows the mistake.
 
 INBOX_DOCS_SCREENSHOTS=DIR saves a full-page screenshot of every page in DIR.
 """
@@ -52,6 +58,10 @@ PAGE_FACTS = """(() => {
         || (t.closest('.md-typeset__scrollwrap') || t).scrollWidth
           > (t.closest('.md-typeset__scrollwrap') || t).clientWidth + 1)
       .map(label),
+    raggedTables: [...content.querySelectorAll('table')]
+      .filter((t) => new Set([...t.rows].map((r) => [...r.cells]
+        .reduce((n, c) => n + c.colSpan, 0))).size > 1)
+      .map(label),
     emptyCode: [...content.querySelectorAll('code')]
       .filter((c) => !c.closest('pre') && !c.textContent.trim()).length,
     sentinel: content.innerText.includes('Sentinel.'),
@@ -73,16 +83,67 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+def build(config: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``mkdocs build --strict`` as scripts/test runs it: warnings shown, and fatal."""
+    command = ["mkdocs", "build", "--strict", "-f", str(config), "--site-dir", str(out)]
+    return subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-        check=True,
-    )
+    built = build(ROOT / "mkdocs.yml", out)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "WARNING" not in built.stdout + built.stderr, built.stdout + built.stderr
     return out
+
+
+# The failures guide's table as it once was: one row with a cell too many, and the
+# paragraph after it with no blank line in between (rendered as three bogus rows).
+RAGGED = """\
+# Failures
+
+| the handler | Dramatiq | FastStream |
+|---|---|---|
+| settles it itself | | `msg.ack()`, `msg.nack()` raise `HandlerTransactionError` |
+| catches a database error | the commit is refused | the same | Dramatiq's Redis broker
+and FastStream's Redis streams do not report redeliveries.
+
+| a `|` in code | an escaped \\| pipe |
+|---|---|
+| `a | b` | c \\| d |
+"""
+
+
+def test_docs_site__a_table_row_with_the_wrong_number_of_cells_fails_the_build(tmp_path: Path):
+    # Given a site with the project's build hooks, whose one page has a ragged table
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text(RAGGED)
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(
+        f"site_name: ragged\ndocs_dir: {docs}\nhooks: [{ROOT / 'mkdocs_hooks.py'}]\n"
+        "markdown_extensions: [tables]\n"
+    )
+
+    # When it is built as the suite builds the real one
+    built = build(config, tmp_path / "site")
+
+    # Then the build fails, naming each row that is not as wide as its header (and not the
+    # rows whose `|` is in code or escaped)
+    output = built.stdout + built.stderr
+    assert built.returncode != 0, output
+    row = r"index\.md:(\d+): a table row with (\d+) cells under a header of 3"
+    warned = re.findall(row, output)
+    assert warned == [("6", "4"), ("7", "1")], output
+    assert output.count("a table row with") == 2, output
 
 
 @pytest.fixture(scope="module")
@@ -161,5 +222,6 @@ def test_docs_site__page_renders_offline(page: str, site: Path, served: str, bro
     assert visit.foreign_requests() == [], f"{page}: requests that leave 127.0.0.1"
     assert facts["duplicateIds"] == [], f"{page}: ids on more than one element"
     assert facts["wideTables"] == [], f"{page}: tables wider than the page"
+    assert facts["raggedTables"] == [], f"{page}: tables whose rows have unequal cells"
     assert facts["emptyCode"] == 0, f"{page}: empty code spans"
     assert not facts["sentinel"], f"{page}: shows a click sentinel as a default"

@@ -1,8 +1,10 @@
 """The FastStream guide's code, run: the example service through its demo (real
-``faststream run`` workers on RabbitMQ), the Redis stream example and the Kafka one."""
+``faststream run`` workers on RabbitMQ), the Redis stream, NATS JetStream and Kafka
+examples."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -96,6 +98,44 @@ async def test_faststream_kafka_example__guard_accepts_it_and_it_applies_once(
     finally:
         await kafka.delete_topics([topic, f"{topic}.quarantine", f"{topic}.dead-letter"])
     assert _balance(pg_engine) == 10
+
+
+async def test_faststream_nats_example__guard_accepts_it_and_it_applies_once(
+    pg_async_engine, pg_engine
+):
+    snippet = load("nats")
+    subject = Harness("nats", []).source
+    stream = f"S{subject}".upper()
+    _, broker = snippet.build(pg_async_engine, services.NATS, subject, stream)
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
+    order = {"account_id": 7, "amount": 10}
+    headers = identity_headers(producer="orders", message_id="o-1")
+    conflict = {"account_id": 7, "amount": 99}
+    try:
+        async with broker:
+            await broker.start()  # guarded: the check accepts a durable JetStream consumer
+            for body in (order, order, conflict):
+                await broker.publish(body, subject, headers=headers, stream=stream)
+            await eventually(lambda: _balance(pg_engine) == 10, what="the credit")
+            await eventually(lambda: _quarantined(pg_engine), what="the conflict")
+            await eventually(lambda: _nothing_pending(broker, stream), what="all three acked")
+    finally:
+        async with broker:
+            for name in (stream, f"{stream}_inbox"):
+                with contextlib.suppress(Exception):
+                    await broker.config.connection_state.stream.delete_stream(name)
+    assert _balance(pg_engine) == 10
+
+
+def _quarantined(engine: Any) -> bool:
+    with engine.connect() as conn:
+        return conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+
+
+async def _nothing_pending(broker: Any, stream: str) -> bool:
+    info = await broker.config.connection_state.stream.consumer_info(stream, "billing")
+    return info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def _nothing_uncommitted(topic: str) -> bool:

@@ -2,19 +2,16 @@
 works against the real PostgreSQL with the driver that extra brings (``faststream-*``:
 asyncpg only, no psycopg), and none of the other brokers' clients.
 
-The dependencies come from a local wheelhouse, filled once (``pip wheel``) and reused
-while the dependency lists in pyproject.toml stay the same; the environments install
-from it with ``--no-index``, so a run is fast and needs no network after the first.
+The dependencies come from a local wheelhouse (tests/support/wheelhouse.py), filled once
+through constraints.txt and reused; the environments install from it with ``--no-index``,
+so a run is fast and needs no network after the first.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
 import subprocess
 import sys
-import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +20,11 @@ import pytest
 
 from ..support.database import _admin
 from ..support.services import POSTGRES
+from ..support.wheelhouse import EXTRAS as WHEELHOUSE_EXTRAS
+from ..support.wheelhouse import offline_env, pip
+from ..support.wheelhouse import wheelhouse as fill_wheelhouse
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELHOUSE = Path(
-    os.environ.get(
-        "INBOX_TEST_WHEELHOUSE", Path.home() / ".cache" / "inbox-middleware-test" / "wheelhouse"
-    )
-)
 
 # extra -> (URL scheme the user would write, the driver module it must bring, modules
 # that must not come with it)
@@ -54,39 +49,11 @@ if importlib.util.find_spec("dramatiq"):
 """
 
 
-def pip(*args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
-def _digest() -> str:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {
-        "dependencies": project["dependencies"],
-        **{extra: project["optional-dependencies"][extra] for extra in EXTRAS},
-        "python": sys.version_info[:2],
-    }
-    return hashlib.sha256(repr(wanted).encode()).hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the dependencies' wheels, this tree's own wheel)."""
-    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-    stamp = WHEELHOUSE / f"filled-{_digest()}"
-    with open(WHEELHOUSE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs at once fill it once
-        if not stamp.exists():
-            extras = ",".join(EXTRAS)
-            pip("wheel", "--wheel-dir", str(WHEELHOUSE), f"{ROOT}[{extras}]", "hatchling")
-            for own in WHEELHOUSE.glob("inbox_middleware-*.whl"):
-                own.unlink()
-            stamp.touch()
+    assert set(EXTRAS) <= set(WHEELHOUSE_EXTRAS)
+    wheels = fill_wheelhouse()
     own = tmp_path_factory.mktemp("own-wheel")
     # Built without the network too: hatchling comes from the wheelhouse.
     pip(
@@ -94,12 +61,13 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "--no-deps",
         "--no-index",
         "--find-links",
-        str(WHEELHOUSE),
+        str(wheels),
         "-w",
         str(own),
         str(ROOT),
+        env=offline_env(),
     )
-    return WHEELHOUSE, own
+    return wheels, own
 
 
 @pytest.fixture
@@ -132,6 +100,7 @@ def test_extra__alone_in_a_fresh_environment_runs_migrate_check_and_status(
         "--find-links",
         str(own),
         f"inbox-middleware[{extra}]",
+        env=offline_env(),
     )
     subprocess.run([python, "-c", CHECK_IMPORTS, driver, ",".join(absent)], check=True)
 

@@ -13,14 +13,16 @@ from pathlib import Path
 def main() -> None:
     sys.path.insert(0, str(Path.cwd()))  # the example's modules, when run from its folder
     # --8<-- [start:send]
-    from service import add_credit
+    from service import add_credit, broker
 
-    from inbox_middleware.dramatiq import identity
+    from inbox_middleware.dramatiq import StampIdentity
 
-    order = identity(producer="orders", message_id="order-1000")
-    add_credit.send_with_options(args=(1, 25, "order-1000"), **order)  # the order
-    add_credit.send_with_options(args=(1, 25, "order-1000"), **order)  # sent again: a duplicate
-    add_credit.send_with_options(args=(1, 99, "order-1000"), **order)  # other amount: a conflict
+    # Messages to add_credit: producer "orders", intent id from the order_id argument.
+    broker.add_middleware(StampIdentity("orders", "order_id", actors={"add_credit"}))
+
+    add_credit.send(1, 25, "order-1000")  # the order
+    add_credit.send(1, 25, "order-1000")  # sent again: a duplicate
+    add_credit.send(1, 99, "order-1000")  # another amount: a conflict
     # --8<-- [end:send]
 
 

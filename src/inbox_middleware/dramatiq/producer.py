@@ -73,8 +73,9 @@ class StampIdentity(dramatiq.Middleware):
       message_id: the name of the argument holding the intent id, or a function of the
         message returning it (``lambda m: f"order-{m.kwargs['order']['id']}"``); it must
         give the same id whenever the same intent is sent again.
-      actors, queues: the messages to stamp, by actor name or queue name. Actors declared
-        with ``inbox_message_id_from`` are stamped whatever these say.
+      actors: the names of the actors whose messages to stamp. Actors declared with
+        ``inbox_message_id_from`` are stamped whatever ``actors`` and ``queues`` say.
+      queues: the names of the queues whose messages to stamp.
       tenant: a tenant stamped on messages that carry none.
 
     ::
