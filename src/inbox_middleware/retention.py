@@ -70,7 +70,10 @@ def parse_duration(text: str) -> timedelta:
         raise ConfigurationError(
             f"cannot read the duration {text!r}: use a number with s, m, h, d or w, like 14d"
         )
-    return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+    try:
+        return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+    except (OverflowError, ValueError):  # beyond timedelta's 999999999 days
+        raise ConfigurationError(f"the duration {text!r} is too long to be a window") from None
 
 
 def format_duration(value: timedelta) -> str:

@@ -20,9 +20,8 @@ from sqlalchemy import Connection
 
 from .. import repair
 from ..repair import Kind, RepairError, Republisher
-from ..retention import parse_duration
 from ..storage.tables import InboxSchema
-from .options import database, database_options
+from .options import DURATION, ROW_ID, database, database_options
 from .output import echo_json, progress, table, when
 
 __all__ = ["poison", "quarantine", "republisher"]
@@ -32,8 +31,9 @@ _PUBLISH_OPTIONS = [
         "--broker-url",
         envvar="INBOX_BROKER_URL",
         show_envvar=True,
-        required=True,
-        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port.",
+        default=None,
+        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port "
+        "(required, except with --dry-run, which publishes nothing).",
     ),
     click.option(
         "--redis-namespace",
@@ -61,21 +61,30 @@ def _options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
     return decorate
 
 
-def _moment(value: str | None) -> datetime | None:
+class Moment(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.4 only
     """An ISO 8601 timestamp (UTC when it names no zone), or a duration ago (``2h``)."""
-    if value is None:
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
+
+    name = "moment"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, datetime):
+            return value
         try:
-            return datetime.now(UTC) - parse_duration(value)
-        except Exception:
-            raise click.BadParameter(
-                f"{value!r} is neither a timestamp (2026-12-01T08:00:00+00:00) nor a "
-                "duration ago (36h, 7d)"
-            ) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+            moment = datetime.fromisoformat(str(value))
+        except ValueError:
+            try:
+                return datetime.now(UTC) - DURATION.convert(value, param, ctx)
+            except click.BadParameter:
+                self.fail(
+                    f"{value!r} is neither a timestamp (2026-12-01T08:00:00+00:00) nor a "
+                    "duration ago up to 100 years (36h, 7d)",
+                    param,
+                    ctx,
+                )
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+MOMENT = Moment()
 
 
 _FILTER_OPTIONS = [
@@ -84,17 +93,21 @@ _FILTER_OPTIONS = [
     click.option("--reason-code", default=None, help="Only rows with this reason code."),
     click.option(
         "--since",
+        type=MOMENT,
         default=None,
         help="Only rows last seen (or failed) at or after this: a timestamp, or a duration "
         "ago (7d).",
     ),
     click.option(
-        "--until", default=None, help="Only rows last seen (or failed) before this (same forms)."
+        "--until",
+        type=MOMENT,
+        default=None,
+        help="Only rows last seen (or failed) before this (same forms).",
     ),
 ]
 
 _DECIDE_OPTIONS = [
-    click.argument("row_ids", nargs=-1, type=int),
+    click.argument("row_ids", nargs=-1, type=ROW_ID),
     *_FILTER_OPTIONS,
     click.option("--dry-run", is_flag=True, help="List the rows it would decide; change nothing."),
     click.option("--by", default=None, help="Who decides (default: user@host)."),
@@ -164,8 +177,8 @@ def _selected(
         consumer=given.get("consumer"),
         producer=given.get("producer"),
         reason=given.get("reason_code"),
-        since=_moment(given.get("since")),
-        until=_moment(given.get("until")),
+        since=given.get("since"),
+        until=given.get("until"),
     )
     conn.commit()
     return sorted(rows, key=lambda row: row["id"])
@@ -219,7 +232,7 @@ def _group(kind: Kind) -> click.Group:
         show_default=True,
         help="Only rows with this decision; 'all' for every row.",
     )
-    @click.option("--limit", default=50, show_default=True)
+    @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per row.")
     def list_command(
         database_url: str,
@@ -228,8 +241,8 @@ def _group(kind: Kind) -> click.Group:
         consumer: str | None,
         producer: str | None,
         reason_code: str | None,
-        since: str | None,
-        until: str | None,
+        since: datetime | None,
+        until: datetime | None,
         decision: str,
         limit: int,
         as_json: bool,
@@ -243,8 +256,8 @@ def _group(kind: Kind) -> click.Group:
                 consumer=consumer,
                 producer=producer,
                 reason=reason_code,
-                since=_moment(since),
-                until=_moment(until),
+                since=since,
+                until=until,
                 decision=None if decision == "all" else decision,
                 limit=limit,
             )
@@ -259,7 +272,7 @@ def _group(kind: Kind) -> click.Group:
 
     @group.command("show")
     @database_options
-    @click.argument("row_id", type=int)
+    @click.argument("row_id", type=ROW_ID)
     def show_command(database_url: str, schema: str | None, prefix: str, row_id: int) -> None:
         """One row, with its payload and headers, as JSON."""
         with database(database_url, schema, prefix) as (conn, naming):
@@ -278,8 +291,8 @@ def _group(kind: Kind) -> click.Group:
         consumer: str | None,
         producer: str | None,
         reason_code: str | None,
-        since: str | None,
-        until: str | None,
+        since: datetime | None,
+        until: datetime | None,
         dry_run: bool,
         by: str | None,
         note: str,
@@ -314,11 +327,11 @@ def _group(kind: Kind) -> click.Group:
             consumer: str | None,
             producer: str | None,
             reason_code: str | None,
-            since: str | None,
-            until: str | None,
+            since: datetime | None,
+            until: datetime | None,
             dry_run: bool,
             by: str | None,
-            broker_url: str,
+            broker_url: str | None,
             redis_namespace: str,
             operation_id: str | None,
             note: str | None,
@@ -329,6 +342,12 @@ def _group(kind: Kind) -> click.Group:
                 if dry_run:
                     _dry_run(kind, action, rows)
                     return
+                if not broker_url:
+                    raise click.MissingParameter(
+                        ctx=click.get_current_context(),
+                        param_hint="'--broker-url'",
+                        param_type="option",
+                    )
                 publishers: dict[str, Republisher] = {}
                 who = _who(by)
 

@@ -6,13 +6,14 @@ import getpass
 import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import click
 
 from .. import retention
-from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration, parse_duration
-from .options import connect, database, database_options
+from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration
+from .options import DURATION, Seconds, connect, database, database_options
 from .output import progress, table
 
 __all__ = ["purge_command", "retention_group"]
@@ -34,19 +35,22 @@ def _scenario_options(command: Callable[..., Any]) -> Callable[..., Any]:
         command = click.option(
             f"--{name.replace('_', '-')}",
             name,
+            type=DURATION,
             default="0",
             show_default=True,
             help=f"{text.capitalize()} (like 7d, 36h).",
         )(command)
     return click.option(
-        "--margin", default=0.25, show_default=True, help="Safety margin over the dominant one."
+        "--margin",
+        type=Seconds(0, 10, what="a fraction"),
+        default=0.25,
+        show_default=True,
+        help="Safety margin over the dominant one, as a fraction (0 to 10).",
     )(command)
 
 
 def _policy(values: dict[str, Any]) -> RetentionPolicy:
-    return RetentionPolicy(
-        **{name: parse_duration(values[name]) for name in _SCENARIOS}, margin=values["margin"]
-    )
+    return RetentionPolicy(**{name: values[name] for name in _SCENARIOS}, margin=values["margin"])
 
 
 def _describe(policy: RetentionPolicy) -> None:
@@ -128,10 +132,18 @@ def show_command(database_url: str, schema: str | None, prefix: str, consumer: s
 
 @click.command("purge")
 @database_options
-@click.option("--older-than", required=True, help="Delete claims processed before this (30d).")
+@click.option(
+    "--older-than", type=DURATION, required=True, help="Delete claims processed before this (30d)."
+)
 @click.option("--consumer", default=None, help="Only this consumer's claims.")
 @click.option("--batch-size", type=click.IntRange(1), default=5000, show_default=True)
-@click.option("--pause", default=0.0, show_default=True, help="Seconds between batches.")
+@click.option(
+    "--pause",
+    type=Seconds(0, 3600),
+    default=0.0,
+    show_default=True,
+    help="Seconds between batches.",
+)
 @click.option(
     "--force",
     is_flag=True,
@@ -142,7 +154,7 @@ def purge_command(
     database_url: str,
     schema: str | None,
     prefix: str,
-    older_than: str,
+    older_than: timedelta,
     consumer: str | None,
     batch_size: int,
     pause: float,
@@ -151,7 +163,7 @@ def purge_command(
 ) -> None:
     """Delete processed claims older than the window, in small batches that never block
     live claims. Refused below the recorded retention policy's minimum."""
-    window = parse_duration(older_than)
+    window = older_than
     age = format_duration(window)
     with database(database_url, schema, prefix) as (conn, naming):
         recorded = retention.check_window(conn, naming, window, consumer=consumer, force=force)
