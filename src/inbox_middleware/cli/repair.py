@@ -1,10 +1,12 @@
 """``inbox-middleware quarantine ...`` and ``inbox-middleware poison ...``.
 
 ``redrive``, ``discard`` and ``accept`` take row ids, or a filter (``--consumer``,
-``--producer``, ``--reason-code``, ``--since``, ``--until``) that selects pending rows;
-``--dry-run`` lists what would be decided and decides nothing. Each row's decision is
-committed on its own before its message is published (see `inbox_middleware.repair`), so
-an interrupted bulk run is finished by running it again.
+``--producer``, ``--reason-code``, ``--since``, ``--until``) that selects pending rows
+(and, for ``redrive`` and ``accept``, the rows the same operation decided and whose
+publish was never confirmed); ``--dry-run`` lists what would be decided and decides
+nothing. Each row's decision is committed on its own before its message is published, and
+its publish recorded once confirmed (see `inbox_middleware.repair`), so an interrupted or
+failed bulk run is finished by running it again.
 """
 
 from __future__ import annotations
@@ -153,10 +155,17 @@ def _listing(kind: Kind, rows: list[dict[str, Any]], title: str) -> None:
 
 
 def _selected(
-    conn: Connection, naming: InboxSchema, kind: Kind, row_ids: tuple[int, ...], **filters: Any
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    row_ids: tuple[int, ...],
+    filters: dict[str, Any],
+    resume: tuple[str, str | None] | None = None,
 ) -> list[dict[str, Any]]:
     """The rows a decision names: by id (any decision: the decision itself refuses), or
-    the pending rows the filter matches, oldest first."""
+    the pending rows the filter matches, oldest first. ``resume`` (an action and its
+    ``--operation-id``): also the rows that operation decided and whose publish was never
+    confirmed, so that running it again finishes them."""
     given = {name: value for name, value in filters.items() if value is not None}
     if row_ids and given:
         raise click.UsageError("give row ids or a filter (--consumer, --since, ...), not both")
@@ -168,20 +177,34 @@ def _selected(
         rows = [repair.show_row(conn, naming, kind, row_id) for row_id in row_ids]
         conn.commit()
         return rows
-    rows = repair.list_rows(
-        conn,
-        naming,
-        kind,
-        decision="pending",
-        limit=None,
-        consumer=given.get("consumer"),
-        producer=given.get("producer"),
-        reason=given.get("reason_code"),
-        since=given.get("since"),
-        until=given.get("until"),
-    )
+    selection = {
+        "consumer": given.get("consumer"),
+        "producer": given.get("producer"),
+        "reason": given.get("reason_code"),
+        "since": given.get("since"),
+        "until": given.get("until"),
+    }
+    rows = repair.list_rows(conn, naming, kind, decision="pending", limit=None, **selection)
+    if resume is not None:
+        action, operation_id = resume
+        decided = "accepted" if action == "accept" else "redriven"
+        unconfirmed = repair.list_unconfirmed(conn, naming, kind, decided, **selection)
+        rows += [
+            row
+            for row in unconfirmed
+            if row["operation_id"] in _operations(action, kind, operation_id, row)
+        ]
     conn.commit()
     return sorted(rows, key=lambda row: row["id"])
+
+
+def _operations(
+    action: str, kind: Kind, operation_id: str | None, row: dict[str, Any]
+) -> tuple[str, ...]:
+    """The operation ids this command may have given ``row``."""
+    if operation_id is None:
+        return (repair.default_operation(action, kind, row),)
+    return (operation_id, f"{operation_id}-{row['id']}")
 
 
 def _decide_all(
@@ -213,9 +236,16 @@ def _decide_all(
 
 
 def _operation(operation_id: str | None, rows: list[dict[str, Any]], row: dict[str, Any]) -> Any:
-    if operation_id is None or len(rows) == 1:
-        return operation_id
-    return f"{operation_id}-{row['id']}"
+    """``--operation-id`` for one row, the id and the row number for several; a row this
+    operation decided already keeps the id it was given (a rerun may select fewer rows)."""
+    if operation_id is None:
+        return None
+    if row["decision"] != "pending" and row["operation_id"] in (
+        operation_id,
+        f"{operation_id}-{row['id']}",
+    ):
+        return row["operation_id"]
+    return operation_id if len(rows) == 1 else f"{operation_id}-{row['id']}"
 
 
 def _group(kind: Kind) -> click.Group:
@@ -298,9 +328,14 @@ def _group(kind: Kind) -> click.Group:
         note: str,
     ) -> None:
         """Give up on pending rows; their messages are not published again."""
-        filters = {"consumer": consumer, "producer": producer, "reason_code": reason_code}
+        filters: dict[str, Any] = {
+            "consumer": consumer,
+            "producer": producer,
+            "reason_code": reason_code,
+        }
         with database(database_url, schema, prefix) as (conn, naming):
-            rows = _selected(conn, naming, kind, row_ids, since=since, until=until, **filters)
+            filters |= {"since": since, "until": until}
+            rows = _selected(conn, naming, kind, row_ids, filters)
             if dry_run:
                 _dry_run(kind, "discard", rows)
                 return
@@ -336,9 +371,14 @@ def _group(kind: Kind) -> click.Group:
             operation_id: str | None,
             note: str | None,
         ) -> None:
-            filters = {"consumer": consumer, "producer": producer, "reason_code": reason_code}
+            filters: dict[str, Any] = {
+                "consumer": consumer,
+                "producer": producer,
+                "reason_code": reason_code,
+            }
             with database(database_url, schema, prefix) as (conn, naming):
-                rows = _selected(conn, naming, kind, row_ids, since=since, until=until, **filters)
+                filters |= {"since": since, "until": until}
+                rows = _selected(conn, naming, kind, row_ids, filters, (action, operation_id))
                 if dry_run:
                     _dry_run(kind, action, rows)
                     return
