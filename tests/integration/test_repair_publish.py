@@ -283,3 +283,48 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
     assert process(delivery("billing", "m-1"), marker) == "poison"
     row = rows(pg_engine, TABLES.poison)[0]
     assert row["decision"] == "recovered" and row["recovered_at"] is not None
+
+
+def test_repair_rows__decisions_and_confirmations_on_both_databases(engine):
+    from inbox_middleware.identity import MessageIdentity, hash_json
+    from inbox_middleware.protocol import Decision, Delivery
+    from inbox_middleware.storage import Inbox, repairs
+
+    table = TABLES.quarantine
+    inbox = Inbox(engine)
+    identity = MessageIdentity("orders", "o-1")
+
+    def conflict(amount: int) -> Decision:
+        delivery = Delivery("billing", identity, hash_json({"amount": amount}, "json.v1"))
+        return inbox.process(delivery, lambda session: None).verdict.decision
+
+    assert conflict(10) is Decision.FIRST
+    assert conflict(25) is Decision.CONFLICT
+    [row] = rows(engine, table)
+    with engine.begin() as conn:
+        # Given the row redriven by op-1, its publish confirmed
+        decided = repairs.decide(conn, table, row["id"], "redriven", operation="op-1", values={})
+        assert decided is not None and decided["published_at"] is None
+        assert repairs.confirm(conn, table, row["id"], "op-1")
+        # And the same operation again keeps the confirmation; another one is refused
+        again = repairs.decide(conn, table, row["id"], "redriven", operation="op-1", values={})
+        assert again is not None and again["published_at"] is not None
+        assert (
+            repairs.decide(conn, table, row["id"], "redriven", operation="op-2", values={}) is None
+        )
+    # When the redriven copy conflicts again
+    assert conflict(25) is Decision.CONFLICT
+    # Then the row is pending again, its last decision cleared
+    [row] = rows(engine, table)
+    assert (row["decision"], row["attempts"], row["operation_id"], row["published_at"]) == (
+        "pending",
+        2,
+        None,
+        None,
+    )
+    # And a discarded row stays discarded when the same payload comes again
+    with engine.begin() as conn:
+        repairs.decide(conn, table, row["id"], "discarded", operation=None, values={})
+    assert conflict(25) is Decision.CONFLICT
+    [row] = rows(engine, table)
+    assert (row["decision"], row["attempts"]) == ("discarded", 3)
