@@ -41,7 +41,7 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     "(outbox.Destinations), or of a function returning one.",
 )
 @click.option("--path", default=".", show_default=True, help="Prepended to the import path.")
-@click.option("--batch-size", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option(
     "--lease",
     type=Seconds(0, 86400, open_minimum=True),
@@ -56,7 +56,7 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     show_default=True,
     help="Seconds one delivery may take; at most 80% of the lease.",
 )
-@click.option("--max-attempts", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--max-attempts", type=click.IntRange(1, 10_000), default=10, show_default=True)
 @click.option(
     "--backoff-base",
     type=Seconds(0, 86400, open_minimum=True),
@@ -204,7 +204,7 @@ def load_destinations(target: str, path: str = ".") -> Mapping[str, Destination]
 @database_options
 @click.option("--status", type=click.Choice(STATUSES), default=None)
 @click.option("--destination", default=None)
-@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 1_000_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per effect.")
 def list_command(
     database_url: str,

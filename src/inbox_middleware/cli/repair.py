@@ -262,7 +262,7 @@ def _group(kind: Kind) -> click.Group:
         show_default=True,
         help="Only rows with this decision; 'all' for every row.",
     )
-    @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+    @click.option("--limit", type=click.IntRange(1, 1_000_000), default=50, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per row.")
     def list_command(
         database_url: str,

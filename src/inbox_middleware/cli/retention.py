@@ -136,7 +136,7 @@ def show_command(database_url: str, schema: str | None, prefix: str, consumer: s
     "--older-than", type=DURATION, required=True, help="Delete claims processed before this (30d)."
 )
 @click.option("--consumer", default=None, help="Only this consumer's claims.")
-@click.option("--batch-size", type=click.IntRange(1), default=5000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 1_000_000), default=5000, show_default=True)
 @click.option(
     "--pause",
     type=Seconds(0, 3600),
