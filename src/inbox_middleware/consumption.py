@@ -429,7 +429,10 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         return (yield from _failed(arrival, delivery, rules, exc))
     verdict: Verdict = outcome.verdict
     if verdict.runs_handler:  # first seen, or anything in shadow mode
-        recovered = _recovered(arrival.repair_marker)
+        # The row a repair marker names, when the executor found it to be this delivery's
+        # own repair and marked it recovered in the same transaction (a stray marker is
+        # nothing).
+        recovered: str | None = outcome.recovered
         age = too_old[0] if too_old else None
         return Processed(outcome.result, verdict, recovered, outcome.attempts, age)
     if verdict.decision is Decision.DUPLICATE:
@@ -632,13 +635,6 @@ def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Set
 
 def _requested_delay(exc: BaseException) -> float | None:
     return exc.delay if isinstance(exc, HandBackRequested) else None
-
-
-def _recovered(marker: str | None) -> str | None:
-    if not marker or ":" not in marker:
-        return None
-    kind, _, number = marker.partition(":")
-    return kind if kind in ("poison", "quarantine") and number.isdigit() else None
 
 
 # -- drivers ----------------------------------------------------------------------------------

@@ -3,21 +3,28 @@ and accept (quarantine).
 
 The tables are the source of truth; every decision is recorded in the row with who made
 it, when and why. Redrive and accept republish the stored message; both are idempotent
-by operation id::
+by operation id, and done only once the broker confirmed the publish::
 
     redrive 12 --operation-id op-1   ->  UPDATE ... SET decision = 'redriven',
                                             operation_id = 'op-1'
                                          WHERE id = 12 AND (decision = 'pending'
                                             OR decision = 'redriven' AND operation_id = 'op-1')
-                                     ->  COMMIT, then publish
-    the same command again           ->  the row matches again: publish again. The copy
-                                         carries the same identity, so the consumer's inbox
-                                         applies it at most once; a publish lost after the
-                                         commit is repaired by running the command again.
+                                     ->  COMMIT, then publish (the broker confirms it)
+                                     ->  UPDATE ... SET published_at = now()
+                                         WHERE id = 12 AND operation_id = 'op-1'; COMMIT
+    the publish fails, or the        ->  the row says redriven by op-1, published_at NULL:
+    command dies before confirming       recorded, not confirmed
+    the same command again           ->  the row matches again (by id, or by a filter,
+                                         which selects pending rows and this operation's
+                                         unconfirmed ones): publish again. The copy carries
+                                         the same identity, so the consumer's inbox applies
+                                         it at most once.
     another operation id             ->  refused: already redriven by op-1
 
-A republished message carries a repair marker (``poison:12``, ``quarantine:7``); when it
-is later processed, the adapter marks the row ``recovered`` in the same transaction.
+A republished message carries a repair marker (``poison:12:op-1``); when it is later
+processed, the executor marks the row ``recovered`` in the same transaction, if the row
+is that consumer's, for that identity, and decided by that operation (a marker is a
+header anyone can set).
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ __all__ = [
     "Republisher",
     "StoredMessage",
     "accept",
+    "default_operation",
     "discard",
     "list_rows",
+    "list_unconfirmed",
     "mark_recovered",
     "parse_marker",
     "redrive",
@@ -73,10 +82,14 @@ class StoredMessage:
     payload_format: str
     headers: Mapping[str, Any]
     source: str
+    operation: str | None = None
+    """The operation that republishes it."""
 
     @property
     def marker(self) -> str:
-        return f"{self.kind}:{self.row_id}"
+        """``poison:12:op-1``: the row it repairs, and the operation that republished it."""
+        base = f"{self.kind}:{self.row_id}"
+        return base if self.operation is None else f"{base}:{self.operation}"
 
 
 class Republisher(Protocol):
@@ -123,6 +136,42 @@ def list_rows(
     return repairs.rows(conn, table, last, equal, since=since, until=until, limit=limit)
 
 
+def list_unconfirmed(
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    decision: str,
+    *,
+    consumer: str | None = None,
+    producer: str | None = None,
+    reason: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> list[dict[str, Any]]:
+    """Rows an operation decided (``decision``: redriven, accepted) whose publish was
+    never confirmed, with `list_rows`'s filters: a run of that operation again finishes
+    them."""
+    table = _table(naming, kind)
+    last = "last_seen_at" if kind == "quarantine" else "last_failure_at"
+    equal = {
+        "consumer_name": consumer,
+        "producer_name": producer,
+        "reason_code": reason,
+        "decision": decision,
+    }
+    return repairs.rows(
+        conn, table, last, equal, since=since, until=until, limit=None, unconfirmed=True
+    )
+
+
+def default_operation(action: str, kind: Kind, row: Mapping[str, Any]) -> str:
+    """The operation id of ``action`` (redrive, accept) on ``row`` when none is given:
+    derived from the row, so that the same command run again is the same operation."""
+    if action == "accept":
+        return f"accept-quarantine-{row['id']}"
+    return f"redrive-{kind}-{row['id']}-{row['attempts']}"
+
+
 def show_row(conn: Connection, naming: InboxSchema, kind: Kind, row_id: int) -> dict[str, Any]:
     row = repairs.row(conn, _table(naming, kind), row_id)
     if row is None:
@@ -152,13 +201,16 @@ def redrive(
 ) -> tuple[dict[str, Any], str]:
     """Publish the stored message again under its own identity; return (row, operation).
 
-    Commits the decision on ``conn`` before publishing. For poison, the identity was
-    never claimed (its attempts rolled back), so the repaired consumer processes it once.
-    For quarantine, the copy meets the original claim again: a duplicate when its payload
-    now matches (a canonical form fixed to ignore a volatile field), a conflict otherwise.
+    Commits the decision on ``conn`` before publishing, and records the publish as
+    confirmed (``published_at``) once the publisher returned: a publish that fails leaves
+    the row redriven by this operation and unconfirmed, for the same operation to finish.
+    For poison, the identity was never claimed (its attempts rolled back), so the repaired
+    consumer processes it once. For quarantine, the copy meets the original claim again:
+    a duplicate when its payload now matches (a canonical form fixed to ignore a volatile
+    field), a conflict otherwise (the row is then pending again).
     """
     row = show_row(conn, naming, kind, row_id)
-    operation = operation_id or f"redrive-{kind}-{row_id}-{row['attempts']}"
+    operation = operation_id or default_operation("redrive", kind, row)
     row = _decide(conn, naming, kind, row_id, "redriven", by=by, note=note, operation=operation)
     # A fresh start: the redriven message's earlier failures must not poison it again on
     # its first failure after the repair.
@@ -167,8 +219,8 @@ def redrive(
     key = (row["consumer_name"], row["producer_name"], row["tenant"], row["message_id"])
     FailureRecorder(naming, conn.dialect.name).reset(conn, key)
     _commit(conn)
-    _publish(publisher, kind, row, message_id=row["message_id"])
-    return row, operation
+    _publish(publisher, kind, row, message_id=row["message_id"], operation=operation)
+    return _confirmed(conn, naming, kind, row, operation), operation
 
 
 def accept(
@@ -187,7 +239,7 @@ def accept(
     same intent again, which the consumer applies once. Returns (row, new message id).
     """
     row = show_row(conn, naming, "quarantine", row_id)
-    operation = operation_id or f"accept-quarantine-{row_id}"
+    operation = operation_id or default_operation("accept", "quarantine", row)
     new_id = accepted_message_id(row["message_id"], row_id)
     row = _decide(
         conn,
@@ -201,8 +253,8 @@ def accept(
         extra={"accepted_message_id": new_id},
     )
     _commit(conn)
-    _publish(publisher, "quarantine", row, message_id=new_id)
-    return row, new_id
+    _publish(publisher, "quarantine", row, message_id=new_id, operation=operation)
+    return _confirmed(conn, naming, "quarantine", row, operation), new_id
 
 
 def accepted_message_id(message_id: str, row_id: int) -> str:
@@ -214,14 +266,18 @@ def accepted_message_id(message_id: str, row_id: int) -> str:
 
 
 def parse_marker(marker: object) -> tuple[Kind, int] | None:
-    """``"poison:12"`` -> ("poison", 12); anything else -> None."""
+    """``"poison:12:op-1"`` (or ``"poison:12"``) -> ("poison", 12); anything else -> None."""
     parsed = _parse_marker(marker)
-    return None if parsed is None else (parsed[0], parsed[1])  # type: ignore[return-value]
+    return None if parsed is None else (parsed.kind, parsed.row_id)  # type: ignore[return-value]
 
 
-def mark_recovered(conn: Connection, naming: InboxSchema, marker: object) -> Kind | None:
-    """In the processing transaction: the repaired message committed; say so in its row."""
-    return _mark_recovered(conn, naming, marker)  # type: ignore[return-value]
+def mark_recovered(
+    conn: Connection, naming: InboxSchema, marker: object, key: tuple[str, str, str, str]
+) -> Kind | None:
+    """In the processing transaction of the message with identity ``key`` (consumer,
+    producer, tenant, message id): the repaired message committed; say so in the row the
+    marker names, if it is this message's own repair (see `storage.failures`)."""
+    return _mark_recovered(conn, naming, marker, key)  # type: ignore[return-value]
 
 
 def _decide(
@@ -258,13 +314,28 @@ def _decide(
     return dict(row)
 
 
+def _confirmed(
+    conn: Connection, naming: InboxSchema, kind: Kind, row: dict[str, Any], operation: str
+) -> dict[str, Any]:
+    """The publish returned: the broker has the message. Say so in the row."""
+    repairs.confirm(conn, _table(naming, kind), row["id"], operation)
+    confirmed = show_row(conn, naming, kind, row["id"])
+    _commit(conn)
+    return confirmed
+
+
 def _commit(conn: Connection) -> None:
     if conn.in_transaction():
         conn.commit()
 
 
 def _publish(
-    publisher: Republisher, kind: Kind, row: Mapping[str, Any], *, message_id: str
+    publisher: Republisher,
+    kind: Kind,
+    row: Mapping[str, Any],
+    *,
+    message_id: str,
+    operation: str,
 ) -> None:
     stored = StoredMessage(
         kind=kind,
@@ -277,6 +348,7 @@ def _publish(
         payload_format=row["payload_format"],
         headers=row["headers"] or {},
         source=row["source"],
+        operation=operation,
     )
     if not stored.payload:
         raise RepairError(f"{kind} row #{row['id']} kept no payload to publish")

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
@@ -34,7 +35,13 @@ from .instruments import metrics
 from .poison import EXPIRED_REDELIVERY
 from .policy import ExpiredPolicy
 from .protocol import Delivery
-from .storage.retention import policy_rows, purge_statements, write_policy
+from .storage.retention import (
+    all_policy_rows,
+    consumers_with_rows,
+    policy_rows,
+    purge_statements,
+    write_policy,
+)
 from .storage.tables import ALL_CONSUMERS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
@@ -42,6 +49,7 @@ logger = logging.getLogger("inbox_middleware")
 __all__ = [
     "ALL_CONSUMERS",
     "ExpiredPolicy",
+    "PurgeDecision",
     "RecordedPolicy",
     "RetentionPolicy",
     "RetentionRefused",
@@ -52,6 +60,7 @@ __all__ = [
     "minimum_window",
     "parse_duration",
     "purge",
+    "purge_plan",
     "record_policy",
     "recorded_policy",
 ]
@@ -70,7 +79,10 @@ def parse_duration(text: str) -> timedelta:
         raise ConfigurationError(
             f"cannot read the duration {text!r}: use a number with s, m, h, d or w, like 14d"
         )
-    return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+    try:
+        return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+    except (OverflowError, ValueError):  # beyond timedelta's 999999999 days
+        raise ConfigurationError(f"the duration {text!r} is too long to be a window") from None
 
 
 def format_duration(value: timedelta) -> str:
@@ -182,8 +194,10 @@ def recorded_policy(
     wanted = [ALL_CONSUMERS] if consumer is None else [consumer, ALL_CONSUMERS]
     rows = policy_rows(conn, naming, wanted)
     row = next((rows[name] for name in wanted if name in rows), None)
-    if row is None:
-        return None
+    return None if row is None else _recorded(row)
+
+
+def _recorded(row: Any) -> RecordedPolicy:
     values = dict(row.scenarios)
     margin = float(values.pop("margin", 0.25))
     policy = RetentionPolicy(
@@ -195,6 +209,71 @@ def recorded_policy(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PurgeDecision:
+    """What a purge may do to one consumer's rows."""
+
+    consumer: str
+    recorded: RecordedPolicy | None
+    """The policy that applies: the consumer's own, else the default, else None."""
+    refused: str | None
+    """Why this consumer's rows are kept (None: they may go)."""
+    forced: bool = False
+    """Allowed only by ``force``: no policy, or a window below its minimum."""
+
+
+_NO_POLICY = (
+    "no retention policy is recorded: record the failure scenarios first "
+    "(inbox-middleware retention set ...), or pass --force"
+)
+
+
+def _refusal(older_than: timedelta, recorded: RecordedPolicy | None) -> str | None:
+    if recorded is None:
+        return _NO_POLICY
+    if older_than < recorded.minimum:
+        owner = "the default" if recorded.consumer == ALL_CONSUMERS else "its"
+        return (
+            f"purging claims younger than {format_duration(recorded.minimum)} is refused: "
+            f"{owner} recorded policy needs that long for its dominant scenario "
+            f"({recorded.dominant}); a copy delivered later would be processed again. "
+            "To apply old messages once more, see the replay guide (a versioned consumer or "
+            "a compensating migration), never the purge"
+        )
+    return None
+
+
+def purge_plan(
+    conn: Connection,
+    naming: InboxSchema,
+    older_than: timedelta,
+    *,
+    consumer: str | None,
+    force: bool,
+) -> list[PurgeDecision]:
+    """Decide, consumer by consumer, whether claims older than ``older_than`` may go.
+
+    Each consumer (``consumer``, or every consumer with rows) is judged under its own
+    recorded policy, else the default one: refused when there is none or when the window
+    is below its minimum, unless ``force``. A purge of every consumer is therefore never
+    judged by the default policy alone: a consumer that recorded a longer window keeps
+    its claims for that long.
+    """
+    policies = {name: _recorded(row) for name, row in all_policy_rows(conn, naming).items()}
+    if not policies and not force:
+        raise RetentionRefused(_NO_POLICY)
+    consumers = [consumer] if consumer is not None else consumers_with_rows(conn, naming)
+    plan = []
+    for name in consumers:
+        recorded = policies.get(name, policies.get(ALL_CONSUMERS))
+        refused = _refusal(older_than, recorded)
+        if force:
+            plan.append(PurgeDecision(name, recorded, None, forced=refused is not None))
+        else:
+            plan.append(PurgeDecision(name, recorded, refused))
+    return plan
+
+
 def check_window(
     conn: Connection,
     naming: InboxSchema,
@@ -203,24 +282,15 @@ def check_window(
     consumer: str | None,
     force: bool,
 ) -> RecordedPolicy | None:
-    """Refuse a purge window the recorded policy does not allow, unless ``force``."""
-    recorded = recorded_policy(conn, naming, consumer)
-    if force:
-        return recorded
-    if recorded is None:
-        raise RetentionRefused(
-            "no retention policy is recorded: record the failure scenarios first "
-            "(inbox-middleware retention set ...), or pass --force"
-        )
-    if older_than < recorded.minimum:
-        raise RetentionRefused(
-            f"purging claims younger than {format_duration(recorded.minimum)} is refused: the "
-            f"recorded policy needs that long for its dominant scenario "
-            f"({recorded.dominant}); a copy delivered later would be processed again. "
-            "To apply old messages once more, see the replay guide (a versioned consumer or "
-            "a compensating migration), never the purge"
-        )
-    return recorded
+    """Refuse a purge window the recorded policies do not allow, unless ``force``: for
+    ``consumer``, or (None) for every consumer with rows. Returns the policy that applies
+    to ``consumer`` (None: the default one)."""
+    for decision in purge_plan(conn, naming, older_than, consumer=consumer, force=force):
+        if decision.refused is not None:
+            if consumer is None:
+                raise RetentionRefused(f"consumer {decision.consumer}: {decision.refused}")
+            raise RetentionRefused(decision.refused)
+    return recorded_policy(conn, naming, consumer)
 
 
 def purge(

@@ -79,9 +79,13 @@ def test_purge__refused_without_a_policy_and_below_its_minimum(pg_engine, pg_url
     )
     assert set_.returncode == 0, set_.stderr
     assert "minimum retention window: 2w4d (dead-letter redrive" in set_.stdout
+    delivery = Delivery("billing", MessageIdentity("orders", "o-1"), hash_json(1, "json.v1"))
+    Inbox(pg_engine).process(delivery, lambda session: None)
     refused = cli(pg_url, "purge", "--older-than", "7d")
     assert refused.returncode == 1
-    assert refused.stderr.startswith("error: purging claims younger than 2w4d is refused")
+    assert refused.stderr.startswith(
+        "error: consumer billing kept: purging claims younger than 2w4d is refused"
+    )
     assert "replay guide" in refused.stderr and "Traceback" not in refused.stderr
     allowed = cli(pg_url, "purge", "--older-than", "30d")
     assert allowed.returncode == 0, allowed.stderr

@@ -184,6 +184,9 @@ PUBLIC = {
     "inbox_middleware.explain": {"FORMAT", "SCHEMA", "consumer_known", "explain"},
     "inbox_middleware.cli": {"main", "run"},
     "inbox_middleware.cli.options": {
+        "DURATION",
+        "ROW_ID",
+        "Seconds",
         "connect",
         "database",
         "database_options",

@@ -20,7 +20,7 @@ from ..outbox.dispatcher import Backoff, Dispatcher, require_postgresql
 from ..outbox.errors import EffectNotFound
 from ..outbox.statements import STATUSES, OutboxStatements, statements_for
 from ..storage.migrate import check_schema
-from .options import connect, database, database_options, naming_from
+from .options import Seconds, connect, database, database_options, naming_from
 from .output import echo_json, table, when
 
 __all__ = ["outbox"]
@@ -41,19 +41,43 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     "(outbox.Destinations), or of a function returning one.",
 )
 @click.option("--path", default=".", show_default=True, help="Prepended to the import path.")
-@click.option("--batch-size", type=click.IntRange(1), default=100, show_default=True)
-@click.option("--lease", type=float, default=60.0, show_default=True, help="Seconds.")
+@click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option(
+    "--lease",
+    type=Seconds(0, 86400, open_minimum=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds.",
+)
 @click.option(
     "--delivery-timeout",
-    type=float,
+    type=Seconds(0, 86400, open_minimum=True),
     default=10.0,
     show_default=True,
     help="Seconds one delivery may take; at most 80% of the lease.",
 )
-@click.option("--max-attempts", type=click.IntRange(1), default=10, show_default=True)
-@click.option("--backoff-base", type=float, default=1.0, show_default=True, help="Seconds.")
-@click.option("--backoff-cap", type=float, default=300.0, show_default=True, help="Seconds.")
-@click.option("--poll-interval", type=float, default=1.0, show_default=True, help="Seconds.")
+@click.option("--max-attempts", type=click.IntRange(1, 10_000), default=10, show_default=True)
+@click.option(
+    "--backoff-base",
+    type=Seconds(0, 86400, open_minimum=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds.",
+)
+@click.option(
+    "--backoff-cap",
+    type=Seconds(0, 7 * 86400, open_minimum=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds.",
+)
+@click.option(
+    "--poll-interval",
+    type=Seconds(0, 3600, open_minimum=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds.",
+)
 @click.option(
     "--listen/--no-listen",
     default=False,
@@ -69,7 +93,7 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
 )
 @click.option(
     "--shutdown-grace",
-    type=float,
+    type=Seconds(0, 86400),
     default=None,
     help="Seconds in-flight deliveries may take after SIGTERM [default: the delivery timeout].",
 )
@@ -180,7 +204,7 @@ def load_destinations(target: str, path: str = ".") -> Mapping[str, Destination]
 @database_options
 @click.option("--status", type=click.Choice(STATUSES), default=None)
 @click.option("--destination", default=None)
-@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 1_000_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per effect.")
 def list_command(
     database_url: str,

@@ -1,10 +1,12 @@
 """``inbox-middleware quarantine ...`` and ``inbox-middleware poison ...``.
 
 ``redrive``, ``discard`` and ``accept`` take row ids, or a filter (``--consumer``,
-``--producer``, ``--reason-code``, ``--since``, ``--until``) that selects pending rows;
-``--dry-run`` lists what would be decided and decides nothing. Each row's decision is
-committed on its own before its message is published (see `inbox_middleware.repair`), so
-an interrupted bulk run is finished by running it again.
+``--producer``, ``--reason-code``, ``--since``, ``--until``) that selects pending rows
+(and, for ``redrive`` and ``accept``, the rows the same operation decided and whose
+publish was never confirmed); ``--dry-run`` lists what would be decided and decides
+nothing. Each row's decision is committed on its own before its message is published, and
+its publish recorded once confirmed (see `inbox_middleware.repair`), so an interrupted or
+failed bulk run is finished by running it again.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from sqlalchemy import Connection
 
 from .. import repair
 from ..repair import Kind, RepairError, Republisher
-from ..retention import parse_duration
 from ..storage.tables import InboxSchema
-from .options import database, database_options
+from .options import DURATION, ROW_ID, database, database_options
 from .output import echo_json, progress, table, when
 
 __all__ = ["poison", "quarantine", "republisher"]
@@ -32,8 +33,9 @@ _PUBLISH_OPTIONS = [
         "--broker-url",
         envvar="INBOX_BROKER_URL",
         show_envvar=True,
-        required=True,
-        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port.",
+        default=None,
+        help="Broker to publish to: amqp://, redis://, nats:// or kafka://host:port "
+        "(required, except with --dry-run, which publishes nothing).",
     ),
     click.option(
         "--redis-namespace",
@@ -61,21 +63,30 @@ def _options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
     return decorate
 
 
-def _moment(value: str | None) -> datetime | None:
+class Moment(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.4 only
     """An ISO 8601 timestamp (UTC when it names no zone), or a duration ago (``2h``)."""
-    if value is None:
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
+
+    name = "moment"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, datetime):
+            return value
         try:
-            return datetime.now(UTC) - parse_duration(value)
-        except Exception:
-            raise click.BadParameter(
-                f"{value!r} is neither a timestamp (2026-12-01T08:00:00+00:00) nor a "
-                "duration ago (36h, 7d)"
-            ) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+            moment = datetime.fromisoformat(str(value))
+        except ValueError:
+            try:
+                return datetime.now(UTC) - DURATION.convert(value, param, ctx)
+            except click.BadParameter:
+                self.fail(
+                    f"{value!r} is neither a timestamp (2026-12-01T08:00:00+00:00) nor a "
+                    "duration ago up to 100 years (36h, 7d)",
+                    param,
+                    ctx,
+                )
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+MOMENT = Moment()
 
 
 _FILTER_OPTIONS = [
@@ -84,17 +95,21 @@ _FILTER_OPTIONS = [
     click.option("--reason-code", default=None, help="Only rows with this reason code."),
     click.option(
         "--since",
+        type=MOMENT,
         default=None,
         help="Only rows last seen (or failed) at or after this: a timestamp, or a duration "
         "ago (7d).",
     ),
     click.option(
-        "--until", default=None, help="Only rows last seen (or failed) before this (same forms)."
+        "--until",
+        type=MOMENT,
+        default=None,
+        help="Only rows last seen (or failed) before this (same forms).",
     ),
 ]
 
 _DECIDE_OPTIONS = [
-    click.argument("row_ids", nargs=-1, type=int),
+    click.argument("row_ids", nargs=-1, type=ROW_ID),
     *_FILTER_OPTIONS,
     click.option("--dry-run", is_flag=True, help="List the rows it would decide; change nothing."),
     click.option("--by", default=None, help="Who decides (default: user@host)."),
@@ -140,10 +155,17 @@ def _listing(kind: Kind, rows: list[dict[str, Any]], title: str) -> None:
 
 
 def _selected(
-    conn: Connection, naming: InboxSchema, kind: Kind, row_ids: tuple[int, ...], **filters: Any
+    conn: Connection,
+    naming: InboxSchema,
+    kind: Kind,
+    row_ids: tuple[int, ...],
+    filters: dict[str, Any],
+    resume: tuple[str, str | None] | None = None,
 ) -> list[dict[str, Any]]:
     """The rows a decision names: by id (any decision: the decision itself refuses), or
-    the pending rows the filter matches, oldest first."""
+    the pending rows the filter matches, oldest first. ``resume`` (an action and its
+    ``--operation-id``): also the rows that operation decided and whose publish was never
+    confirmed, so that running it again finishes them."""
     given = {name: value for name, value in filters.items() if value is not None}
     if row_ids and given:
         raise click.UsageError("give row ids or a filter (--consumer, --since, ...), not both")
@@ -155,20 +177,34 @@ def _selected(
         rows = [repair.show_row(conn, naming, kind, row_id) for row_id in row_ids]
         conn.commit()
         return rows
-    rows = repair.list_rows(
-        conn,
-        naming,
-        kind,
-        decision="pending",
-        limit=None,
-        consumer=given.get("consumer"),
-        producer=given.get("producer"),
-        reason=given.get("reason_code"),
-        since=_moment(given.get("since")),
-        until=_moment(given.get("until")),
-    )
+    selection = {
+        "consumer": given.get("consumer"),
+        "producer": given.get("producer"),
+        "reason": given.get("reason_code"),
+        "since": given.get("since"),
+        "until": given.get("until"),
+    }
+    rows = repair.list_rows(conn, naming, kind, decision="pending", limit=None, **selection)
+    if resume is not None:
+        action, operation_id = resume
+        decided = "accepted" if action == "accept" else "redriven"
+        unconfirmed = repair.list_unconfirmed(conn, naming, kind, decided, **selection)
+        rows += [
+            row
+            for row in unconfirmed
+            if row["operation_id"] in _operations(action, kind, operation_id, row)
+        ]
     conn.commit()
     return sorted(rows, key=lambda row: row["id"])
+
+
+def _operations(
+    action: str, kind: Kind, operation_id: str | None, row: dict[str, Any]
+) -> tuple[str, ...]:
+    """The operation ids this command may have given ``row``."""
+    if operation_id is None:
+        return (repair.default_operation(action, kind, row),)
+    return (operation_id, f"{operation_id}-{row['id']}")
 
 
 def _decide_all(
@@ -200,9 +236,16 @@ def _decide_all(
 
 
 def _operation(operation_id: str | None, rows: list[dict[str, Any]], row: dict[str, Any]) -> Any:
-    if operation_id is None or len(rows) == 1:
-        return operation_id
-    return f"{operation_id}-{row['id']}"
+    """``--operation-id`` for one row, the id and the row number for several; a row this
+    operation decided already keeps the id it was given (a rerun may select fewer rows)."""
+    if operation_id is None:
+        return None
+    if row["decision"] != "pending" and row["operation_id"] in (
+        operation_id,
+        f"{operation_id}-{row['id']}",
+    ):
+        return row["operation_id"]
+    return operation_id if len(rows) == 1 else f"{operation_id}-{row['id']}"
 
 
 def _group(kind: Kind) -> click.Group:
@@ -219,7 +262,7 @@ def _group(kind: Kind) -> click.Group:
         show_default=True,
         help="Only rows with this decision; 'all' for every row.",
     )
-    @click.option("--limit", default=50, show_default=True)
+    @click.option("--limit", type=click.IntRange(1, 1_000_000), default=50, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per row.")
     def list_command(
         database_url: str,
@@ -228,8 +271,8 @@ def _group(kind: Kind) -> click.Group:
         consumer: str | None,
         producer: str | None,
         reason_code: str | None,
-        since: str | None,
-        until: str | None,
+        since: datetime | None,
+        until: datetime | None,
         decision: str,
         limit: int,
         as_json: bool,
@@ -243,8 +286,8 @@ def _group(kind: Kind) -> click.Group:
                 consumer=consumer,
                 producer=producer,
                 reason=reason_code,
-                since=_moment(since),
-                until=_moment(until),
+                since=since,
+                until=until,
                 decision=None if decision == "all" else decision,
                 limit=limit,
             )
@@ -259,7 +302,7 @@ def _group(kind: Kind) -> click.Group:
 
     @group.command("show")
     @database_options
-    @click.argument("row_id", type=int)
+    @click.argument("row_id", type=ROW_ID)
     def show_command(database_url: str, schema: str | None, prefix: str, row_id: int) -> None:
         """One row, with its payload and headers, as JSON."""
         with database(database_url, schema, prefix) as (conn, naming):
@@ -278,16 +321,21 @@ def _group(kind: Kind) -> click.Group:
         consumer: str | None,
         producer: str | None,
         reason_code: str | None,
-        since: str | None,
-        until: str | None,
+        since: datetime | None,
+        until: datetime | None,
         dry_run: bool,
         by: str | None,
         note: str,
     ) -> None:
         """Give up on pending rows; their messages are not published again."""
-        filters = {"consumer": consumer, "producer": producer, "reason_code": reason_code}
+        filters: dict[str, Any] = {
+            "consumer": consumer,
+            "producer": producer,
+            "reason_code": reason_code,
+        }
         with database(database_url, schema, prefix) as (conn, naming):
-            rows = _selected(conn, naming, kind, row_ids, since=since, until=until, **filters)
+            filters |= {"since": since, "until": until}
+            rows = _selected(conn, naming, kind, row_ids, filters)
             if dry_run:
                 _dry_run(kind, "discard", rows)
                 return
@@ -314,21 +362,32 @@ def _group(kind: Kind) -> click.Group:
             consumer: str | None,
             producer: str | None,
             reason_code: str | None,
-            since: str | None,
-            until: str | None,
+            since: datetime | None,
+            until: datetime | None,
             dry_run: bool,
             by: str | None,
-            broker_url: str,
+            broker_url: str | None,
             redis_namespace: str,
             operation_id: str | None,
             note: str | None,
         ) -> None:
-            filters = {"consumer": consumer, "producer": producer, "reason_code": reason_code}
+            filters: dict[str, Any] = {
+                "consumer": consumer,
+                "producer": producer,
+                "reason_code": reason_code,
+            }
             with database(database_url, schema, prefix) as (conn, naming):
-                rows = _selected(conn, naming, kind, row_ids, since=since, until=until, **filters)
+                filters |= {"since": since, "until": until}
+                rows = _selected(conn, naming, kind, row_ids, filters, (action, operation_id))
                 if dry_run:
                     _dry_run(kind, action, rows)
                     return
+                if not broker_url:
+                    raise click.MissingParameter(
+                        ctx=click.get_current_context(),
+                        param_hint="'--broker-url'",
+                        param_type="option",
+                    )
                 publishers: dict[str, Republisher] = {}
                 who = _who(by)
 

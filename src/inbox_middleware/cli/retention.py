@@ -6,13 +6,14 @@ import getpass
 import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import click
 
 from .. import retention
-from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration, parse_duration
-from .options import connect, database, database_options
+from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration
+from .options import DURATION, Seconds, connect, database, database_options
 from .output import progress, table
 
 __all__ = ["purge_command", "retention_group"]
@@ -34,19 +35,22 @@ def _scenario_options(command: Callable[..., Any]) -> Callable[..., Any]:
         command = click.option(
             f"--{name.replace('_', '-')}",
             name,
+            type=DURATION,
             default="0",
             show_default=True,
             help=f"{text.capitalize()} (like 7d, 36h).",
         )(command)
     return click.option(
-        "--margin", default=0.25, show_default=True, help="Safety margin over the dominant one."
+        "--margin",
+        type=Seconds(0, 10, what="a fraction"),
+        default=0.25,
+        show_default=True,
+        help="Safety margin over the dominant one, as a fraction (0 to 10).",
     )(command)
 
 
 def _policy(values: dict[str, Any]) -> RetentionPolicy:
-    return RetentionPolicy(
-        **{name: parse_duration(values[name]) for name in _SCENARIOS}, margin=values["margin"]
-    )
+    return RetentionPolicy(**{name: values[name] for name in _SCENARIOS}, margin=values["margin"])
 
 
 def _describe(policy: RetentionPolicy) -> None:
@@ -128,10 +132,18 @@ def show_command(database_url: str, schema: str | None, prefix: str, consumer: s
 
 @click.command("purge")
 @database_options
-@click.option("--older-than", required=True, help="Delete claims processed before this (30d).")
+@click.option(
+    "--older-than", type=DURATION, required=True, help="Delete claims processed before this (30d)."
+)
 @click.option("--consumer", default=None, help="Only this consumer's claims.")
-@click.option("--batch-size", type=click.IntRange(1), default=5000, show_default=True)
-@click.option("--pause", default=0.0, show_default=True, help="Seconds between batches.")
+@click.option("--batch-size", type=click.IntRange(1, 1_000_000), default=5000, show_default=True)
+@click.option(
+    "--pause",
+    type=Seconds(0, 3600),
+    default=0.0,
+    show_default=True,
+    help="Seconds between batches.",
+)
 @click.option(
     "--force",
     is_flag=True,
@@ -142,7 +154,7 @@ def purge_command(
     database_url: str,
     schema: str | None,
     prefix: str,
-    older_than: str,
+    older_than: timedelta,
     consumer: str | None,
     batch_size: int,
     pause: float,
@@ -150,40 +162,75 @@ def purge_command(
     dry_run: bool,
 ) -> None:
     """Delete processed claims older than the window, in small batches that never block
-    live claims. Refused below the recorded retention policy's minimum."""
-    window = parse_duration(older_than)
-    age = format_duration(window)
+    live claims. Each consumer is judged under its own recorded retention policy, else the
+    default one: a consumer whose policy needs a longer window (or that has none) keeps its
+    claims, is named on standard error with the reason, and the command exits with 1."""
+    age = format_duration(older_than)
     with database(database_url, schema, prefix) as (conn, naming):
-        recorded = retention.check_window(conn, naming, window, consumer=consumer, force=force)
-        doomed = retention.purgeable(conn, naming, window, consumer=consumer)
+        plan = retention.purge_plan(conn, naming, older_than, consumer=consumer, force=force)
+        if consumer is not None and plan[0].refused is not None:
+            raise retention.RetentionRefused(plan[0].refused)
+        allowed = [decision for decision in plan if decision.refused is None]
+        doomed = {
+            decision.consumer: retention.purgeable(
+                conn, naming, older_than, consumer=decision.consumer
+            )
+            for decision in allowed
+        }
         conn.commit()
-    if force and recorded is None:
-        click.echo("warning: no retention policy is recorded; purging anyway (--force)", err=True)
-    elif force and recorded is not None and window < recorded.minimum:
-        click.echo(
-            f"warning: purging below the recorded retention policy's minimum of "
-            f"{format_duration(recorded.minimum)} (--force)",
-            err=True,
-        )
+    _warn_forced(allowed)
+    refused = [decision for decision in plan if decision.refused is not None]
     if dry_run:
-        click.echo(f"would delete {doomed} claims processed more than {age} ago (--dry-run)")
+        click.echo(
+            f"would delete {sum(doomed.values())} claims processed more than {age} ago (--dry-run)"
+        )
+        _refuse(refused)
         return
     engine = connect(database_url)
     try:
         started = time.monotonic()
-        with progress("purging claims", total=doomed) as advance:
-            deleted = retention.purge(
-                engine,
-                naming,
-                window,
-                consumer=consumer,
-                batch_size=batch_size,
-                pause=pause,
-                on_batch=advance,
-            )
+        deleted = 0
+        with progress("purging claims", total=sum(doomed.values())) as advance:
+            for decision in allowed:
+                deleted += retention.purge(
+                    engine,
+                    naming,
+                    older_than,
+                    consumer=decision.consumer,
+                    batch_size=batch_size,
+                    pause=pause,
+                    on_batch=advance,
+                )
     finally:
         engine.dispose()
     click.echo(
         f"deleted {deleted} claims processed more than {age} ago "
         f"in {time.monotonic() - started:.1f}s"
     )
+    _refuse(refused)
+
+
+def _warn_forced(allowed: list[retention.PurgeDecision]) -> None:
+    forced = [decision for decision in allowed if decision.forced]
+    if any(decision.recorded is None for decision in forced):
+        click.echo("warning: no retention policy is recorded; purging anyway (--force)", err=True)
+    minimums = sorted(
+        {decision.recorded.minimum for decision in forced if decision.recorded is not None}
+    )
+    for minimum in minimums:
+        names = ", ".join(
+            d.consumer for d in forced if d.recorded is not None and d.recorded.minimum == minimum
+        )
+        click.echo(
+            f"warning: purging below the recorded retention policy's minimum of "
+            f"{format_duration(minimum)} (consumers {names}; --force)",
+            err=True,
+        )
+
+
+def _refuse(refused: list[retention.PurgeDecision]) -> None:
+    """Name each consumer whose claims were kept, and why; exit 1 when there is one."""
+    for decision in refused:
+        click.echo(f"error: consumer {decision.consumer} kept: {decision.refused}", err=True)
+    if refused:
+        raise SystemExit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import signal
 import threading
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -12,9 +13,9 @@ import click
 from .. import explain as explaining
 from .. import status as reading
 from ..exceptions import ConfigurationError
-from ..retention import format_duration, parse_duration
+from ..retention import format_duration
 from ..storage.inspection import consumer_pairs
-from .options import database, database_options, naming_from, naming_options
+from .options import DURATION, Seconds, database, database_options, naming_from, naming_options
 from .output import console, echo_json, when
 
 __all__ = ["explain_command", "metrics_group", "status_command"]
@@ -24,7 +25,11 @@ __all__ = ["explain_command", "metrics_group", "status_command"]
 @database_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see the schema).")
 @click.option(
-    "--window", default="1h", show_default=True, help="Recent window for counts and rates."
+    "--window",
+    type=DURATION,
+    default="1h",
+    show_default=True,
+    help="Recent window for counts and rates.",
 )
 @click.option("--exact", is_flag=True, help="Count every claim exactly (scans a big inbox: slow).")
 @click.option("--consumer", default=None, help="Only this consumer.")
@@ -41,7 +46,7 @@ def status_command(
     schema: str | None,
     prefix: str,
     as_json: bool,
-    window: str,
+    window: timedelta,
     exact: bool,
     consumer: str | None,
     metrics_url: str | None,
@@ -62,7 +67,7 @@ def status_command(
         data = reading.snapshot(
             conn,
             naming,
-            window=parse_duration(window),
+            window=window,
             exact=exact,
             consumer=consumer,
             counters=counters,
@@ -141,10 +146,13 @@ def metrics_group() -> None:
     help="Where to read the table gauges from; without it, none are served.",
 )
 @naming_options
-@click.option("--port", default=9300, show_default=True, help="TCP port.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=9300, show_default=True, help="TCP port."
+)
 @click.option("--addr", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option(
     "--cache-seconds",
+    type=Seconds(0, 86400),
     default=30.0,
     show_default=True,
     help="How long table gauges are reused between scrapes.",
@@ -203,8 +211,6 @@ def _n(value: int | None, estimated: bool = False) -> str:
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    from datetime import timedelta
-
     return format_duration(timedelta(seconds=round(seconds))) or "0s"
 
 

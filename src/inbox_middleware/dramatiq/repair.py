@@ -1,4 +1,13 @@
-"""Publishing a kept Dramatiq message again, for `repair.redrive` and `repair.accept`."""
+"""Publishing a kept Dramatiq message again, for `repair.redrive` and `repair.accept`.
+
+The message goes back to the queue it came from, which exists: its workers consumed from
+it. So on RabbitMQ the repair path declares nothing (Dramatiq's broker would declare the
+queue as a classic one, which RabbitMQ refuses for a quorum queue: PRECONDITION_FAILED on
+``x-queue-type``); it checks that the queue exists (a passive declaration, whatever its
+type) and publishes with publisher confirms and ``mandatory``, so the enqueue returns only
+once RabbitMQ has the message in that queue. On Redis, the enqueue returns once Redis ran
+it.
+"""
 
 from __future__ import annotations
 
@@ -43,11 +52,26 @@ class DramatiqRepublisher:
 
 
 def broker_from_url(url: str, *, namespace: str = "dramatiq") -> Broker:
-    """A Dramatiq broker for an ``amqp://`` or ``redis://`` URL (for the command line)."""
+    """A Dramatiq broker for an ``amqp://`` or ``redis://`` URL (for the command line).
+
+    On RabbitMQ it publishes to existing queues only, classic or quorum alike, and
+    returns from an enqueue once RabbitMQ confirmed it (see the module docstring)."""
     if url.startswith(("amqp://", "amqps://")):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-        return RabbitmqBroker(url=url, confirm_delivery=True)
+        class ExistingQueuesBroker(RabbitmqBroker):
+            """Checks that a queue exists instead of declaring it with arguments."""
+
+            def _declare_queue(self, queue_name: str) -> Any:
+                return self.channel.queue_declare(queue=queue_name, passive=True)
+
+            def _declare_dq_queue(self, queue_name: str) -> Any:
+                return None  # a redrive publishes without delay: to the queue itself
+
+            def _declare_xq_queue(self, queue_name: str) -> Any:
+                return None
+
+        return ExistingQueuesBroker(url=url, confirm_delivery=True)
     if url.startswith(("redis://", "rediss://", "unix://")):
         from dramatiq.brokers.redis import RedisBroker
 

@@ -89,23 +89,28 @@ class AsyncInbox(Executor):
         transaction; commit. Raises when the attempt rolled back: do not ack then. See
         `Inbox.process` for ``before_handler`` and ``repair_marker``."""
 
+        recovered: list[str | None] = [None]
+
         async def body(session: AsyncSession, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            recovered[0] = None
             if not verdict.runs_handler:
                 return None
             faults.at("handler", delivery.identity.message_id)
             with tracing.phase("inbox.handler"):
                 result = await handler(session)
             if repair_marker is not None:
-                await session.run_sync(
-                    lambda sync: mark_recovered(sync.connection(), self.naming, repair_marker)
+                recovered[0] = await session.run_sync(
+                    lambda sync: mark_recovered(
+                        sync.connection(), self.naming, repair_marker, delivery.key
+                    )
                 )
             return result
 
         attempts = SingleAttempts(delivery, self.serialization_retries)
         verdict, result, number = await self._run(attempts, body)
-        return Outcome(verdict, result, number)
+        return Outcome(verdict, result, number, recovered[0])
 
     async def process_batch(
         self,

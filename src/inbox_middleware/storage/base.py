@@ -104,6 +104,8 @@ class Outcome(Generic[R]):
     verdict: Verdict
     result: R | None = None
     attempts: int = 1
+    recovered: str | None = None
+    """The kind of repair row (poison, quarantine) this delivery marked recovered."""
 
     @property
     def decision(self) -> Decision:

@@ -133,22 +133,26 @@ class Inbox(Executor):
         ``repair_marker`` names the poison or quarantine row a first-seen message repairs,
         marked recovered in the same transaction."""
 
+        recovered: list[str | None] = [None]
+
         def body(session: Session, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            recovered[0] = None
             if not verdict.runs_handler:
                 return None
             faults.at("handler", delivery.identity.message_id)
             with tracing.phase("inbox.handler"):
                 result = handler(session)
             if repair_marker is not None:
-                mark_recovered(session.connection(), self.naming, repair_marker)
+                connection = session.connection()
+                recovered[0] = mark_recovered(connection, self.naming, repair_marker, delivery.key)
             return result
 
         verdict, result, number = self._run(
             SingleAttempts(delivery, self.serialization_retries), body
         )
-        return Outcome(verdict, result, number)
+        return Outcome(verdict, result, number, recovered[0])
 
     def process_batch(
         self,

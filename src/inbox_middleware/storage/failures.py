@@ -21,16 +21,16 @@ only writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, bindparam, delete, func, literal, select, update
+from sqlalchemy import Connection, bindparam, delete, func, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..consumption import RedeliveryCount
 from ..protocol import Delivery
 from .tables import InboxSchema
 
-__all__ = ["FailureRecorder", "PoisonRecord", "mark_recovered", "parse_marker"]
+__all__ = ["FailureRecorder", "Marker", "PoisonRecord", "mark_recovered", "parse_marker"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,7 @@ class FailureRecorder:
                 "decided_at": None,
                 "decision_note": None,
                 "operation_id": None,
+                "published_at": None,
             },
         ).returning(poison.c.id, poison.c.attempts)
 
@@ -224,27 +225,61 @@ class FailureRecorder:
         }
 
 
-def parse_marker(marker: object) -> tuple[str, int] | None:
-    """``"poison:12"`` -> ("poison", 12); anything else -> None."""
+class Marker(NamedTuple):
+    """A repair marker: the row a republished message repairs, and the operation that
+    republished it (None in markers written before operations were carried)."""
+
+    kind: str
+    row_id: int
+    operation: str | None
+
+
+def parse_marker(marker: object) -> Marker | None:
+    """``"poison:12:op-1"`` -> Marker("poison", 12, "op-1"); ``"poison:12"`` -> Marker
+    ("poison", 12, None); anything else -> None."""
     if isinstance(marker, bytes | bytearray):
         marker = bytes(marker).decode("utf-8", "replace")
     if not isinstance(marker, str) or ":" not in marker:
         return None
-    kind, _, number = marker.partition(":")
-    if kind not in ("quarantine", "poison") or not number.isdigit():
+    kind, _, rest = marker.partition(":")
+    number, colon, operation = rest.partition(":")
+    if kind not in ("quarantine", "poison") or not number.isdigit() or len(number) > 18:
         return None
-    return kind, int(number)
+    return Marker(kind, int(number), operation if colon and operation else None)
 
 
-def mark_recovered(conn: Connection, naming: InboxSchema, marker: object) -> str | None:
-    """In the processing transaction: the repaired message committed; say so in its row."""
+def mark_recovered(
+    conn: Connection, naming: InboxSchema, marker: object, key: tuple[str, str, str, str]
+) -> str | None:
+    """In the processing transaction of the message with identity ``key``: the repaired
+    message committed; say so in its row. Return the row's kind, or None when no row
+    matched.
+
+    A marker is a header or an option any producer can set (or an upstream handler copy),
+    so it applies only to the row it names when that row is the same consumer's, for the
+    same identity (for an accepted quarantine row: its accepted message id), decided by a
+    repair (redriven, or accepted) and, when the marker names one, by the same operation.
+    Anything else is an ordinary message that carries a stray header: no row changes."""
     parsed = parse_marker(marker)
     if parsed is None:
         return None
-    kind, row_id = parsed
-    table = naming.tables.poison if kind == "poison" else naming.tables.quarantine
+    consumer, producer, tenant, message_id = key
+    table = naming.tables.poison if parsed.kind == "poison" else naming.tables.quarantine
+    same = [
+        table.c.id == parsed.row_id,
+        table.c.consumer_name == consumer,
+        table.c.producer_name == producer,
+        table.c.tenant == tenant,
+    ]
+    if parsed.operation is not None:
+        same.append(table.c.operation_id == parsed.operation)
     values: dict[str, Any] = {"recovered_at": func.now()}
-    if kind == "poison":
+    if parsed.kind == "poison":
+        same += [table.c.message_id == message_id, table.c.decision == "redriven"]
         values["decision"] = "recovered"
-    conn.execute(update(table).where(table.c.id == row_id).values(**values))
-    return kind
+    else:
+        redriven = (table.c.decision == "redriven") & (table.c.message_id == message_id)
+        accepted = (table.c.decision == "accepted") & (table.c.accepted_message_id == message_id)
+        same.append(or_(redriven, accepted))
+    found = conn.execute(update(table).where(*same).values(**values)).rowcount
+    return parsed.kind if found else None

@@ -25,13 +25,21 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     tuple_,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .tables import InboxSchema
 
-__all__ = ["PurgeStatements", "policy_rows", "purge_statements", "write_policy"]
+__all__ = [
+    "PurgeStatements",
+    "all_policy_rows",
+    "consumers_with_rows",
+    "policy_rows",
+    "purge_statements",
+    "write_policy",
+]
 
 
 class PurgeStatements(NamedTuple):
@@ -82,6 +90,34 @@ def policy_rows(
     table = naming.tables.retention
     query = select(table).where(table.c.consumer_name.in_(list(consumers)))
     return {row.consumer_name: row for row in conn.execute(query)}
+
+
+def all_policy_rows(conn: Connection, naming: InboxSchema) -> dict[str, Row[Any]]:
+    """Every recorded policy, by consumer name (``*``: the default)."""
+    return {row.consumer_name: row for row in conn.execute(select(naming.tables.retention))}
+
+
+def consumers_with_rows(conn: Connection, naming: InboxSchema) -> list[str]:
+    """Every consumer with rows a purge deletes (claims, failure counts, stored outputs),
+    in name order. On PostgreSQL a loose index scan of each table's primary key, which
+    starts with the consumer's name: one probe per consumer, whatever the size."""
+    tables = naming.tables
+    names: set[str] = set()
+    for table in (tables.inbox, tables.attempts, tables.outputs):
+        if conn.dialect.name != "postgresql":
+            names.update(conn.execute(select(table.c.consumer_name).distinct()).scalars())
+            continue
+        name = conn.dialect.identifier_preparer.format_table(table)
+        statement = (
+            "WITH RECURSIVE names(c) AS ("
+            f" (SELECT consumer_name FROM {name} ORDER BY consumer_name LIMIT 1)"
+            " UNION ALL"
+            f" SELECT (SELECT consumer_name FROM {name} WHERE consumer_name > names.c"
+            "  ORDER BY consumer_name LIMIT 1) FROM names WHERE names.c IS NOT NULL"
+            ") SELECT c FROM names WHERE c IS NOT NULL"
+        )
+        names.update(conn.execute(text(statement)).scalars())
+    return sorted(names)
 
 
 @cache

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Select,
     Text,
     bindparam,
+    case,
     cast,
     func,
     literal_column,
@@ -148,12 +149,31 @@ class ClaimStatements:
             last_seen_at=func.now(),
             decision="pending",
         )
+        # A redriven row whose copy conflicts again is pending once more (as a poison row
+        # whose redrive fails again): the operator must look again. Accepted and discarded
+        # rows keep their decision: a copy of the same conflicting payload changes nothing.
+        again = quarantine.c.decision == "redriven"
+
+        def unless_again(column: str, pending: Any) -> Any:
+            return case((again, pending), else_=quarantine.c[column])
+
         self.record_conflict: Executable = record.on_conflict_do_update(
             index_elements=[*self._key_names, "conflicting_sha256"],
             set_={
                 "attempts": quarantine.c.attempts + 1,
                 "last_seen_at": func.now(),
                 "headers": record.excluded.headers,
+                "decision": unless_again("decision", "pending"),
+                **{
+                    name: unless_again(name, None)
+                    for name in (
+                        "decided_by",
+                        "decided_at",
+                        "decision_note",
+                        "operation_id",
+                        "published_at",
+                    )
+                },
             },
         ).returning(quarantine.c.id, quarantine.c.attempts)
 

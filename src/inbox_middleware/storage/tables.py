@@ -143,6 +143,7 @@ class InboxTables:
             Column("operation_id", Text),
             Column("accepted_message_id", Text),
             Column("recovered_at", _TIMESTAMP),
+            Column("published_at", _TIMESTAMP),
         )
         self.outbox = Table(
             name("message_outbox"),
@@ -201,6 +202,7 @@ class InboxTables:
             Column("decision_note", Text),
             Column("operation_id", Text),
             Column("recovered_at", _TIMESTAMP),
+            Column("published_at", _TIMESTAMP),
         )
         self.retention = Table(
             name("inbox_retention"),
