@@ -3,8 +3,9 @@
 The core yields operations and receives their answers (or their exceptions); here a
 script stands in for the adapter's I/O, the way h11's tests feed a `Connection` events
 with no socket. Each operation type has a queue of answers: an exception instance is
-raised, a `Verdict` answers `Process` as storage does (calling the hook that runs after
-the claim and before the handler), anything else is returned as it is.
+raised, a `Verdict` (or a whole `Outcome`) answers `Process` as storage does (calling the
+hook that runs after the claim and before the handler), anything else is returned as it
+is.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class Script:
         answer = queue[min(seen, len(queue)) - 1]
         if isinstance(answer, BaseException):
             raise answer
+        if isinstance(op, Process) and isinstance(answer, Outcome):
+            op.before_handler(answer.verdict)
+            self.raised[-1] = False
+            return answer
         if isinstance(op, Process) and isinstance(answer, Verdict):
             op.before_handler(answer)  # storage calls it after the claim, in the transaction
             result = self.result if answer.runs_handler else None

@@ -57,6 +57,7 @@ from inbox_middleware.exceptions import (
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
+from inbox_middleware.storage import Outcome
 
 from .script import Poison, Script, delivery, run, run_async
 
@@ -272,22 +273,22 @@ ROWS: dict[str, Row] = {
         Processed,
         expect={"result": "handler result", "recovered": None, "expired": None},
     ),
-    "first seen, a redriven poison message: processed and recovered": Row(
-        {"repair_marker": "poison:12"},
-        {Process: [FIRST]},
+    "first seen, a redriven poison message storage marked recovered: recovered": Row(
+        {"repair_marker": "poison:12:op-1"},
+        {Process: [Outcome(FIRST, "handler result", 1, "poison")]},
         ["Process"],
         Processed,
         expect={"recovered": "poison"},
     ),
-    "first seen, an accepted quarantined message: processed and recovered": Row(
-        {"repair_marker": "quarantine:7"},
-        {Process: [FIRST]},
+    "first seen, an accepted quarantined message storage marked recovered: recovered": Row(
+        {"repair_marker": "quarantine:7:op-2"},
+        {Process: [Outcome(FIRST, "handler result", 1, "quarantine")]},
         ["Process"],
         Processed,
         expect={"recovered": "quarantine"},
     ),
-    "first seen, a malformed repair marker: processed, nothing recovered": Row(
-        {"repair_marker": "poison:x"},
+    "first seen, a marker that matched no row of this delivery: nothing recovered": Row(
+        {"repair_marker": "poison:12"},
         {Process: [FIRST]},
         ["Process"],
         Processed,
