@@ -264,6 +264,8 @@ async def test_faststream__unusable_identity_is_dead_lettered_with_a_clear_log(
     rejected = json.loads(dead_headers["x-inbox-rejected"])
     assert reason in rejected["detail"]
     assert rejected["reason"] in ("MissingIdentity", "InvalidIdentity")
+    # The consumer and the source are known though the message's identity is not
+    assert (rejected["consumer"], rejected["source"]) == ("billing", h.source)
     assert (applied(pg_engine), claims(pg_engine)) == (0, [])
     assert await h.leftover() == 0
 

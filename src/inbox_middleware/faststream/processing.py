@@ -228,6 +228,8 @@ class Subscription:
             "repair_marker": marker if isinstance(marker, str) else None,
             "keeps_outputs": self.publishes
             or (self.replies and bool(getattr(message, "reply_to", None))),
+            "declared_consumer": self.consumer.name,
+            "source": self.adapter.source,
         }
         try:
             return Arrival(self.delivery(item), **common)
