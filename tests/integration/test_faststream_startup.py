@@ -1,0 +1,171 @@
+"""The start-up check sees every subscriber before it consumes: those added to a running
+broker, a Kafka subscriber without a consumer group, an engine the inbox cannot drive.
+Real PostgreSQL, RabbitMQ and Kafka (tansu)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+from faststream import AckPolicy
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
+
+from ..apps.domain import apply_credit_async, effects
+from ..support import services
+from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+
+ORDER = {"account": 7, "delta": 10}
+
+
+def applied(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return effects(conn, 7)
+
+
+@pytest.fixture
+def inbox(pg_async_engine: Any) -> FastStreamInbox:
+    return FastStreamInbox(pg_async_engine, lock_timeout=10, retry_backoff=(0.05, 0.5))
+
+
+async def test_startup__an_ack_first_subscriber_added_to_a_running_broker_is_refused_before_it_consumes(  # noqa: E501
+    inbox, pg_engine
+):
+    # Given a guarded RabbitMQ broker, started, and a message waiting in a queue
+    seen = Seen()
+    h = Harness("rabbit", [recorder(seen), inbox.middleware])
+    inbox.guard(h.broker)
+    try:
+        async with h.broker:
+            await h.broker.start()
+            await h.prepare_source()
+            await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
+            # When an inbox subscriber with ACK_FIRST is added and started
+            subscriber = h.subscribe(
+                inbox.consumer("billing"), ack_policy=AckPolicy.ACK_FIRST, persistent=False
+            )
+
+            @subscriber
+            async def handle(body: dict[str, int], session: InboxSession) -> None:
+                await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+            # Then it is refused as it starts, saying what to change
+            with pytest.raises(ConfigurationError, match="AckPolicy.ACK_FIRST") as refused:
+                await subscriber.start()
+            assert "Remove ack_policy" in str(refused.value)
+        # And it consumed nothing: the message still waits, unacknowledged
+        assert seen.outcomes == []
+        assert applied(pg_engine) == 0
+        assert await h.leftover() == 1
+    finally:
+        await h.cleanup()
+
+
+async def test_startup__an_inbox_subscriber_added_to_a_running_broker_is_protected(
+    inbox, pg_engine
+):
+    # Given a guarded, running broker, a plain subscriber added to it, which consumed a
+    # message (the inbox's verdict on it: not an inbox subscriber), stopped and dropped
+    seen = Seen()
+    h = Harness("rabbit", [recorder(seen), inbox.middleware])
+    inbox.guard(h.broker)
+    try:
+        async with h.broker:
+            await h.broker.start()
+            await h.prepare_source()
+            dropped = await _used_and_dropped(h, seen)
+            # When an inbox subscriber is added at the dropped one's address, and started
+            subscriber = _reusing(h, inbox, dropped)
+            await subscriber.start()
+            await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
+            await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
+            await eventually(lambda: len(seen.outcomes) == 3, what="both deliveries")
+            await subscriber.stop()
+        # Then its messages went through the inbox: one effect, the duplicate skipped
+        assert seen.outcomes[1:] == ["processed", "Skipped"]
+        assert applied(pg_engine) == 1
+    finally:
+        await h.cleanup()
+
+
+async def _used_and_dropped(h: Harness, seen: Seen) -> int:
+    """The id of a plain subscriber that consumed one message and is gone (made in a
+    function of its own: a frame still running would keep it alive)."""
+    plain = h.broker.subscriber(f"{h.source}-plain", persistent=False)
+
+    @plain
+    async def ignore(body: Any) -> None: ...
+
+    await plain.start()
+    await h.broker.publish("hello", f"{h.source}-plain")
+    await eventually(lambda: seen.outcomes == ["processed"], what="the plain message")
+    await plain.stop()
+    return id(plain)
+
+
+def _reusing(h: Harness, inbox: FastStreamInbox, dropped: int) -> Any:
+    """A new inbox subscriber at the address (id) of a dropped one: CPython reuses freed
+    memory, so a few tries find one (the misses are kept meanwhile, so that each try
+    takes fresh memory; they never start, and go with this function)."""
+    gc.collect()
+    misses = []
+    for number in range(300):
+        subscriber = _inbox_subscriber(h, inbox, f"billing{number}")
+        if id(subscriber) == dropped:
+            return subscriber
+        misses.append(subscriber)
+    pytest.fail("no new subscriber reused the dropped one's id: the case is not shown")
+
+
+def _inbox_subscriber(h: Harness, inbox: FastStreamInbox, name: str) -> Any:
+    subscriber = h.subscribe(inbox.consumer(name), persistent=False)
+
+    @subscriber
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    return subscriber
+
+
+async def test_startup__a_kafka_subscriber_without_a_group_is_refused(inbox):
+    h = Harness("kafka", [inbox.middleware])
+    inbox.guard(h.broker)
+
+    @h.broker.subscriber(
+        h.source, ack_policy=AckPolicy.ACK, dependencies=[inbox.consumer("billing")]
+    )
+    async def handle(body: dict[str, int], session: InboxSession) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="group_id") as refused:
+        await inbox.check(h.broker)
+    assert "Kafka commits no offsets" in str(refused.value)
+
+
+async def test_startup__kafkas_default_ack_policy_is_refused_with_the_group_missing_too(inbox):
+    h = Harness("kafka", [inbox.middleware])
+
+    @h.broker.subscriber(h.source, dependencies=[inbox.consumer("billing")])
+    async def handle(body: dict[str, int], session: InboxSession) -> None: ...
+
+    with pytest.raises(ConfigurationError) as refused:
+        await inbox.check(h.broker)
+    assert "AckPolicy.ACK_FIRST" in str(refused.value)
+    assert "group_id" in str(refused.value)
+
+
+@pytest.mark.parametrize("scheme", ["postgresql+psycopg", "postgresql"])
+async def test_startup__an_async_engine_over_psycopg_is_refused(database_name, scheme):
+    # SQLAlchemy 2.1 reads postgresql:// as psycopg
+    url = services.with_database(services.POSTGRES, database_name, driver="psycopg")
+    engine = create_async_engine(url.replace("postgresql+psycopg", scheme, 1))
+    try:
+        if engine.dialect.driver != "psycopg":
+            pytest.fail(f"{scheme}:// is {engine.dialect.driver} here; the case is not shown")
+        with pytest.raises(ConfigurationError, match=r"postgresql\+asyncpg://"):
+            FastStreamInbox(engine)
+    finally:
+        await engine.dispose()
