@@ -1,10 +1,18 @@
 """The start-up check sees every subscriber before it consumes: those added to a running
-broker, a Kafka subscriber without a consumer group, an engine the inbox cannot drive.
-Real PostgreSQL, RabbitMQ and Kafka (tansu)."""
+broker, a Kafka subscriber without a consumer group, an engine the inbox cannot drive; and
+a refusal under ``faststream run`` (one worker or several), FastStream's ASGI app and a
+FastAPI lifespan under uvicorn is one block and exit status 3, never a respawn loop.
+Real PostgreSQL, RabbitMQ, Redis and Kafka (tansu), real server processes."""
 
 from __future__ import annotations
 
 import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
 from typing import Any
 
 import pytest
@@ -18,6 +26,7 @@ from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_
 from ..apps.domain import apply_credit_async, effects
 from ..support import services
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+from ..support.faststream_worker import ROOT
 
 ORDER = {"account": 7, "delta": 10}
 
@@ -169,3 +178,114 @@ async def test_startup__an_async_engine_over_psycopg_is_refused(database_name, s
             FastStreamInbox(engine)
     finally:
         await engine.dispose()
+
+
+# -- a refusal under a server command --------------------------------------------------------
+
+TRACEBACK = ("Traceback", "╭")  # Python's, and the rich one of FastStream's command
+
+
+def _serve(command: list[str], env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
+    """Run a server command on the test apps until it exits (killed, with its workers,
+    if it is still running after ``timeout`` seconds); its status and output."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{command} still ran after {timeout}s:\n{output[-3000:]}")
+    output = re.sub(r"\x1b\[[0-9;]*m", "", output)  # FastStream's colours
+    print(output)
+    return proc.returncode, output
+
+
+def _refusals(output: str, reason: str) -> list[str]:
+    """Each CRITICAL block of ``output``, asserted to name ``reason``."""
+    lines = output.splitlines()
+    blocks = []
+    for number, line in enumerate(lines):
+        if "CRITICAL" in line:
+            assert line.endswith("the inbox refuses to start this app (exit status 3):"), output
+            blocks.append("\n".join(lines[number : number + 3]))
+    assert blocks, output
+    assert all(reason in block for block in blocks), output
+    return blocks
+
+
+@pytest.fixture
+def unmigrated(pg_async_url: str) -> dict[str, str]:
+    """A RabbitMQ app whose inbox tables were never created (``migrate`` not run)."""
+    return {
+        "INBOX_TEST_DATABASE_URL": pg_async_url,
+        "INBOX_TEST_BROKER": "rabbit",
+        "INBOX_TEST_BROKER_URL": services.RABBITMQ,
+        "INBOX_TEST_SOURCE": f"t{uuid.uuid4().hex[:10]}",
+        "INBOX_TEST_INBOX_SCHEMA": "never_migrated",
+    }
+
+
+MIGRATE = '("never_migrated"."consumer_inbox") do not exist; run `inbox-middleware migrate`'
+
+
+def test_startup__faststream_run_before_migrate_exits_3_with_one_block(unmigrated):
+    status, output = _serve(["faststream", "run", "tests.apps.faststream_app:app"], unmigrated)
+    # Then one block names the cause and the fix, with no traceback, and the status is 3
+    assert status == 3, output
+    assert len(_refusals(output, MIGRATE)) == 1
+    assert not any(mark in output for mark in TRACEBACK), output
+    assert len(output.splitlines()) < 6, output
+    assert "started successfully" not in output
+
+
+def test_startup__the_traceback_follows_at_debug_level(unmigrated):
+    command = ["faststream", "run", "tests.apps.faststream_app:app", "--log-level", "debug"]
+    status, output = _serve(command, unmigrated)
+    assert status == 3, output
+    assert len(_refusals(output, MIGRATE)) == 1
+    assert "Traceback (most recent call last)" in output
+
+
+def test_startup__a_refused_worker_is_not_respawned_under_workers(pg_async_url):
+    services.require(services.REDIS, "Redis")
+    # Given an app with a Redis list subscriber, which the inbox refuses, run by 2 workers
+    env = {
+        "INBOX_TEST_DATABASE_URL": pg_async_url,
+        "INBOX_TEST_BROKER": "redis",
+        "INBOX_TEST_BROKER_URL": services.REDIS,
+        "INBOX_TEST_SOURCE": f"t{uuid.uuid4().hex[:10]}",
+        "INBOX_TEST_REDIS_LIST": "1",
+    }
+    command = ["faststream", "run", "tests.apps.faststream_app:app", "--workers", "2"]
+    status, output = _serve(command, env)
+    # Then the supervisor stops instead of respawning, and exits with status 3
+    assert status == 3, output
+    assert output.count("Started child process") == 2, output
+    assert "exited with code" not in output, output
+    assert 1 <= len(_refusals(output, "a Redis list cannot hand a message back")) <= 2
+    assert not any(mark in output for mark in TRACEBACK), output
+
+
+def test_startup__asgi_faststream_refusal_is_one_block(unmigrated):
+    command = ["faststream", "run", "tests.apps.faststream_asgi:asgi", "--port", "0"]
+    status, output = _serve(command, unmigrated)
+    assert status == 3, output
+    assert len(_refusals(output, MIGRATE)) == 1
+    assert not any(mark in output for mark in TRACEBACK), output
+
+
+def test_startup__fastapi_lifespan_refusal_is_one_block(unmigrated):
+    command = ["uvicorn", "tests.apps.faststream_asgi:fastapi", "--port", "0"]
+    status, output = _serve(command, unmigrated)
+    assert status == 3, output
+    assert len(_refusals(output, MIGRATE)) == 1
+    assert not any(mark in output for mark in TRACEBACK), output
+    assert "Application startup complete" not in output

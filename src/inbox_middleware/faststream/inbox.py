@@ -29,6 +29,7 @@ from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
+from .boot import refuse_start, watch_supervisor
 from .brokers import adapter_for
 from .brokers.nats import NatsAdapter
 from .consumer import UNSET, InboxConsumer, _Unset
@@ -183,7 +184,11 @@ class FastStreamInbox:
         async def guarded_start(*args: Any, **kwargs: Any) -> Any:
             for subscriber in broker.subscribers:  # type: ignore[attr-defined]
                 self._watch(broker, subscriber)  # those of routers included since
-            await self.check(broker)
+            try:
+                await self.check(broker)
+            except Exception as exc:
+                refuse_start(exc)  # under faststream run, uvicorn, ...: one block, exit 3
+                raise
             return await start(*args, **kwargs)
 
         setattr(guarded_start, _MARK, self)
@@ -194,9 +199,19 @@ class FastStreamInbox:
             return self._watch(broker, declare(*args, **kwargs))
 
         broker.subscriber = subscriber  # type: ignore[attr-defined]
+        include = broker.include_router  # type: ignore[attr-defined]
+
+        def include_router(*args: Any, **kwargs: Any) -> Any:
+            included = include(*args, **kwargs)
+            for added in broker.subscribers:  # type: ignore[attr-defined]
+                self._watch(broker, added)
+            return included
+
+        broker.include_router = include_router  # type: ignore[attr-defined]
         for existing in broker.subscribers:  # type: ignore[attr-defined]
             self._watch(broker, existing)
         guard_test_broker(self, broker)
+        watch_supervisor()
         return broker
 
     def _watch(self, broker: Any, subscriber: Any) -> Any:
