@@ -371,7 +371,9 @@ class Subscription:
                 self.backoff.forget(key)
                 await self.adapter.ack(message)
                 if result is ACKED:
-                    raise Skipped(f"acknowledged by the handler of inbox consumer {name!r}")
+                    raise Skipped(
+                        f"acknowledged by the handler of inbox consumer {name!r}", logged=False
+                    )
                 return result
             case Duplicate():
                 self.backoff.forget(key)
