@@ -420,7 +420,8 @@ async def test_faststream__guard_refuses_redis_subscribers_that_cannot_redeliver
     await h.cleanup()
 
 
-async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox):
+async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox, caplog):
+    caplog.set_level(logging.INFO, logger="inbox_middleware")
     h = Harness("redis", [inbox.middleware])
     credit(h, inbox)  # a reading and a reclaiming subscriber, one handler, one consumer
     try:
@@ -428,6 +429,16 @@ async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox
     finally:
         await h.broker.stop()
         await h.cleanup()
+    # Each twin says which one it is
+    protects = sorted(r.getMessage() for r in caplog.records if "protects" in r.getMessage())
+    assert protects == [
+        f"inbox consumer billing protects Redis subscriber {h.source!r} (group 'billing', "
+        f"consumer 'c1', reading new messages) (quarantine {h.source}.quarantine, dead "
+        f"letters {h.source}.dead-letter)",
+        f"inbox consumer billing protects Redis subscriber {h.source!r} (group 'billing', "
+        "consumer 'c1-reclaim', reclaiming messages pending over 1000 ms) (quarantine "
+        f"{h.source}.quarantine, dead letters {h.source}.dead-letter)",
+    ]
 
 
 async def test_faststream__guard_refuses_core_nats(inbox):

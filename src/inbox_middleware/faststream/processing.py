@@ -166,7 +166,7 @@ class Subscription:
         return [self.quarantine] + ([self.dead_letter] if self.dead_letter else [])
 
     def describe(self) -> str:
-        return f"{self.adapter.name} subscriber {self.adapter.source!r}"
+        return self.adapter.describe()
 
     # -- one message --------------------------------------------------------------------------
 
