@@ -20,6 +20,7 @@ from faststream import AckPolicy
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware.dramatiq import InboxMiddleware
 from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
@@ -167,7 +168,9 @@ async def test_startup__kafkas_default_ack_policy_is_refused_with_the_group_miss
 
 
 @pytest.mark.parametrize("scheme", ["postgresql+psycopg", "postgresql"])
-async def test_startup__an_async_engine_over_psycopg_is_refused(database_name, scheme):
+async def test_startup__an_async_engine_over_psycopg_is_refused_when_the_inbox_is_built(
+    database_name, scheme
+):
     # SQLAlchemy 2.1 reads postgresql:// as psycopg
     url = services.with_database(services.POSTGRES, database_name, driver="psycopg")
     engine = create_async_engine(url.replace("postgresql+psycopg", scheme, 1))
@@ -176,6 +179,8 @@ async def test_startup__an_async_engine_over_psycopg_is_refused(database_name, s
             pytest.fail(f"{scheme}:// is {engine.dialect.driver} here; the case is not shown")
         with pytest.raises(ConfigurationError, match=r"postgresql\+asyncpg://"):
             FastStreamInbox(engine)
+        with pytest.raises(ConfigurationError, match=r"postgresql\+asyncpg://"):
+            InboxMiddleware(async_engine=engine)  # Dramatiq's async actors: the same inbox
     finally:
         await engine.dispose()
 
