@@ -75,6 +75,45 @@ async def test_startup__an_ack_first_subscriber_added_to_a_running_broker_is_ref
         await h.cleanup()
 
 
+async def test_startup__a_refused_subscriber_left_declared_does_not_stop_the_next_one(
+    inbox, pg_engine
+):
+    from faststream.rabbit import RabbitQueue
+
+    # Given a guarded, running broker, and an added subscriber it refused, still declared
+    h = Harness("rabbit", [inbox.middleware])
+    other = Harness("rabbit", [])  # names the second queue, and deletes it
+    inbox.guard(h.broker)
+    try:
+        async with h.broker:
+            await h.broker.start()
+            refused = h.subscribe(inbox.consumer("billing"), ack_policy=AckPolicy.ACK_FIRST)
+
+            @refused
+            async def first(body: dict[str, int], session: InboxSession) -> None: ...
+
+            with pytest.raises(ConfigurationError, match="AckPolicy.ACK_FIRST"):
+                await refused.start()
+            # When a correct one is added and started
+            fixed = h.broker.subscriber(
+                RabbitQueue(other.source, durable=True),
+                dependencies=[inbox.consumer("billing-fixed")],
+            )
+
+            @fixed
+            async def second(body: dict[str, int], session: InboxSession) -> None:
+                await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+            await fixed.start()
+            # Then it starts, and consumes under the inbox
+            headers = identity_headers(producer="orders", message_id="o-1")
+            await h.broker.publish(ORDER, other.source, headers=headers, persist=True)
+            await eventually(lambda: applied(pg_engine) == 1, what="the effect")
+    finally:
+        await h.cleanup()
+        await other.cleanup()
+
+
 async def test_startup__an_inbox_subscriber_added_to_a_running_broker_is_protected(
     inbox, pg_engine
 ):
@@ -100,6 +139,16 @@ async def test_startup__an_inbox_subscriber_added_to_a_running_broker_is_protect
         assert applied(pg_engine) == 1
     finally:
         await h.cleanup()
+        await _delete_queue(f"{h.source}-plain")
+
+
+async def _delete_queue(name: str) -> None:
+    import aio_pika
+
+    connection = await aio_pika.connect(services.RABBITMQ)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
 
 
 async def _used_and_dropped(h: Harness, seen: Seen) -> int:

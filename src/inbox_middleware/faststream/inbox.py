@@ -223,7 +223,8 @@ class FastStreamInbox:
 
         async def checked_start(*args: Any, **kwargs: Any) -> Any:
             if subscriber not in self._subscriptions:
-                await self.check(broker)
+                async with self._lock:
+                    await self._check(broker, only=subscriber)
             return await start(*args, **kwargs)
 
         setattr(checked_start, _MARK, self)
@@ -237,7 +238,10 @@ class FastStreamInbox:
         async with self._lock:
             await self._check(broker)
 
-    async def _check(self, broker: Any) -> None:
+    async def _check(self, broker: Any, only: Any = None) -> None:
+        """The check; with ``only`` (a subscriber starting on a running broker), raise for
+        that subscriber's refusal alone (another refused one, declared and never started,
+        does not stop it)."""
         logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)
@@ -250,11 +254,12 @@ class FastStreamInbox:
                 refused[id(f.subscriber)] = problem
             else:
                 subscriptions[id(f.subscriber)] = subscription
-        if refused:
-            for f in found:
-                if id(f.subscriber) in refused:
-                    self._refused[f.subscriber] = refused[id(f.subscriber)]
-            raise ConfigurationError(_report(found, refused))
+        for f in found:
+            if id(f.subscriber) in refused:
+                self._refused[f.subscriber] = refused[id(f.subscriber)]
+        stopping = {k: v for k, v in refused.items() if only is None or k == id(only)}
+        if stopping:
+            raise ConfigurationError(_report(found, stopping))
         if self.check_database and not self._database_checked:
             await self.storage.check()
             self._database_checked = True
@@ -266,6 +271,8 @@ class FastStreamInbox:
         for subscription in fresh.values():
             await subscription.adapter.prepare(subscription.destinations)
         for f in found:
+            if id(f.subscriber) in refused or f.subscriber in self._subscriptions:
+                continue  # a known one keeps its subscription, and its hand-back delays
             self._subscriptions[f.subscriber] = subscriptions.get(id(f.subscriber))
             self._refused.pop(f.subscriber, None)
         for subscription in fresh.values():
