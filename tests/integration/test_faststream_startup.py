@@ -300,6 +300,18 @@ def test_startup__faststream_run_before_migrate_exits_3_with_one_block(unmigrate
     assert "started successfully" not in output
 
 
+def test_startup__faststream_run_with_an_unreachable_database_exits_3_with_one_block(
+    unmigrated,
+):
+    env = unmigrated | {"INBOX_TEST_DATABASE_URL": "postgresql+asyncpg://postgres@127.0.0.1:9/x"}
+    status, output = _serve(["faststream", "run", "tests.apps.faststream_app:app"], env)
+    assert status == 3, output
+    (block,) = _refusals(output, "the inbox cannot reach its database: ")
+    assert "127.0.0.1" in block, output
+    assert "check the engine's URL and that PostgreSQL is up" in block
+    assert not any(mark in output for mark in TRACEBACK), output
+
+
 def test_startup__the_traceback_follows_at_debug_level(unmigrated):
     command = ["faststream", "run", "tests.apps.faststream_app:app", "--log-level", "debug"]
     status, output = _serve(command, unmigrated)
