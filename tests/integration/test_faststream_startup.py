@@ -348,6 +348,15 @@ def test_startup__asgi_faststream_refusal_is_one_block(unmigrated):
     assert not any(mark in output for mark in TRACEBACK), output
 
 
+def test_startup__asgi_faststream_under_workers_stops_instead_of_respawning(unmigrated):
+    command = ["faststream", "run", "tests.apps.faststream_asgi:asgi", "--port", "0"]
+    _, output = _serve([*command, "--workers", "2"], unmigrated)
+    # Then uvicorn's supervisor stops at the first refusal (status 3: a startup failure)
+    assert output.count("Started server process") <= 2, output
+    assert 1 <= len(_refusals(output, MIGRATE)) <= 2
+    assert not any(mark in output for mark in TRACEBACK), output
+
+
 def test_startup__fastapi_lifespan_refusal_is_one_block(unmigrated):
     command = ["uvicorn", "tests.apps.faststream_asgi:fastapi", "--port", "0"]
     status, output = _serve(command, unmigrated)

@@ -13,7 +13,9 @@ traceback too. So under a server command (``faststream``, ``uvicorn``, ``gunicor
 - told to a supervising process, which then stops every worker instead of respawning
   this one (SIGTERM, the supervisor's own "stop"; under ``--reload`` the reloader keeps
   watching for the fix);
-- the end of the process, with exit status 3, as for a Dramatiq worker the inbox refuses.
+- the end of the process, with exit status 3, as for a Dramatiq worker the inbox refuses
+  (3 is also uvicorn's "startup failure" and gunicorn's "worker boot error": their
+  supervisors stop every worker on it).
 
 ``faststream run --workers N``'s supervisor imports the app too, so `watch_supervisor`
 runs there: the refused worker then signals it with SIGUSR2 instead, and the supervisor
