@@ -145,10 +145,15 @@ class Arrival:
     keeps_outputs: bool = False
     """Whether something downstream consumes the handler's result (publishers, a reply,
     a pipeline step): it is then stored with the claim, and a duplicate loads it."""
+    declared_consumer: str | None = None
+    """The consumer the message was delivered to, known from the declaration even when
+    the message has no usable identity (a dead letter names it)."""
+    source: str | None = None
+    """The queue, stream, subject or topic it came from, likewise."""
 
     @property
     def consumer(self) -> str | None:
-        return self.delivery.consumer if self.delivery else None
+        return self.delivery.consumer if self.delivery else self.declared_consumer
 
 
 # -- what the adapter performs ------------------------------------------------------------
@@ -470,7 +475,8 @@ def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Sett
             # budget (if any) bounds it.
             return HandedBack(exc, counted=True, delay=_requested_delay(exc))
         return Processed(result)
-    return (yield from _reject(DeadLettered(identity_reason(problem), problem), None))
+    details = rejection_details(problem, arrival.consumer, arrival.source)
+    return (yield from _reject(DeadLettered(identity_reason(problem), problem), details))
 
 
 def conflict_details(delivery: Delivery, verdict: Verdict) -> dict[str, Any]:
@@ -504,12 +510,7 @@ def rejection_details(
     }
 
 
-def _reject(settlement: DeadLettered, delivery: Delivery | None) -> Generator[Op, Any, Settlement]:
-    details = rejection_details(
-        settlement.error,
-        delivery.consumer if delivery else None,
-        delivery.source if delivery else None,
-    )
+def _reject(settlement: DeadLettered, details: dict[str, Any]) -> Generator[Op, Any, Settlement]:
     try:
         yield Publish(Route.DEAD_LETTER, details)
     except Exception as exc:
@@ -573,7 +574,8 @@ def _failed(
     ):
         raise exc  # the process is going down (KeyboardInterrupt, cancellation): unacked
     if isinstance(exc, Unfit):
-        return (yield from _reject(DeadLettered("unfit", exc), delivery))
+        details = rejection_details(exc, delivery.consumer, delivery.source)
+        return (yield from _reject(DeadLettered("unfit", exc), details))
     if _transient(exc, arrival):
         return (yield from _hand_back(exc, delivery))
     code = reason_code(exc, rules.permanent_errors)

@@ -12,18 +12,39 @@ stands aside, record by record, as soon as the root logger or the library's gets
 handler, so
 configuring logging later never doubles a line. The library's own command
 (``inbox-middleware outbox run``) configures logging as ``dramatiq`` does (`configure`).
+
+Inside one message's processing (`scope`), the fallback hands the records to the logger
+FastStream writes that subscriber's lines with instead, through its filters, so the
+library's line about a message carries the queue and message id as FastStream's do.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from contextvars import ContextVar, Token
 
-__all__ = ["FORMAT", "configure", "follow"]
+__all__ = ["FORMAT", "configure", "follow", "leave", "scope"]
 
 LIBRARY = "inbox_middleware"
 FORMAT = "%(asctime)s %(levelname)8s - %(name)s: %(message)s"
 """The format of the fallback when no framework handler exists, and of ``outbox run``."""
+
+
+_scope: ContextVar[logging.Logger | None] = ContextVar("inbox_middleware_log_scope", default=None)
+
+
+def scope(framework: logging.Logger | None) -> Token[logging.Logger | None]:
+    """While a message is processed: hand the fallback's records to ``framework`` (the
+    logger of FastStream's lines for that subscriber), whose filters add its context."""
+    return _scope.set(framework)
+
+
+def leave(token: Token[logging.Logger | None]) -> None:
+    try:
+        _scope.reset(token)
+    except ValueError:  # set in another context: nothing of this one to restore
+        _scope.set(None)
 
 
 class _Fallback(logging.Handler):
@@ -37,6 +58,13 @@ class _Fallback(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if _configured(logging.getLogger(LIBRARY)):  # since: the record goes there
+            return
+        framework = _scope.get()
+        if framework is not None and framework.handlers:
+            if record.levelno >= framework.getEffectiveLevel() and framework.filter(record):
+                for handler in framework.handlers:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
             return
         targets = logging.getLogger(self.framework).handlers if self.framework else []
         for handler in targets or [self.stderr]:

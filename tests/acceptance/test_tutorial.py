@@ -285,8 +285,15 @@ def test_tutorial_faststream__one_credit_a_duplicate_skipped_a_conflict_quaranti
         _delete_queues(queue)
 
     output = log.read_text()
-    assert _logged("duplicate delivery for inbox consumer 'billing': already processed", output)
-    assert _logged("conflict delivery for inbox consumer 'billing': quarantined", output)
+    assert _logged(
+        "duplicate delivery skipped: consumer=billing producer=orders message_id=order-1000",
+        output,
+    )
+    assert _logged(
+        "identity conflict: same message id, different payload: consumer=billing "
+        "producer=orders message_id=order-1000",
+        output,
+    )
 
 
 def _logged(line: str, output: str) -> bool:

@@ -15,6 +15,9 @@ INBOX_TEST_PAUSE_AT       a named point where the first message to reach it stop
 INBOX_TEST_MARKERS        folder where "<point>.paused" is written on reaching it
 INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid>"
 INBOX_TEST_ACK_POLICY     an AckPolicy value for the subscriber (to test the guard)
+INBOX_TEST_INBOX_SCHEMA   the schema of the inbox tables (one never migrated: the start-up
+                          check refuses to start)
+INBOX_TEST_REDIS_LIST     "1": Redis only, read a list instead of a stream (refused)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from faststream import BaseMiddleware, FastStream
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.storage import InboxSchema
 
 from ..support.engines import async_engine
 from .domain import apply_credit_async
@@ -93,7 +97,10 @@ def _broker(middlewares: list[Any]) -> Any:
 
 
 engine = async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
-inbox = FastStreamInbox(engine, lock_timeout=30, retry_backoff=(0.1, 1.0))
+naming = (
+    InboxSchema(schema=ENV["INBOX_TEST_INBOX_SCHEMA"]) if "INBOX_TEST_INBOX_SCHEMA" in ENV else None
+)
+inbox = FastStreamInbox(engine, naming=naming, lock_timeout=30, retry_backoff=(0.1, 1.0))
 broker = _broker([CrashPoints, inbox.middleware])
 app = FastStream(inbox.guard(broker))
 app.after_shutdown(engine.dispose)
@@ -114,6 +121,10 @@ if ENV["INBOX_TEST_BROKER"] == "rabbit":
     from faststream.rabbit import RabbitQueue
 
     broker.subscriber(RabbitQueue(SOURCE, durable=True), **options)(add_credit)
+elif ENV["INBOX_TEST_BROKER"] == "redis" and ENV.get("INBOX_TEST_REDIS_LIST") == "1":
+    from faststream.redis import ListSub
+
+    broker.subscriber(list=ListSub(SOURCE), **options)(add_credit)
 elif ENV["INBOX_TEST_BROKER"] == "redis":
     from faststream.redis import StreamSub
 

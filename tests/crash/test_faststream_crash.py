@@ -123,7 +123,7 @@ async def _killed_at(setup: Any, pg_engine: Any, point: str) -> None:
     second = await start()
     if point == "after_commit":
         await eventually(
-            lambda: "duplicate delivery for inbox consumer 'billing'" in second.output(),
+            lambda: "duplicate delivery skipped: consumer=billing" in second.output(),
             timeout=60,
             what="the redelivery, skipped as a duplicate",
         )

@@ -264,6 +264,8 @@ async def test_faststream__unusable_identity_is_dead_lettered_with_a_clear_log(
     rejected = json.loads(dead_headers["x-inbox-rejected"])
     assert reason in rejected["detail"]
     assert rejected["reason"] in ("MissingIdentity", "InvalidIdentity")
+    # The consumer and the source are known though the message's identity is not
+    assert (rejected["consumer"], rejected["source"]) == ("billing", h.source)
     assert (applied(pg_engine), claims(pg_engine)) == (0, [])
     assert await h.leftover() == 0
 
@@ -418,7 +420,8 @@ async def test_faststream__guard_refuses_redis_subscribers_that_cannot_redeliver
     await h.cleanup()
 
 
-async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox):
+async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox, caplog):
+    caplog.set_level(logging.INFO, logger="inbox_middleware")
     h = Harness("redis", [inbox.middleware])
     credit(h, inbox)  # a reading and a reclaiming subscriber, one handler, one consumer
     try:
@@ -426,6 +429,16 @@ async def test_faststream__guard_accepts_a_redis_stream_with_its_reclaimer(inbox
     finally:
         await h.broker.stop()
         await h.cleanup()
+    # Each twin says which one it is
+    protects = sorted(r.getMessage() for r in caplog.records if "protects" in r.getMessage())
+    assert protects == [
+        f"inbox consumer billing protects Redis subscriber {h.source!r} (group 'billing', "
+        f"consumer 'c1', reading new messages) (quarantine {h.source}.quarantine, dead "
+        f"letters {h.source}.dead-letter)",
+        f"inbox consumer billing protects Redis subscriber {h.source!r} (group 'billing', "
+        "consumer 'c1-reclaim', reclaiming messages pending over 1000 ms) (quarantine "
+        f"{h.source}.quarantine, dead letters {h.source}.dead-letter)",
+    ]
 
 
 async def test_faststream__guard_refuses_core_nats(inbox):

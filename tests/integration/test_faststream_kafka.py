@@ -56,6 +56,7 @@ async def test_faststream_kafka__duplicates_skipped_conflicts_quarantined(inbox,
 
     @broker.subscriber(
         "orders",
+        group_id="billing",
         ack_policy=AckPolicy.ACK,
         dependencies=[inbox.consumer("billing")],
     )
@@ -87,7 +88,10 @@ async def test_faststream_kafka__failure_rolls_back_and_hands_back(inbox, pg_eng
     broker = KafkaBroker(middlewares=[recorder(seen), inbox.middleware])
 
     @broker.subscriber(
-        "orders", ack_policy=AckPolicy.NACK_ON_ERROR, dependencies=[inbox.consumer("billing")]
+        "orders",
+        group_id="billing",
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        dependencies=[inbox.consumer("billing")],
     )
     async def handle(body: dict[str, int], session: InboxSession) -> None:
         await apply_credit_async(session, "billing", body["account"], body["delta"])
@@ -110,6 +114,7 @@ async def test_faststream_kafka__batch_claims_once_and_reports_each_decision(inb
     @broker.subscriber(
         "orders",
         batch=True,
+        group_id="billing",
         ack_policy=AckPolicy.ACK,
         dependencies=[inbox.consumer("billing")],
     )

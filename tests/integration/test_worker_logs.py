@@ -4,7 +4,9 @@ apps, in subprocesses, read as an operator reads them.
 - Under ``faststream run`` the library's lines come out through FastStream's handler,
   with its timestamp and level (not Python's last-resort handler), and a guarded app
   never warns that the start-up check did not run.
-- A duplicate is one line, at INFO, by the library: no Dramatiq "was skipped" warning.
+- A duplicate is one line, at INFO, by the library: no Dramatiq "was skipped" warning,
+  no FastStream line repeating the decision; under FastStream it carries the queue and
+  the message id.
 - A Dramatiq worker whose database is unreachable exits non-zero with a one-line reason
   instead of starting.
 """
@@ -38,7 +40,7 @@ def applied(pg_engine, account_id: int = 7) -> int:
         return effects(conn, account_id)
 
 
-async def test_faststream_run__library_lines_have_timestamps_and_a_duplicate_is_one_info_line(
+async def test_faststream_run__library_lines_have_timestamps_and_a_decision_is_one_line(
     pg_async_url, pg_engine, tmp_path
 ):
     producer = Harness("rabbit", [])
@@ -51,14 +53,19 @@ async def test_faststream_run__library_lines_have_timestamps_and_a_duplicate_is_
     worker = FastStreamWorker("tests.apps.faststream_app:app", env, tmp_path / "worker.log")
     try:
         await eventually(worker.ready, timeout=60, what="the worker to start")
-        # When one intent is delivered twice
+        # When one intent is delivered twice, and a message without identity once
         async with producer.broker:
             for _ in range(2):
                 await producer.publish(
                     {"account": 7, "delta": 10},
                     identity_headers(producer="orders", message_id="o-1"),
                 )
-        await eventually(lambda: "duplicate delivery" in worker.output(), timeout=30, what="dup")
+            await producer.publish({"account": 7, "delta": 10}, {})
+        await eventually(
+            lambda: "duplicate delivery" in worker.output() and "rejecting" in worker.output(),
+            timeout=30,
+            what="the duplicate and the rejection",
+        )
     finally:
         worker.stop()
         await producer.cleanup()
@@ -66,10 +73,23 @@ async def test_faststream_run__library_lines_have_timestamps_and_a_duplicate_is_
     print(output)
     # Then the library's lines carry FastStream's timestamp and level
     assert re.search(rf"^{STAMP} INFO +- inbox consumer billing protects RabbitMQ", output, re.M)
-    # (FastStream's access log adds its own line for the acknowledged duplicate)
-    duplicates = [line for line in output.splitlines() if "duplicate delivery skipped" in line]
+    # And each decision is one line, by the library, at its level, with the queue and the
+    # message id as FastStream's own lines have them (FastStream's "Processed" follows)
+    queue = re.escape(producer.source)
+    duplicates = [line for line in output.splitlines() if "duplicate delivery" in line]
     assert len(duplicates) == 1, output
-    assert re.match(rf"{STAMP} INFO +- duplicate delivery skipped: consumer=billing", duplicates[0])
+    assert re.match(
+        rf"{STAMP} INFO +- +\| {queue} +\| \w{{10}} - duplicate delivery skipped: "
+        "consumer=billing",
+        duplicates[0],
+    )
+    rejections = [line for line in output.splitlines() if "rejecting" in line or "rejected" in line]
+    assert len(rejections) == 1, output
+    assert re.match(
+        rf"{STAMP} ERROR +- +\| {queue} +\| \w{{10}} - rejecting a message for inbox "
+        "consumer billing",
+        rejections[0],
+    )
     assert "start-up check did not run" not in output
     assert applied(pg_engine) == 1
 

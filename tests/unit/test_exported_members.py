@@ -60,7 +60,7 @@ PUBLIC = {
     "inbox_middleware.dramatiq.testing": {"DramatiqCheck"},
     "inbox_middleware.faststream.testing": {"FastStreamCheck", "FastStreamMessage"},
     "inbox_middleware.faststream.testbroker": {"guarded", "guard_test_broker"},
-    "inbox_middleware.logs": {"FORMAT", "configure", "follow"},
+    "inbox_middleware.logs": {"FORMAT", "configure", "follow", "leave", "scope"},
     "inbox_middleware.consumption": {
         "Arrival",
         "CountFailure",
@@ -115,9 +115,11 @@ PUBLIC = {
         "HandedBack",
         "REJECTED_HEADER",
         "REPAIR_HEADER",
+        "QuietTold",
         "Skipped",
         "message_id_of",
     },
+    "inbox_middleware.faststream.boot": {"EXIT_STATUS", "refuse_start", "watch_supervisor"},
     "inbox_middleware.dramatiq.boot": {
         "EXIT_STATUS",
         "QuietSkips",

@@ -181,6 +181,8 @@ class InboxActor:
             # without an outcome comes back redelivered.
             "outcomes_redeliver": False,
             "keeps_outputs": self.keeps_outputs(message),
+            "declared_consumer": self.consumer,
+            "source": message.queue_name,
         }
         try:
             return Arrival(self.delivery(message), **common)

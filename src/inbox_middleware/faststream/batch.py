@@ -191,7 +191,7 @@ async def _tell_batch(
     await sub.adapter.ack(message)
     if ran and result is not ACKED:
         return result
-    raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen")
+    raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen", logged=False)
 
 
 async def _quarantine(

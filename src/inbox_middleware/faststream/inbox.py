@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from fast_depends import Depends
@@ -28,6 +29,7 @@ from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..tracing import tracing_for
+from .boot import refuse_start, watch_supervisor
 from .brokers import adapter_for
 from .brokers.nats import NatsAdapter
 from .consumer import UNSET, InboxConsumer, _Unset
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["FastStreamInbox"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
+
+_MARK = "__inbox_guarded__"
 
 B = TypeVar("B")
 
@@ -111,8 +115,13 @@ class FastStreamInbox:
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
-        self._subscriptions: dict[int, Subscription | None] = {}
-        self._refused: dict[int, str] = {}
+        # Verdicts by subscriber object, forgotten with it: FastStream keeps a broker's
+        # subscribers in a WeakSet, so a dropped dynamic subscriber's id can come back as
+        # a new subscriber's, which must not inherit its verdict.
+        self._subscriptions: weakref.WeakKeyDictionary[Any, Subscription | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._refused: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._lock = asyncio.Lock()
         self._database_checked = False
 
@@ -162,22 +171,65 @@ class FastStreamInbox:
         return Depends(declaration, cast=False)
 
     def guard(self, broker: B) -> B:
-        """Run `check` whenever ``broker`` starts, before any of its subscribers does.
+        """Run `check` whenever ``broker`` starts, before any of its subscribers does, and
+        again before a subscriber added later starts (``await subscriber.start()`` on a
+        running broker), so none consumes a message unchecked.
 
         Returns the broker: ``app = FastStream(inbox.guard(broker))``.
         """
         start = broker.start  # type: ignore[attr-defined]
-        if getattr(start, "__inbox_guarded__", None) is self:
+        if getattr(start, _MARK, None) is self:
             return broker
 
         async def guarded_start(*args: Any, **kwargs: Any) -> Any:
-            await self.check(broker)
+            for subscriber in broker.subscribers:  # type: ignore[attr-defined]
+                self._watch(broker, subscriber)  # those of routers included since
+            try:
+                await self.check(broker)
+            except Exception as exc:
+                refuse_start(exc)  # under faststream run, uvicorn, ...: one block, exit 3
+                raise
             return await start(*args, **kwargs)
 
-        guarded_start.__inbox_guarded__ = self  # type: ignore[attr-defined]
+        setattr(guarded_start, _MARK, self)
         broker.start = guarded_start  # type: ignore[attr-defined]
+        declare = broker.subscriber  # type: ignore[attr-defined]
+
+        def subscriber(*args: Any, **kwargs: Any) -> Any:
+            return self._watch(broker, declare(*args, **kwargs))
+
+        broker.subscriber = subscriber  # type: ignore[attr-defined]
+        include = broker.include_router  # type: ignore[attr-defined]
+
+        def include_router(*args: Any, **kwargs: Any) -> Any:
+            included = include(*args, **kwargs)
+            for added in broker.subscribers:  # type: ignore[attr-defined]
+                self._watch(broker, added)
+            return included
+
+        broker.include_router = include_router  # type: ignore[attr-defined]
+        for existing in broker.subscribers:  # type: ignore[attr-defined]
+            self._watch(broker, existing)
         guard_test_broker(self, broker)
+        watch_supervisor()
         return broker
+
+    def _watch(self, broker: Any, subscriber: Any) -> Any:
+        """Check ``subscriber`` when it starts, unless the start-up check saw it already:
+        a subscriber added to a running broker is refused before it consumes."""
+        start = subscriber.start
+        if getattr(start, _MARK, None) is self:
+            return subscriber
+
+        async def checked_start(*args: Any, **kwargs: Any) -> Any:
+            if subscriber not in self._subscriptions:
+                async with self._lock:
+                    await self._check(broker, only=subscriber)
+            return await start(*args, **kwargs)
+
+        setattr(checked_start, _MARK, self)
+        subscriber.start = checked_start
+        return subscriber
 
     async def check(self, broker: Any) -> None:
         """Refuse, with what to change, any inbox subscriber whose messages the inbox could
@@ -186,7 +238,10 @@ class FastStreamInbox:
         async with self._lock:
             await self._check(broker)
 
-    async def _check(self, broker: Any) -> None:
+    async def _check(self, broker: Any, only: Any = None) -> None:
+        """The check; with ``only`` (a subscriber starting on a running broker), raise for
+        that subscriber's refusal alone (another refused one, declared and never started,
+        does not stop it)."""
         logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)
@@ -199,20 +254,28 @@ class FastStreamInbox:
                 refused[id(f.subscriber)] = problem
             else:
                 subscriptions[id(f.subscriber)] = subscription
-        if refused:
-            self._refused |= refused
-            raise ConfigurationError(_report(found, refused))
+        for f in found:
+            if id(f.subscriber) in refused:
+                self._refused[f.subscriber] = refused[id(f.subscriber)]
+        stopping = {k: v for k, v in refused.items() if only is None or k == id(only)}
+        if stopping:
+            raise ConfigurationError(_report(found, stopping))
         if self.check_database and not self._database_checked:
             await self.storage.check()
             self._database_checked = True
-        if subscriptions:
+        # Only what this check sees first: a subscriber added later checks them all again.
+        known = {id(f.subscriber) for f in found if f.subscriber in self._subscriptions}
+        fresh = {key: sub for key, sub in subscriptions.items() if key not in known}
+        if fresh:
             await broker.connect()
-        for subscription in subscriptions.values():
+        for subscription in fresh.values():
             await subscription.adapter.prepare(subscription.destinations)
         for f in found:
-            self._subscriptions[id(f.subscriber)] = subscriptions.get(id(f.subscriber))
-            self._refused.pop(id(f.subscriber), None)
-        for subscription in subscriptions.values():
+            if id(f.subscriber) in refused or f.subscriber in self._subscriptions:
+                continue  # a known one keeps its subscription, and its hand-back delays
+            self._subscriptions[f.subscriber] = subscriptions.get(id(f.subscriber))
+            self._refused.pop(f.subscriber, None)
+        for subscription in fresh.values():
             logger.info(
                 "inbox consumer %s protects %s (quarantine %s, dead letters %s)",
                 subscription.consumer.name,
@@ -241,10 +304,9 @@ class FastStreamInbox:
         Normally known since `check` ran at start-up. Without `guard`, the check runs at
         the first message, too late for an ACK_FIRST subscriber: hence the warning.
         """
-        key = id(subscriber)
-        if key in self._subscriptions:
-            return self._subscriptions[key]
-        if key not in self._refused:
+        if subscriber in self._subscriptions:
+            return self._subscriptions[subscriber]
+        if subscriber not in self._refused:
             # A guarded broker under a test broker: its fakes come after the check.
             log = logger.debug if guarded(self, broker) else logger.warning
             log(
@@ -256,9 +318,9 @@ class FastStreamInbox:
             # Raises while the check fails (the database down, the tables missing, a
             # setting that breaks the guarantee): the caller hands the message back.
             await self.check(broker)
-        if key in self._refused:
-            raise ConfigurationError(self._refused[key])
-        return self._subscriptions.get(key)
+        if subscriber in self._refused:
+            raise ConfigurationError(self._refused[subscriber])
+        return self._subscriptions.get(subscriber)
 
     async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None:
         """Hand back a message the inbox cannot settle yet (its subscriber is refused, or

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
+from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from faststream import BaseMiddleware
 from faststream.message import SourceType
 
-from .. import direct
+from .. import direct, logs
 from .context import current_attempt
-from .outcome import HandedBack
+from .outcome import HandedBack, QuietTold
 
 if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
@@ -39,6 +41,7 @@ class RoutingMiddleware(BaseMiddleware):
         super().__init__(msg, context=context)
         self.inbox = inbox
         self.finish: list[Any] = []
+        self.logs: Token[logging.Logger | None] | None = None
 
     async def consume_scope(
         self, call_next: Callable[[Any], Awaitable[Any]], msg: StreamMessage[Any]
@@ -53,12 +56,16 @@ class RoutingMiddleware(BaseMiddleware):
         ):
             return await call_next(msg)
         broker = self.context.get_local("broker")
+        framework = _framework_logger(broker)
+        if framework is not None:
+            QuietTold.install(framework)
+        self.logs = logs.scope(framework)  # the inbox's lines carry queue and message id
         try:
             subscription = await self.inbox.subscription_for(subscriber, broker)
         except Exception as exc:
             # Refused, or the start-up check failed: the message waits with the broker.
             await self.inbox.hold(broker, subscriber, msg, exc)
-            raise HandedBack(f"{type(exc).__name__}: {exc}") from exc
+            raise HandedBack(f"{type(exc).__name__}: {exc}", logged=True) from exc
         if subscription is None:
             return await call_next(msg)
         return await subscription.consume(call_next, msg, self.finish)
@@ -78,9 +85,21 @@ class RoutingMiddleware(BaseMiddleware):
     ) -> bool | None:
         # FastStream publishes a handler's result after the consume scope and before the
         # middlewares exit: a delivery whose outputs it published is acknowledged here.
-        for finish in self.finish:
-            await finish(exc_val)
+        try:
+            for finish in self.finish:
+                await finish(exc_val)
+        finally:
+            if self.logs is not None:
+                logs.leave(self.logs)
         return False
+
+
+def _framework_logger(broker: Any) -> logging.Logger | None:
+    """The logger FastStream writes a subscriber's lines with ("Received", "Processed"),
+    when it is a standard one."""
+    state = getattr(getattr(broker, "config", None), "logger", None)
+    found = getattr(getattr(state, "logger", None), "logger", None)
+    return found if isinstance(found, logging.Logger) else None
 
 
 class InboxMiddlewareFactory:

@@ -4,6 +4,7 @@ carries."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = [
     "REJECTED_HEADER",
     "REPAIR_HEADER",
     "HandedBack",
+    "QuietTold",
     "Skipped",
     "message_id_of",
 ]
@@ -29,12 +31,20 @@ REPAIR_HEADER = "x-inbox-repair"
 """On a redriven or accepted message: the row it repairs (``poison:12``, ``quarantine:7``)."""
 
 
-class Skipped(AckMessage):
-    """Settled by the inbox without running the handler (duplicate, conflict, rejected)."""
+class _Told(str):
+    """A settlement's reason the inbox logged already, with its level and fields."""
 
-    def __init__(self, reason: str) -> None:
+
+class Skipped(AckMessage):
+    """Settled by the inbox without running the handler (duplicate, conflict, rejected).
+
+    FastStream logs the text of the exception that ends a consume scope; with ``logged``
+    (the inbox logged the decision itself) `QuietTold` drops that second line.
+    """
+
+    def __init__(self, reason: str, *, logged: bool = True) -> None:
         super().__init__()
-        self.reason = reason
+        self.reason = _Told(reason) if logged else reason
 
     def __str__(self) -> str:
         return self.reason
@@ -43,9 +53,9 @@ class Skipped(AckMessage):
 class HandedBack(NackMessage):
     """Rolled back by the inbox and handed back to the broker for a later redelivery."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, logged: bool = False) -> None:
         super().__init__()
-        self.reason = reason
+        self.reason = _Told(reason) if logged else reason
 
     def __str__(self) -> str:
         return self.reason
@@ -56,6 +66,20 @@ class _Acknowledged:
 
 
 ACKED = _Acknowledged()
+
+
+class QuietTold(logging.Filter):
+    """On FastStream's logger of a subscriber's lines: drops the line FastStream writes
+    with the text of a `Skipped` or `HandedBack` whose decision the inbox logged already
+    (one decision, one line, at the inbox's level)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not isinstance(record.msg, _Told)
+
+    @classmethod
+    def install(cls, logger: logging.Logger) -> None:
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
 
 
 def message_id_of(headers: Mapping[str, Any]) -> str | None:

@@ -166,7 +166,7 @@ class Subscription:
         return [self.quarantine] + ([self.dead_letter] if self.dead_letter else [])
 
     def describe(self) -> str:
-        return f"{self.adapter.name} subscriber {self.adapter.source!r}"
+        return self.adapter.describe()
 
     # -- one message --------------------------------------------------------------------------
 
@@ -228,6 +228,8 @@ class Subscription:
             "repair_marker": marker if isinstance(marker, str) else None,
             "keeps_outputs": self.publishes
             or (self.replies and bool(getattr(message, "reply_to", None))),
+            "declared_consumer": self.consumer.name,
+            "source": self.adapter.source,
         }
         try:
             return Arrival(self.delivery(item), **common)
@@ -369,7 +371,9 @@ class Subscription:
                 self.backoff.forget(key)
                 await self.adapter.ack(message)
                 if result is ACKED:
-                    raise Skipped(f"acknowledged by the handler of inbox consumer {name!r}")
+                    raise Skipped(
+                        f"acknowledged by the handler of inbox consumer {name!r}", logged=False
+                    )
                 return result
             case Duplicate():
                 self.backoff.forget(key)

@@ -15,6 +15,7 @@ broker then gives their fakes. With ``with_real=True`` the real ``start`` runs, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ class Checked(Protocol):
     """What the wrapper needs of the `FastStreamInbox` (which imports this module)."""
 
     _lock: asyncio.Lock
-    _subscriptions: dict[int, Subscription | None]
+
+    @property
+    def _subscriptions(self) -> Mapping[Any, Subscription | None]: ...
 
     async def check(self, broker: Any) -> None: ...
 
@@ -61,7 +64,7 @@ def guarded(inbox: Checked, broker: Any) -> bool:
 
 def _declare_publishers(inbox: Checked, broker: Any, declared: set[str]) -> None:
     for subscriber in broker.subscribers:
-        subscription = inbox._subscriptions.get(id(subscriber))
+        subscription = inbox._subscriptions.get(subscriber)
         if subscription is None:
             continue
         for destination in subscription.destinations:

@@ -61,6 +61,13 @@ class AsyncInbox(Executor):
             raise ConfigurationError(
                 f"AsyncInbox needs a sqlalchemy AsyncEngine, got {type(engine).__name__}"
             )
+        if engine.dialect.name == "postgresql" and engine.dialect.driver != "asyncpg":
+            # The claim's one round trip and the commit's checks speak asyncpg's API.
+            raise ConfigurationError(
+                f"the inbox's AsyncEngine must use asyncpg, not {engine.dialect.driver} "
+                "(under SQLAlchemy 2.1, postgresql:// means psycopg): create it with "
+                "create_async_engine('postgresql+asyncpg://...')"
+            )
         super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
         self.engine = engine
         if engine.dialect.driver == "asyncpg":

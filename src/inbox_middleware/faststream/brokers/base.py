@@ -72,6 +72,11 @@ class BrokerAdapter:
         """Whether the subscriber receives batches."""
         return False
 
+    def describe(self) -> str:
+        """The subscriber, for a log line: enough to tell two subscribers of one source
+        apart."""
+        return f"{self.name} subscriber {self.source!r}"
+
     def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
         """Why this subscriber (of inbox consumer ``consumer``) cannot be protected, with
         what to change; None if it can. ``peers`` are the broker's other inbox subscribers.

@@ -71,11 +71,23 @@ class KafkaAdapter(BrokerAdapter):
 
     def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
         subscriber = self.subscriber
+        # Without a group, Kafka keeps no offsets: every commit fails (IllegalOperation),
+        # and a restarted subscriber reads from auto_offset_reset, skipping (latest) or
+        # replaying (earliest) what came while it was down.
+        group = (
+            None
+            if subscriber.group_id
+            else "it has no group_id, so Kafka commits no offsets for it and a restart loses "
+            "its place; pass group_id=... (a name kept across deployments)"
+        )
         if subscriber.ack_policy is AckPolicy.ACK_FIRST:
             return (
                 "Kafka subscribers default to AckPolicy.ACK_FIRST, which commits offsets as "
                 f"messages are read, before the inbox commits. {_ACK}"
+                + (f"; and {group}" if group else "")
             )
+        if group:
+            return group
         if subscriber.ack_policy is AckPolicy.MANUAL:
             return (
                 "AckPolicy.MANUAL leaves the offset commit to the handler, but the inbox must "

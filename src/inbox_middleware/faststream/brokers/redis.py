@@ -46,6 +46,22 @@ class RedisAdapter(BrokerAdapter):
     def batch(self) -> bool:
         return isinstance(self.subscriber, StreamBatchSubscriber)
 
+    def describe(self) -> str:
+        subscriber = self.subscriber
+        if not isinstance(subscriber, _StreamHandlerMixin):
+            return super().describe()
+        stream = subscriber.stream_sub
+        if stream.min_idle_time is not None:
+            role = f"reclaiming messages pending over {stream.min_idle_time} ms"
+        elif stream.claim_min_idle_time is not None:
+            role = f"reading, and claiming messages pending over {stream.claim_min_idle_time} ms"
+        else:
+            role = "reading new messages"
+        return (
+            f"Redis subscriber {self.source!r} (group {stream.group!r}, consumer "
+            f"{stream.consumer!r}, {role})"
+        )
+
     def refusal(self, consumer: str, peers: Sequence[Peer]) -> str | None:
         subscriber = self.subscriber
         if isinstance(subscriber, _ListHandlerMixin):
