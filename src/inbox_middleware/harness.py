@@ -33,6 +33,7 @@ __all__ = [
     "fresh",
     "intent_name",
     "refuse_sqlite",
+    "timed_out",
 ]
 
 Effect = Callable[[], Any]
@@ -229,6 +230,31 @@ def refuse_sqlite(engine: Engine) -> None:
 def intent_name(identity: MessageIdentity) -> str:
     tenant = f"{identity.tenant}/" if identity.tenant else ""
     return f"{identity.producer}/{tenant}{identity.message_id}"
+
+
+def timed_out(
+    scenario: str,
+    identity: MessageIdentity,
+    waves: list[Any],
+    tally: Tally,
+    *,
+    timeout: float,
+    ending: str,
+    pending: list[str],
+) -> str:
+    """The failure of a scenario that did not finish within its ``timeout``: what happened
+    so far, and each delivery or message still pending."""
+    deliveries = sum(wave if isinstance(wave, int) else len(wave) for wave in waves)
+    done = [f"handler committed {tally.processed}x", f"{tally.skipped} skipped"]
+    if tally.failures:
+        done.append(f"failed attempts: {', '.join(tally.failures)}")
+    head = (
+        f"{scenario} ({deliveries} deliveries of {intent_name(identity)}): not finished "
+        f"within {timeout:g}s (the check's timeout), so the worker was stopped; " + ", ".join(done)
+    )
+    if not pending:
+        return head
+    return head + "; still pending:\n  - " + "\n  - ".join(pending)
 
 
 def fresh(claims: int, identity: MessageIdentity) -> None:

@@ -4,17 +4,21 @@ dead-letter publishes reach the test broker's fakes (no subscriber of the test's
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import pytest
-from faststream.rabbit import RabbitBroker, TestRabbitBroker
+from faststream.rabbit import RabbitBroker, RabbitQueue, TestRabbitBroker
 from faststream.redis import RedisBroker, StreamSub, TestRedisBroker
 from sqlalchemy import text
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
 from ..apps.domain import apply_credit_async, effects
+from ..support import services
+from .test_testing_plugin import counter
 
 
 def app(kind: str, inbox: FastStreamInbox, queue: str) -> tuple[Any, Any]:
@@ -83,3 +87,61 @@ async def test_test_broker__the_documented_conflict_test_passes(pg_async_engine,
     await snippet().conflict_on_the_test_broker(broker, queue)
     with pg_engine.connect() as conn:
         assert effects(conn, 7) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_check__a_subscriber_that_never_returns_fails_within_the_timeout(
+    inbox_check, pg_async_engine, pg_engine, queue
+):
+    # Given a subscriber that never returns (a call without a timeout of its own)
+    inbox = FastStreamInbox(pg_async_engine)
+    broker = RabbitBroker(middlewares=[inbox.middleware])
+
+    @broker.subscriber(queue, dependencies=[inbox.consumer("billing")])
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+        await asyncio.Event().wait()
+
+    async with TestRabbitBroker(broker):
+        check = inbox_check.faststream(broker, effect=counter(pg_engine), timeout=1)
+        order = check.message(
+            {"account": 7, "delta": 10}, producer="p", message_id="m", queue=queue
+        )
+        started = time.monotonic()
+        # When a scenario runs, then it fails once its timeout is spent, naming what waits
+        with pytest.raises(AssertionError) as raised:
+            await check.redelivered(order, times=2)
+    assert time.monotonic() - started < 5
+    assert str(raised.value).startswith(
+        "redelivered (2 deliveries of p/m): not finished within 1s (the check's timeout)"
+    )
+    assert "1 delivery still running in the subscriber (wave 1 of 2)" in str(raised.value)
+    with pg_engine.connect() as conn:  # the handler's transaction was rolled back
+        assert effects(conn) == 0
+
+
+@pytest.mark.timeout(30)
+async def test_check__a_subscriber_failing_every_time_on_a_real_broker_ends_at_the_timeout(
+    inbox_check, pg_async_engine, pg_engine, queue
+):
+    # Given a subscriber that fails every time, on RabbitMQ, which redelivers it
+    inbox = FastStreamInbox(pg_async_engine)
+    broker = RabbitBroker(services.RABBITMQ, middlewares=[inbox.middleware])
+
+    @broker.subscriber(queue, dependencies=[inbox.consumer("billing")])
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        raise ConnectionError("the ledger service is down")
+
+    async with broker:
+        await broker.start()
+        check = inbox_check.faststream(broker, effect=counter(pg_engine), timeout=1)
+        order = check.message(
+            {"account": 7, "delta": 10}, producer="p", message_id="m", queue=queue
+        )
+        with pytest.raises(AssertionError, match="not finished within 1s") as raised:
+            await check.redelivered(order, times=1)
+        await (await broker.declare_queue(RabbitQueue(queue))).delete(
+            if_unused=False, if_empty=False
+        )
+    assert "failed attempts: ConnectionError" in str(raised.value)
+    assert "1 delivery not settled (wave 1 of 1)" in str(raised.value)

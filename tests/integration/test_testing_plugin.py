@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 from faststream.rabbit import RabbitBroker, TestRabbitBroker
 from sqlalchemy import text
 
-from inbox_middleware.dramatiq import InboxMiddleware, current_session
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
@@ -316,3 +318,62 @@ def test_inbox_database__the_documented_setup_adds_the_users_tables(pytester: py
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+# -- the check never hangs: its timeout bounds it whole ------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_plugin__an_actor_failing_every_time_fails_the_check_within_its_timeout(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    # Given an actor that fails every time, retried with a backoff far longer than the
+    # check's timeout
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(
+        queue_name=queue, inbox_consumer="billing", min_backoff=5_000, max_backoff=3_600_000
+    )
+    def always_down(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        raise ConnectionError("the ledger service is down")
+
+    check = inbox_check.dramatiq(always_down, effect=counter(pg_engine), timeout=2)
+    started = time.monotonic()
+    # When a scenario runs, then it fails once its timeout is spent, naming each message
+    # still pending: where it waits, how often it was retried, when it is due
+    with pytest.raises(AssertionError) as raised:
+        check.redelivered(check.message(7, 10, producer="p", message_id="m"), times=1)
+    assert time.monotonic() - started < 8
+    message = str(raised.value)
+    assert message.startswith("redelivered (1 deliveries of p/m): not finished within 2s")
+    assert re.search(rf"queue {queue}\.DQ, retries 1, eta 20\d\d-\S+ \(in \d+(\.\d)?s\)", message)
+    assert "failed attempts: ConnectionError" in message
+    # And the worker was stopped: nothing runs the actor after the check gave up
+    assert not any(t.is_alive() for t in threading.enumerate() if "WorkerThread" in t.name)
+
+
+@pytest.mark.timeout(30)
+def test_plugin__a_leftover_delayed_message_on_a_real_broker_fails_the_check_naming_it(
+    inbox_check, redis_broker, queue, pg_engine
+):
+    # Given a message left in the actor's delay queue, due in an hour
+    redis_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    leftover = add_credit.send_with_options(
+        args=(1, 1), delay=3_600_000, **identity(producer="p", message_id="old")
+    )
+    check = inbox_check.dramatiq(add_credit, effect=counter(pg_engine), timeout=2)
+    # When a scenario runs, then it fails within its timeout, naming the leftover message
+    with pytest.raises(AssertionError, match="not finished within 2s") as raised:
+        check.redelivered(check.message(7, 10, producer="p", message_id="m"), times=1)
+    assert f"message {leftover.message_id} (actor add_credit, not this scenario's)" in str(
+        raised.value
+    )
+    assert re.search(
+        rf"queue {queue}\.DQ, retries 0, eta \S+ \(in 3\d\d\d(\.\d)?s\)", str(raised.value)
+    )

@@ -8,6 +8,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
@@ -25,6 +26,7 @@ from ..harness import (
     fresh,
     intent_name,
     refuse_sqlite,
+    timed_out,
 )
 from ..storage import InboxSchema
 from ..storage.inspection import claim_queries
@@ -147,21 +149,41 @@ class DramatiqCheck:
     def _run(self, scenario: str, message: Any, waves: list[list[Any]]) -> ScenarioResult:
         from .payload import identity_options
 
+        # One deadline bounds the whole scenario: the deliveries, their retries, and the
+        # wait for the worker's queues to empty (Dramatiq's own worker.join() has no bound,
+        # and Retries' backoff or a message left in the delay queue can outlast any test).
+        deadline = time.monotonic() + self.timeout
         identity = identity_options(message.options)
         claims, quarantined, poisoned = claim_queries(self.naming, identity, self.consumer)
         fresh(self._count(claims), identity)
         before = self.effect()
         conflicts_before, poison_before = self._count(quarantined), self._count(poisoned)
         hold = Hold(self.engine, self.hold, self.asynchronous)
-        tally, unsettled = Tally(), 0
+        tally = Tally()
+        ours = {m.message_id for wave in waves for m in wave}
         holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._worker() as worker, self._recording() as recorder, holding:
+        with self._worker(deadline) as worker, self._recording() as recorder, holding:
             for wave in waves:
                 outcomes = recorder.current = Outcomes({m.message_id for m in wave}, len(wave))
                 for copy in wave:
                     self.broker.enqueue(copy)
-                unsettled += self._settle(outcomes)
-                worker.join()  # acknowledged before the next wave is sent
+                # Acknowledged before the next wave is sent.
+                if not (_settled(outcomes, deadline) and _drained(worker, self.broker, deadline)):
+                    pending = _pending(worker, self.broker, ours)
+                    tally.add(outcomes)
+                    raise AssertionError(
+                        timed_out(
+                            scenario,
+                            identity,
+                            waves,
+                            tally,
+                            timeout=self.timeout,
+                            ending="so the worker was stopped"
+                            if self.worker is None
+                            else "(your worker keeps running)",
+                            pending=pending,
+                        )
+                    )
                 recorder.current = None
                 tally.add(outcomes)
         conflicts = self._count(quarantined) - conflicts_before
@@ -178,18 +200,7 @@ class DramatiqCheck:
             claims=self._count(claims),
             effect=self.effect() - before,
             overlapped=tally.overlapped(hold.first_done),
-            unsettled=unsettled,
         )
-
-    def _settle(self, outcomes: Outcomes) -> int:
-        """Wait until every message of the wave is settled; how many were not."""
-        assert outcomes.expected is not None
-        deadline = time.monotonic() + self.timeout
-        while len(outcomes.settled) < len(outcomes.expected):
-            if time.monotonic() > deadline:
-                return len(outcomes.expected) - len(outcomes.settled)
-            time.sleep(0.01)
-        return 0
 
     def _count(self, query: Any) -> int:
         if self._async_engine is None:
@@ -212,7 +223,7 @@ class DramatiqCheck:
         return int(loop_thread.run_coroutine(count()))
 
     @contextlib.contextmanager
-    def _worker(self) -> Iterator[Any]:
+    def _worker(self, deadline: float) -> Iterator[Any]:
         if self.worker is not None:
             yield self.worker
             return
@@ -223,7 +234,9 @@ class DramatiqCheck:
         try:
             yield worker
         finally:
-            worker.stop()
+            # Bounded too: a handler still running past the deadline gets a second to end.
+            remaining = max(deadline - time.monotonic(), 1.0)
+            worker.stop(timeout=int(remaining * 1000))
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[Any]:
@@ -234,6 +247,83 @@ class DramatiqCheck:
             yield recorder
         finally:
             self.broker.middleware.remove(recorder)
+
+
+def _settled(outcomes: Outcomes, deadline: float) -> bool:
+    """Wait until every message of the wave is settled (processed, skipped, or failed for
+    good once Retries gave up); False at the deadline."""
+    assert outcomes.expected is not None
+    while len(outcomes.settled) < len(outcomes.expected):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _drained(worker: Any, broker: Any, deadline: float) -> bool:
+    """Dramatiq's ``worker.join()``, bounded: wait until the worker holds no message (its
+    work queue, its consumers' delay queues) and, on the stub broker, the queues are
+    empty; False at the deadline. Empty twice in a row, as join checks: a due delayed
+    message passes through the broker on its way from the delay queue to the work queue."""
+    empty_once = False
+    while time.monotonic() <= deadline:
+        if _holds_nothing(worker, broker):
+            if empty_once:
+                return True
+            empty_once = True
+        else:
+            empty_once = False
+        time.sleep(0.05)
+    return False
+
+
+def _holds_nothing(worker: Any, broker: Any) -> bool:
+    if worker.work_queue.unfinished_tasks:
+        return False
+    if any(consumer.delay_queue.unfinished_tasks for consumer in worker.consumers.values()):
+        return False
+    queues = getattr(broker, "queues", None)  # the stub broker's own, in memory
+    return not isinstance(queues, dict) or all(q.empty() for q in queues.values())
+
+
+def _pending(worker: Any, broker: Any, ours: set[str]) -> list[str]:
+    """Each message the worker or the stub broker still holds, one line each: its queue,
+    its retries, when it is due."""
+    import dramatiq
+
+    found: list[tuple[str, Any]] = []
+    for consumer in list(worker.consumers.values()):
+        found += [("delayed", item.message) for item in _snapshot(consumer.delay_queue)]
+    found += [("due", item.message) for item in _snapshot(worker.work_queue)]
+    queues = getattr(broker, "queues", None)
+    if isinstance(queues, dict):
+        for queue in list(queues.values()):
+            found += [("queued", dramatiq.Message.decode(data)) for data in _snapshot(queue)]
+    lines = [_describe(state, message, ours) for state, message in found]
+    running = worker.work_queue.unfinished_tasks - worker.work_queue.qsize()
+    if running > 0:
+        lines.append(f"{running} message(s) still being processed by the actor")
+    return lines
+
+
+def _snapshot(queue: Any) -> list[Any]:
+    with queue.mutex:
+        return list(queue.queue)
+
+
+def _describe(state: str, message: Any, ours: set[str]) -> str:
+    whose = "this scenario's" if message.message_id in ours else "not this scenario's"
+    retries = message.options.get("retries", 0)
+    eta = message.options.get("eta")
+    if state == "delayed" and isinstance(eta, int | float):
+        due = datetime.fromtimestamp(eta / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        when = f"eta {due} (in {max(eta / 1000 - time.time(), 0):.1f}s)"
+    else:
+        when = "due now" if state == "due" else "waiting in the broker's queue"
+    return (
+        f"message {message.message_id} (actor {message.actor_name}, {whose}): "
+        f"queue {message.queue_name}, retries {retries}, {when}"
+    )
 
 
 def _renamed(message: Any) -> Any:

@@ -24,6 +24,7 @@ from ..harness import (
     fresh,
     intent_name,
     refuse_sqlite,
+    timed_out,
 )
 from ..identity import MessageIdentity
 from ..storage import InboxSchema
@@ -116,6 +117,9 @@ class FastStreamCheck:
     async def _run(
         self, scenario: str, message: FastStreamMessage, waves: list[int]
     ) -> ScenarioResult:
+        # One deadline bounds the whole scenario: the publishes (a test broker runs the
+        # subscriber inside them), and the wait for a real broker's redeliveries.
+        deadline = time.monotonic() + self.timeout
         await self.inbox.check(self.broker)  # what inbox.guard(broker) runs at start-up
         identity = message.identity
         claims, quarantined, poisoned = claim_queries(self.naming, identity, None)
@@ -127,7 +131,7 @@ class FastStreamCheck:
         tally, unsettled = Tally(), 0
         holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
         with self._recording(identity) as recorder, holding:
-            for size in waves:
+            for number, size in enumerate(waves, start=1):
                 outcomes = recorder.current = Outcomes(None, size)
                 publish = [
                     self.broker.publish(
@@ -135,8 +139,41 @@ class FastStreamCheck:
                     )
                     for _ in range(size)
                 ]
-                await asyncio.gather(*publish)
-                unsettled += await self._settle(outcomes)
+                wave = f"(wave {number} of {len(waves)})"
+                # A test broker runs the subscriber inside publish: bounded too.
+                sent = asyncio.ensure_future(asyncio.gather(*publish))
+                done, _ = await asyncio.wait({sent}, timeout=max(deadline - time.monotonic(), 0))
+                if not done:
+                    running = size - outcomes.final - len(outcomes.failures)
+                    sent.cancel()
+                    with contextlib.suppress(BaseException):
+                        await sent
+                    tally.add(outcomes)
+                    problem = timed_out(
+                        scenario,
+                        identity,
+                        waves,
+                        tally,
+                        timeout=self.timeout,
+                        ending="so its deliveries were cancelled",
+                        pending=[f"{_deliveries(running)} still running in the subscriber {wave}"],
+                    )
+                    raise AssertionError(problem)
+                await sent
+                left = await self._settle(outcomes, deadline)
+                if left and time.monotonic() > deadline:  # a real broker redelivering it
+                    tally.add(outcomes)
+                    problem = timed_out(
+                        scenario,
+                        identity,
+                        waves,
+                        tally,
+                        timeout=self.timeout,
+                        ending="the broker may still redeliver it",
+                        pending=[f"{_deliveries(left)} not settled {wave}"],
+                    )
+                    raise AssertionError(problem)
+                unsettled += left
                 recorder.current = None
                 tally.add(outcomes)
         conflicts = await self._count(quarantined) - conflicts_before
@@ -156,11 +193,11 @@ class FastStreamCheck:
             unsettled=unsettled,
         )
 
-    async def _settle(self, outcomes: Outcomes) -> int:
-        """Wait until every delivery of the wave was processed or skipped; how many were
-        not. A failed one is redelivered by a real broker; a test broker never redelivers,
-        so once every delivery has some outcome and none arrives for a second, it is over."""
-        deadline = time.monotonic() + self.timeout
+    async def _settle(self, outcomes: Outcomes, deadline: float) -> int:
+        """Wait until every delivery of the wave was processed or skipped, at most until
+        ``deadline``; how many were not. A failed one is redelivered by a real broker; a
+        test broker never redelivers, so once every delivery has some outcome and none
+        arrives for a second, it is over."""
         quiet_since, seen = time.monotonic(), -1
         while outcomes.final < outcomes.size:
             count = outcomes.final + len(outcomes.failures)
@@ -231,6 +268,10 @@ class _FastStreamRecorder:
                 return result
 
         return Recorder
+
+
+def _deliveries(count: int) -> str:
+    return f"{count} delivery" if count == 1 else f"{count} deliveries"
 
 
 async def _call(effect: Effect) -> float:
