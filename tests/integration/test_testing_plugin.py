@@ -19,6 +19,7 @@ import dramatiq
 import pytest
 from faststream.rabbit import RabbitBroker, TestRabbitBroker
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.exceptions import ConfigurationError
@@ -107,6 +108,7 @@ def test_plugin__sqlite_runs_the_sequential_scenarios_and_refuses_the_race(
     check.crash_between_commit_and_ack(
         check.message(7, 10, producer="p", message_id="m-2")
     ).assert_one_effect()
+    check.rolled_back(check.message(7, 10, producer="p", message_id="m-4")).assert_one_effect()
     with pytest.raises(ConfigurationError, match="concurrent duplicates need PostgreSQL"):
         check.concurrent_duplicates(check.message(7, 10, producer="p", message_id="m-3"))
 
@@ -377,3 +379,50 @@ def test_plugin__a_leftover_delayed_message_on_a_real_broker_fails_the_check_nam
     assert re.search(
         rf"queue {queue}\.DQ, retries 0, eta \S+ \(in 3\d\d\d(\.\d)?s\)", str(raised.value)
     )
+
+
+# -- the rolled-back scenario: a write outside the inbox's transaction ---------------------
+
+
+def test_plugin__a_rolled_back_attempt_leaves_nothing_of_a_protected_actor(
+    inbox_check, credit_actor, pg_engine
+):
+    check = inbox_check.dramatiq(credit_actor(pg_engine), effect=counter(pg_engine))
+    result = check.rolled_back(check.message(7, 10, producer="p", message_id="m"))
+    assert result.assert_one_effect() is result
+    assert (result.deliveries, result.rolled_back, result.survived, result.processed) == (
+        2,
+        1,
+        0,
+        1,
+    )
+    assert result.failures == ()
+
+
+def test_plugin__an_actor_writing_through_its_own_session_fails_the_rolled_back_scenario(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    # Given an actor that writes through a session of its own, not bound to the inbox's
+    # connection (the mistake the own-session guide warns about): it passes the others
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+    def add_credit(account_id: int, delta: int) -> None:
+        with Session(pg_engine) as own:
+            apply_credit(own, "billing", account_id, delta)
+            own.commit()
+
+    check = inbox_check.dramatiq(add_credit, effect=counter(pg_engine))
+    check.redelivered(check.message(7, 10, producer="p", message_id="m-1")).assert_one_effect()
+    check.crash_between_commit_and_ack(
+        check.message(7, 10, producer="p", message_id="m-2")
+    ).assert_one_effect()
+    check.concurrent_duplicates(
+        check.message(7, 10, producer="p", message_id="m-3")
+    ).assert_one_effect()
+    # When its transaction is rolled back after it ran, then its write survived and the
+    # redelivery wrote again: the check fails, saying why
+    result = check.rolled_back(check.message(7, 10, producer="p", message_id="m-4"))
+    assert (result.survived, result.effect, result.processed) == (1, 2, 1)
+    with pytest.raises(AssertionError, match="the effect grew by 1 although the inbox's"):
+        result.assert_one_effect()

@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -18,14 +18,18 @@ from ..harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
+    ROLLED_BACK,
     Effect,
     Hold,
     Outcomes,
+    Rollback,
+    RolledBackByCheck,
     ScenarioResult,
     Tally,
     fresh,
     intent_name,
     refuse_sqlite,
+    rollback_at_commit,
     timed_out,
 )
 from ..storage import InboxSchema
@@ -140,6 +144,16 @@ class DramatiqCheck:
     def crash_between_commit_and_ack(self, message: Any) -> ScenarioResult:
         return self._run(CRASH, message, [[message], [message]])
 
+    def rolled_back(self, message: Any) -> ScenarioResult:
+        """The handler runs and writes, then the inbox's transaction rolls back instead of
+        committing (a failed COMMIT, a worker dead before it); then the intent is delivered
+        again. Nothing the first attempt wrote may survive: a handler writing through a
+        session or connection of its own fails here."""
+        once = _renamed(message)
+        # Retried at once by Retries, as a redelivery after a lost commit would come.
+        once.options.update(min_backoff=1, max_backoff=1)
+        return self._run(ROLLED_BACK, message, [[once]])
+
     def concurrent_duplicates(self, message: Any, copies: int = 8) -> ScenarioResult:
         refuse_sqlite(self.engine)
         return self._run(CONCURRENT, message, [[_renamed(message) for _ in range(copies)]])
@@ -161,8 +175,14 @@ class DramatiqCheck:
         hold = Hold(self.engine, self.hold, self.asynchronous)
         tally = Tally()
         ours = {m.message_id for wave in waves for m in wave}
-        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._worker(deadline) as worker, self._recording() as recorder, holding:
+        with contextlib.ExitStack() as stack:
+            worker = stack.enter_context(self._worker(deadline))
+            recorder = stack.enter_context(self._recording())
+            if scenario == CONCURRENT:
+                stack.enter_context(hold.installed())
+            if scenario == ROLLED_BACK:  # once: the first attempt to reach its commit
+                probe = stack.enter_context(rollback_at_commit(identity.message_id))
+                recorder.rollback = (probe, lambda: self.effect() - before, deadline)
             for wave in waves:
                 outcomes = recorder.current = Outcomes({m.message_id for m in wave}, len(wave))
                 for copy in wave:
@@ -188,18 +208,22 @@ class DramatiqCheck:
                 tally.add(outcomes)
         conflicts = self._count(quarantined) - conflicts_before
         poison = self._count(poisoned) - poison_before
+        failures = [f for f in tally.failures if f != RolledBackByCheck.__name__]
+        rolled_back = len(tally.failures) - len(failures)  # each came back: a redelivery
         return ScenarioResult(
             scenario=scenario,
             intent=intent_name(identity),
-            deliveries=sum(len(wave) for wave in waves),
+            deliveries=sum(len(wave) for wave in waves) + rolled_back,
             processed=tally.processed,
             duplicates=tally.skipped - conflicts - poison,
             conflicts=conflicts,
             poison=poison,
-            failures=tuple(tally.failures),
+            failures=tuple(failures),
             claims=self._count(claims),
             effect=self.effect() - before,
             overlapped=tally.overlapped(hold.first_done),
+            rolled_back=rolled_back,
+            survived=recorder.rollback[0].survived if recorder.rollback else 0,
         )
 
     def _count(self, query: Any) -> int:
@@ -337,9 +361,14 @@ def _dramatiq_recorder() -> Any:
 
     class Recorder(Middleware):
         current: Outcomes | None = None
+        rollback: tuple[Rollback, Callable[[], float], float] | None = None
 
         def before_process_message(self, broker: Any, message: Any) -> None:
             if self.current is not None and self.current.ours(message.message_id):
+                if self.rollback is not None:  # the redelivery waits for the measure
+                    probe, _, deadline = self.rollback
+                    if probe.owes_measure():
+                        probe.measured.wait(max(deadline - time.monotonic(), 0))
                 self.current.begin(message.message_id)
 
         def after_process_message(
@@ -347,6 +376,12 @@ def _dramatiq_recorder() -> Any:
         ) -> None:
             if self.current is None or not self.current.ours(message.message_id):
                 return
+            if self.rollback is not None and self.rollback[0].owes_measure():
+                # The rolled-back attempt is over: what survived it was written outside
+                # the inbox's transaction.
+                probe, measure, _ = self.rollback
+                probe.survived = measure()
+                probe.measured.set()
             if exception is None:
                 self.current.end("processed", message.message_id)
             else:  # retried later, unless Retries gave up (then it failed the message)
