@@ -29,6 +29,7 @@ __all__ = [
     "Effect",
     "Hold",
     "Outcomes",
+    "Rollback",
     "RolledBackByCheck",
     "ScenarioResult",
     "Tally",
