@@ -60,7 +60,7 @@ PUBLIC = {
     "inbox_middleware.dramatiq.testing": {"DramatiqCheck"},
     "inbox_middleware.faststream.testing": {"FastStreamCheck", "FastStreamMessage"},
     "inbox_middleware.faststream.testbroker": {"guarded", "guard_test_broker"},
-    "inbox_middleware.logs": {"FORMAT", "configure", "follow"},
+    "inbox_middleware.logs": {"EXIT_STATUS", "FORMAT", "configure", "follow", "refuse_start"},
     "inbox_middleware.consumption": {
         "Arrival",
         "CountFailure",
@@ -196,7 +196,9 @@ PUBLIC = {
         "naming_options",
     },
     "inbox_middleware.storage.engines": {
+        "DEFAULT_CONNECTIONS",
         "async_engine",
+        "engine_from_url",
         "parse_url",
         "pooler_connect_args",
         "postgresql_driver",
