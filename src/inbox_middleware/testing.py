@@ -114,7 +114,8 @@ class InboxCheck:
     ) -> DramatiqCheck:
         """Check a Dramatiq actor declared with ``inbox_consumer``. ``effect`` counts what
         the actor did (synchronously); ``worker``: your running worker, else one is
-        started per scenario with ``threads`` threads."""
+        started per scenario with ``threads`` threads; ``timeout``: seconds a scenario may
+        take in all, retries and queued messages included, before it fails."""
         from .dramatiq.testing import DramatiqCheck
 
         return DramatiqCheck(
@@ -131,7 +132,8 @@ class InboxCheck:
         timeout: float = 30.0,
     ) -> FastStreamCheck:
         """Check the inbox subscribers of a FastStream broker (give the `FastStreamInbox`
-        when the broker has several). ``effect`` may be a coroutine function."""
+        when the broker has several). ``effect`` may be a coroutine function; ``timeout``:
+        seconds a scenario may take in all, redeliveries included, before it fails."""
         from .faststream.testing import FastStreamCheck
 
         return FastStreamCheck(broker, effect, inbox=inbox, hold=hold, timeout=timeout)
