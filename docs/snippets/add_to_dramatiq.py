@@ -8,8 +8,9 @@ from typing import Any
 
 import dramatiq
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 
+from inbox_middleware import engine_from_url
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 
@@ -23,10 +24,12 @@ def make_broker(url: str) -> RabbitmqBroker:
 
 def make_engine(database_url: str, worker_threads: int) -> Engine:
     # --8<-- [start:engine]
-    return create_engine(
+    # The DATABASE_URL the command line takes (postgres://, postgresql://, any driver):
+    # a synchronous engine over psycopg.
+    return engine_from_url(
         database_url,
         # Each worker thread holds one connection for as long as it processes a message.
-        pool_size=worker_threads,
+        connections=worker_threads,
         # A statement blocked in the database is beyond Dramatiq's time limit: bound it here.
         connect_args={"options": "-c statement_timeout=30s"},
     )

@@ -8,16 +8,17 @@ from typing import Any
 from faststream import FastStream
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware import engine_from_url
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
 
 def build(database_url: str, broker_url: str, queue: str) -> tuple[FastStream, RabbitBroker]:
     # --8<-- [start:app]
     prefetch = 16  # messages each subscriber takes from RabbitMQ at once
-    # Each message in progress holds one connection until its transaction ends.
-    engine = create_async_engine(database_url, pool_size=prefetch)
+    # The DATABASE_URL the command line takes, as an AsyncEngine over asyncpg; each
+    # message in progress holds one connection until its transaction ends.
+    engine = engine_from_url(database_url, asynchronous=True, connections=prefetch)
     inbox = FastStreamInbox(engine)
     broker = RabbitBroker(
         broker_url,

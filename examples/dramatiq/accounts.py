@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from inbox_middleware import engine_from_url
 from inbox_middleware.storage import migrate
 
 DATABASE_URL = os.environ.get(
@@ -33,7 +34,8 @@ def credit(session: Session, account_id: int, amount: int, order_id: str) -> Non
 
 
 def engine_from_env() -> Engine:
-    return create_engine(DATABASE_URL, pool_size=8)
+    # The URL the command line takes too (postgres://, any driver): psycopg, 8 threads.
+    return engine_from_url(DATABASE_URL, connections=8)
 
 
 def reset_database(engine: Engine, accounts: int) -> None:

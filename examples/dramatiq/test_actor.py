@@ -58,6 +58,7 @@ def test_add_credit__each_order_is_credited_once_however_it_is_delivered(inbox_c
     check.redelivered(order(1), times=3).assert_one_effect()
     check.crash_between_commit_and_ack(order(2)).assert_one_effect()
     check.concurrent_duplicates(order(3), copies=8).assert_one_effect()
+    check.rolled_back(order(4)).assert_one_effect()
 
 
 # --8<-- [end:check]

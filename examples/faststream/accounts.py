@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from inbox_middleware import engine_from_url
 from inbox_middleware.storage import migrate
 
 DATABASE_URL = os.environ.get(
@@ -34,7 +35,8 @@ async def credit(session: AsyncSession, account_id: int, amount: int, order_id: 
 
 
 def engine_from_env() -> AsyncEngine:
-    return create_async_engine(DATABASE_URL, pool_size=PREFETCH)
+    # The URL the command line takes too (postgres://, any driver): an AsyncEngine on asyncpg.
+    return engine_from_url(DATABASE_URL, asynchronous=True, connections=PREFETCH)
 
 
 async def reset_database(engine: AsyncEngine, accounts: int) -> None:

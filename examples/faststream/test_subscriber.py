@@ -65,6 +65,7 @@ async def test_add_credit__each_order_is_credited_once_however_it_is_delivered(
         (await check.redelivered(order(1), times=3)).assert_one_effect()
         (await check.crash_between_commit_and_ack(order(2))).assert_one_effect()
         (await check.concurrent_duplicates(order(3), copies=8)).assert_one_effect()
+        (await check.rolled_back(order(4))).assert_one_effect()
 
 
 # --8<-- [end:check]

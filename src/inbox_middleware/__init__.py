@@ -30,6 +30,7 @@ from .exceptions import (
 from .identity import MessageIdentity, PayloadHash
 from .protocol import Decision, Delivery
 from .storage import Inbox, InboxSchema, Outcome, current_delivery, migrate
+from .storage.engines import engine_from_url
 
 if TYPE_CHECKING:
     from .storage.aio import AsyncInbox
@@ -59,6 +60,7 @@ __all__ = [
     "TransientError",
     "canonical_json",
     "current_delivery",
+    "engine_from_url",
     "migrate",
 ]
 

@@ -40,7 +40,8 @@ POINTS = (
 
 hook: Callable[[str, str | None], None] | None = None
 """Called with the point's name and the delivery's message id (None where no identity is
-known yet, or for a batch); set only by the test suite's workers."""
+known yet, or for a batch); set only by the test suite's workers, and by the pytest
+plugin's ``rolled_back`` scenario for the duration of the scenario."""
 
 
 def at(point: str, message_id: str | None = None) -> None:

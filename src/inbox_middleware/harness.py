@@ -25,14 +25,19 @@ __all__ = [
     "CONCURRENT",
     "CRASH",
     "REDELIVERED",
+    "ROLLED_BACK",
     "Effect",
     "Hold",
     "Outcomes",
+    "Rollback",
+    "RolledBackByCheck",
     "ScenarioResult",
     "Tally",
     "fresh",
     "intent_name",
     "refuse_sqlite",
+    "rollback_at_commit",
+    "timed_out",
 ]
 
 Effect = Callable[[], Any]
@@ -42,6 +47,12 @@ say); for FastStream it may be a coroutine function."""
 REDELIVERED = "redelivered"
 CRASH = "crash between commit and ack"
 CONCURRENT = "concurrent duplicates"
+ROLLED_BACK = "rolled back after the handler"
+
+
+class RolledBackByCheck(Exception):
+    """Raised by the ``rolled_back`` scenario where the inbox is about to commit, so that
+    the inbox's transaction rolls back after the handler has written."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,11 @@ class ScenarioResult:
     """Concurrent scenario: deliveries that began while the first held its claim."""
     unsettled: int = 0
     """Deliveries with no outcome when the scenario gave up waiting."""
+    rolled_back: int = 0
+    """Rolled-back scenario: deliveries whose transaction the check rolled back."""
+    survived: float = 0
+    """Rolled-back scenario: how much the effect grew although the inbox's transaction
+    rolled back (a write outside it); must be nothing."""
 
     def summary(self) -> str:
         clauses = [
@@ -84,6 +100,8 @@ class ScenarioResult:
             clauses.append(f"failed attempts: {', '.join(self.failures)}")
         if self.unsettled:
             clauses.append(f"{self.unsettled} never settled")
+        if self.scenario == ROLLED_BACK:
+            clauses.append(f"{self.rolled_back} rolled back, the effect +{self.survived:g} then")
         if self.scenario == CONCURRENT:
             clauses.append(f"{self.overlapped} overlapped the first claim")
         head = f"{self.scenario} ({self.deliveries} deliveries of {self.intent})"
@@ -110,10 +128,22 @@ class ScenarioResult:
                     else "it never committed"
                 )
             )
-        if self.duplicates != self.deliveries - 1:
+        if self.survived:
             problems.append(
-                f"{self.duplicates} of the {self.deliveries - 1} later deliveries were "
-                "skipped as duplicates"
+                f"the effect grew by {self.survived:g} although the inbox's transaction rolled "
+                "back: the handler writes outside it (a session or connection of its own, "
+                "committed by itself?); bind it to the inbox's connection (the own-session "
+                "guide)"
+            )
+        if self.scenario == ROLLED_BACK and self.rolled_back != 1:
+            problems.append(
+                f"{self.rolled_back} attempts were rolled back by the check, not 1: the first "
+                "delivery never reached the inbox's commit"
+            )
+        later = self.deliveries - 1 - self.rolled_back
+        if self.duplicates != later:
+            problems.append(
+                f"{self.duplicates} of the {later} later deliveries were skipped as duplicates"
             )
         if self.conflicts:
             problems.append(
@@ -218,6 +248,50 @@ class Hold:
             event.remove(self.engine, "commit", self)
 
 
+@dataclass
+class Rollback:
+    """The ``rolled_back`` scenario's probe. The first attempt of the intent to reach its
+    commit raises `RolledBackByCheck` there instead (so the inbox rolls its transaction
+    back after the handler has written) and sets ``fired``; the framework's recorder then
+    measures the effect once that attempt is over (``survived``) and sets ``measured``,
+    and holds the redelivery until it has, so that what it writes is not mistaken for a
+    survivor."""
+
+    message_id: str
+    fired: threading.Event = field(default_factory=threading.Event)
+    measured: threading.Event = field(default_factory=threading.Event)
+    survived: float = 0.0
+
+    def owes_measure(self) -> bool:
+        return self.fired.is_set() and not self.measured.is_set()
+
+    def hook(self, point: str, message_id: str | None) -> None:
+        if point == "commit" and message_id == self.message_id and not self.fired.is_set():
+            self.fired.set()
+            raise RolledBackByCheck("the check rolled the inbox's transaction back here")
+
+
+@contextlib.contextmanager
+def rollback_at_commit(message_id: str) -> Iterator[Rollback]:
+    """Install a `Rollback` probe for the intent ``message_id`` on the inbox's named point
+    ``commit`` (`inbox_middleware.faults`: the handler has returned, COMMIT is next);
+    the previous hook, if any, still runs and is restored afterwards."""
+    from . import faults
+
+    previous, probe = faults.hook, Rollback(message_id)
+
+    def hook(point: str, delivered: str | None) -> None:
+        if previous is not None:
+            previous(point, delivered)
+        probe.hook(point, delivered)
+
+    faults.hook = hook
+    try:
+        yield probe
+    finally:
+        faults.hook = previous
+
+
 def refuse_sqlite(engine: Engine) -> None:
     if engine.dialect.name == "sqlite":
         raise ConfigurationError(
@@ -229,6 +303,31 @@ def refuse_sqlite(engine: Engine) -> None:
 def intent_name(identity: MessageIdentity) -> str:
     tenant = f"{identity.tenant}/" if identity.tenant else ""
     return f"{identity.producer}/{tenant}{identity.message_id}"
+
+
+def timed_out(
+    scenario: str,
+    identity: MessageIdentity,
+    waves: list[Any],
+    tally: Tally,
+    *,
+    timeout: float,
+    ending: str,
+    pending: list[str],
+) -> str:
+    """The failure of a scenario that did not finish within its ``timeout``: what happened
+    so far, and each delivery or message still pending."""
+    deliveries = sum(wave if isinstance(wave, int) else len(wave) for wave in waves)
+    done = [f"handler committed {tally.processed}x", f"{tally.skipped} skipped"]
+    if tally.failures:
+        done.append(f"failed attempts: {', '.join(tally.failures)}")
+    head = (
+        f"{scenario} ({deliveries} deliveries of {intent_name(identity)}): not finished "
+        f"within {timeout:g}s (the check's timeout), {ending}; " + ", ".join(done)
+    )
+    if not pending:
+        return head
+    return head + "; still pending:\n  - " + "\n  - ".join(pending)
 
 
 def fresh(claims: int, identity: MessageIdentity) -> None:

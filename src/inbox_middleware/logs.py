@@ -24,9 +24,12 @@ import logging
 import sys
 from contextvars import ContextVar, Token
 
-__all__ = ["FORMAT", "configure", "follow", "leave", "scope"]
+__all__ = ["EXIT_STATUS", "FORMAT", "configure", "follow", "leave", "refuse_start", "scope"]
 
 LIBRARY = "inbox_middleware"
+EXIT_STATUS = 3
+"""The status a Dramatiq worker process exits with when the inbox refuses its start (the
+status Dramatiq gives a worker whose broker is unreachable at start-up)."""
 FORMAT = "%(asctime)s %(levelname)8s - %(name)s: %(message)s"
 """The format of the fallback when no framework handler exists, and of ``outbox run``."""
 
@@ -98,3 +101,21 @@ def configure(level: int | str = logging.INFO) -> None:
     if logging.getLogger().handlers:
         return
     logging.basicConfig(level=level, format=FORMAT, stream=sys.stderr)
+
+
+def _under_dramatiq_command() -> bool:
+    import multiprocessing
+
+    return "dramatiq.cli" in sys.modules and multiprocessing.parent_process() is not None
+
+
+def refuse_start(reason: str) -> None:
+    """In a worker process of the ``dramatiq`` command: log ``reason`` as one CRITICAL
+    line, through the command's logging, and exit with `EXIT_STATUS` (no traceback from
+    multiprocessing); anywhere else, return (the caller raises)."""
+    if not _under_dramatiq_command():
+        return
+    logging.getLogger(f"{LIBRARY}.dramatiq").critical(reason)
+    for handler in logging.getLogger().handlers:  # the process ends without atexit
+        handler.flush()
+    raise SystemExit(EXIT_STATUS)

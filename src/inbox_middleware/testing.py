@@ -14,7 +14,7 @@ give::
         order = check.message(7, 10, producer="orders", message_id="o-1")
         check.redelivered(order, times=3).assert_one_effect()
 
-Three scenarios, each on an intent not processed before (use a new message id for each):
+Four scenarios, each on an intent not processed before (use a new message id for each):
 
 ``redelivered(message, times=3)``
     The same intent delivered again and again, one delivery after the other: a producer
@@ -26,6 +26,11 @@ Three scenarios, each on an intent not processed before (use a new message id fo
     second delivery finds is exactly what a redelivery after the crash finds (the commit
     is durable, the claim is there). The library's own test suite kills real workers
     with SIGKILL at that point.
+``rolled_back(message)``
+    The handler runs and writes, then the inbox's transaction is rolled back where it
+    would commit (a failed COMMIT, a worker dead before it), and the intent is delivered
+    again. Nothing the rolled-back attempt wrote may survive: the one scenario that fails
+    a handler writing through a session or connection of its own.
 ``concurrent_duplicates(message, copies=8)``
     ``copies`` deliveries of the intent at once, in as many worker threads (Dramatiq) or
     tasks (FastStream). The first one to claim the intent holds its transaction open a
@@ -37,6 +42,9 @@ Each returns a `ScenarioResult`: how often the handler committed, how many deliv
 skipped as duplicates, which attempts failed, the growth of your effect. Its
 `~ScenarioResult.assert_one_effect` fails with an explanation unless the effect grew by
 exactly one, the handler committed once, and every other delivery was a duplicate.
+
+``timeout`` (30 seconds) bounds each scenario whole, retries and queued messages included:
+past it the check stops the worker it started and fails, listing what is still pending.
 
 Dramatiq: the actor's broker must have the `InboxMiddleware`; the check starts a worker
 with ``threads`` threads on it for each scenario (or uses ``worker=``, one you run). A
@@ -106,7 +114,8 @@ class InboxCheck:
     ) -> DramatiqCheck:
         """Check a Dramatiq actor declared with ``inbox_consumer``. ``effect`` counts what
         the actor did (synchronously); ``worker``: your running worker, else one is
-        started per scenario with ``threads`` threads."""
+        started per scenario with ``threads`` threads; ``timeout``: seconds a scenario may
+        take in all, retries and queued messages included, before it fails."""
         from .dramatiq.testing import DramatiqCheck
 
         return DramatiqCheck(
@@ -123,7 +132,8 @@ class InboxCheck:
         timeout: float = 30.0,
     ) -> FastStreamCheck:
         """Check the inbox subscribers of a FastStream broker (give the `FastStreamInbox`
-        when the broker has several). ``effect`` may be a coroutine function."""
+        when the broker has several). ``effect`` may be a coroutine function; ``timeout``:
+        seconds a scenario may take in all, redeliveries included, before it fails."""
         from .faststream.testing import FastStreamCheck
 
         return FastStreamCheck(broker, effect, inbox=inbox, hold=hold, timeout=timeout)

@@ -30,6 +30,7 @@ explain``, and given to the Prometheus metrics as an exemplar (OpenMetrics expos
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from time import time_ns
@@ -57,6 +58,8 @@ TRACE_OPTION = "inbox_trace"
 """The Dramatiq message option carrying the producer's trace context (W3C headers)."""
 
 _SCOPE = "inbox_middleware"
+logger = logging.getLogger("inbox_middleware")
+_warned_inert: set[str] = set()  # once per process, whichever adapter or consumer finds it
 S = TypeVar("S")
 G = TypeVar("G")
 
@@ -92,11 +95,55 @@ class Tracing:
         self._trace, self._propagate = trace, propagate
         self._kinds = SpanKind
         self._status, self._codes = Status, StatusCode
+        self.provider = provider
         self.tracer = (provider or trace.get_tracer_provider()).get_tracer(_SCOPE)
+        self._checked = False
+
+    def inert(self) -> str | None:
+        """Why this tracing records nothing, or None: the OpenTelemetry API alone (the
+        ``otel`` extra) only drops spans; an SDK ``TracerProvider`` records them."""
+        from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider
+
+        provider = self.provider or self._trace.get_tracer_provider()
+        if not isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
+            return None
+        try:
+            import opentelemetry.sdk.trace  # noqa: F401
+        except ImportError:
+            return (
+                "tracing is on but records nothing: the OpenTelemetry SDK is not installed "
+                "(the otel extra brings only the API, which drops every span). Run `pip "
+                "install opentelemetry-sdk` and set a TracerProvider with an exporter, or "
+                "run the worker under opentelemetry-instrument"
+            )
+        where = (
+            "the TracerProvider given is OpenTelemetry's no-op one"
+            if self.provider
+            else "no TracerProvider is set, so OpenTelemetry's global provider is a no-op"
+        )
+        return (
+            f"tracing is on but records nothing: {where}, which drops every span. Set an "
+            "SDK TracerProvider with an exporter (opentelemetry.trace.set_tracer_provider) "
+            "before the worker starts, run it under opentelemetry-instrument, or pass "
+            "tracing=<your TracerProvider>"
+        )
+
+    def warn_if_inert(self) -> None:
+        """At a worker's start (and at the first traced delivery, where no start-up hook
+        runs): warn once per process when `inert`."""
+        if self._checked:
+            return
+        self._checked = True
+        problem = self.inert()
+        if problem is not None and problem not in _warned_inert:
+            _warned_inert.add(problem)
+            logger.warning(problem)
 
     def delivery(self, consumer: str, carrier: Mapping[str, Any] | None) -> _Trace:
         """The span of one delivery to ``consumer``, as a context manager: under the
         current span when there is one, else under the context ``carrier`` holds."""
+        if not self._checked:
+            self.warn_if_inert()
         parent = None
         if not self._trace.get_current_span().get_span_context().is_valid and carrier:
             try:
@@ -337,6 +384,9 @@ class _NoTrace(_NoClaim):
 
 class NoTracing:
     """Tracing switched off: every delivery gets the same inert trace."""
+
+    def warn_if_inert(self) -> None:
+        """Off on purpose: nothing to warn about."""
 
     def delivery(self, consumer: str, carrier: object) -> _NoTrace:
         return _NO_TRACE

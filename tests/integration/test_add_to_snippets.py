@@ -60,6 +60,11 @@ def guide_broker(queue: str) -> Iterator[dramatiq.Broker]:
     broker.close()
 
 
+def as_the_cli_takes_it(url: str) -> str:
+    """``postgres://``, no driver: the form a platform gives in ``DATABASE_URL``."""
+    return "postgres://" + url.split("://", 1)[1]
+
+
 def test_add_to_dramatiq_snippet__unidentified_runs_identified_runs_once(
     guide_broker: dramatiq.Broker,
     pg_engine: Engine,
@@ -68,8 +73,10 @@ def test_add_to_dramatiq_snippet__unidentified_runs_identified_runs_once(
     caplog: pytest.LogCaptureFixture,
 ):
     snippet = load("add_to_dramatiq")
-    # Given the guide's engine (pool and statement_timeout), middleware and actor
-    engine = snippet.make_engine(pg_url, worker_threads=2)
+    # Given the guide's engine (pool and statement_timeout), from the URL the command
+    # line takes, the guide's middleware and actor
+    engine = snippet.make_engine(as_the_cli_takes_it(pg_url), worker_threads=2)
+    assert engine.url.drivername == "postgresql+psycopg"
     with engine.connect() as conn:
         assert conn.scalar(text("SHOW statement_timeout")) == "30s"
     assert engine.pool.size() == 2
@@ -101,7 +108,10 @@ async def test_add_to_faststream_snippet__unidentified_runs_identified_runs_once
 ):
     services.require(services.RABBITMQ, "RabbitMQ")
     queue = f"t{uuid.uuid4().hex[:12]}"
-    _, broker = load("add_to_faststream").build(pg_async_url, services.RABBITMQ, queue)
+    # The same URL as the command line's (postgres://): an AsyncEngine over asyncpg
+    _, broker = load("add_to_faststream").build(
+        as_the_cli_takes_it(pg_async_url), services.RABBITMQ, queue
+    )
     with pg_engine.begin() as conn:
         conn.execute(text("INSERT INTO accounts VALUES (7, 0)"))
     headers = identity_headers(producer="orders", message_id="o-1")

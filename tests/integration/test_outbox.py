@@ -481,3 +481,43 @@ def test_dispatcher__outlives_a_database_outage(pg_url, pg_engine, remote, caplo
     finally:
         engine.dispose()
         proxy.close()
+
+
+def test_dispatcher__a_burst_waits_for_a_retry_due_within_a_second(pg_engine):
+    # Given an effect whose first delivery fails for a moment, retried after the default
+    # backoff (half a second to a second)
+    class DownOnce:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def deliver(self, effect: Effect, timeout: float) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectionError("the remote is restarting")
+            return {"ok": True}
+
+    (effect_id,) = record(pg_engine, 1)
+    d = Dispatcher(pg_engine, {"remote": DownOnce()}, lease=2.0, delivery_timeout=1.0)
+    # When a burst runs, then it drains the retry that was about to be due, and exits
+    started = time.monotonic()
+    burst(d)
+    assert (d.stats.retried, d.stats.dispatched) == (1, 1)
+    assert row(pg_engine, effect_id)["status"] == "dispatched"
+    assert time.monotonic() - started < 3
+
+
+def test_dispatcher__a_burst_leaves_a_retry_due_later(pg_engine):
+    # Given an effect whose retry is due in a minute, then a burst does not wait for it
+    class Down:
+        async def deliver(self, effect: Effect, timeout: float) -> Any:
+            raise ConnectionError("the remote is down")
+
+    (effect_id,) = record(pg_engine, 1)
+    d = Dispatcher(
+        pg_engine, {"remote": Down()}, lease=2.0, delivery_timeout=1.0, backoff=Backoff(base=60)
+    )
+    started = time.monotonic()
+    burst(d)
+    assert (d.stats.retried, d.stats.dispatched) == (1, 0)
+    assert row(pg_engine, effect_id)["status"] == "pending"
+    assert time.monotonic() - started < 2

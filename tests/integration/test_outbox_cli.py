@@ -64,6 +64,11 @@ def test_cli_outbox__list_show_and_retry_failed_effects(pg_url, pg_engine):
         and "PermanentDeliveryError: the mailbox does not exist" in line
         for line in lines
     )
+    # A failed effect has no next attempt (until it is retried): the table says "-"
+    header = next(line for line in lines if "next attempt" in line)
+    column = [cell.strip() for cell in re.split("[│┃]", header)].index("next attempt")
+    failed = [line for line in lines if "mail-" in line]
+    assert [[c.strip() for c in re.split("[│┃]", x)][column] for x in failed] == ["-", "-"]
     as_json = cli("list", "--database-url", pg_url, "--status", "failed", "--json")
     rows = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert {(r["effect_id"], r["status"], r["attempts"]) for r in rows} == {

@@ -173,6 +173,23 @@ def test_status__table_names_the_figures_and_what_is_missing(pg_url, seeded):
     assert "~" not in shown  # nothing estimated on a small inbox
 
 
+def test_status__says_plainly_which_figures_need_the_metrics(pg_url, seeded):
+    # Given no metrics endpoint, then the figures the database does not hold say so in
+    # their cells (not a bare "-"), and the note names each and how to get them
+    shown = cli(pg_url, "status")
+    billing = next(line for line in shown.splitlines() if seeded["billing"] in line)
+    assert "needs metrics" in billing
+    waiting = [line for line in shown.splitlines() if seeded["billing"] in line][-1]
+    assert "needs metrics" in waiting  # the "no identity" column
+    note = " ".join(shown.split())
+    assert (
+        "duplicates, shadow-processed and no-identity counts are never written to the "
+        "database: they come from the workers' metrics (Prometheus, with "
+        "PROMETHEUS_MULTIPROC_DIR set for the workers and `inbox-middleware metrics serve` "
+        "over it); pass --metrics-url to show them"
+    ) in note
+
+
 def test_status__reads_duplicates_from_the_metrics_endpoint(pg_url, seeded):
     billing = seeded["billing"]
     metrics.decision(billing, "orders", "duplicate")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,9 @@ import dramatiq
 import pytest
 from faststream.rabbit import RabbitBroker, TestRabbitBroker
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
-from inbox_middleware.dramatiq import InboxMiddleware, current_session
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
@@ -105,6 +108,7 @@ def test_plugin__sqlite_runs_the_sequential_scenarios_and_refuses_the_race(
     check.crash_between_commit_and_ack(
         check.message(7, 10, producer="p", message_id="m-2")
     ).assert_one_effect()
+    check.rolled_back(check.message(7, 10, producer="p", message_id="m-4")).assert_one_effect()
     with pytest.raises(ConfigurationError, match="concurrent duplicates need PostgreSQL"):
         check.concurrent_duplicates(check.message(7, 10, producer="p", message_id="m-3"))
 
@@ -316,3 +320,109 @@ def test_inbox_database__the_documented_setup_adds_the_users_tables(pytester: py
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+# -- the check never hangs: its timeout bounds it whole ------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_plugin__an_actor_failing_every_time_fails_the_check_within_its_timeout(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    # Given an actor that fails every time, retried with a backoff far longer than the
+    # check's timeout
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(
+        queue_name=queue, inbox_consumer="billing", min_backoff=5_000, max_backoff=3_600_000
+    )
+    def always_down(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+        raise ConnectionError("the ledger service is down")
+
+    check = inbox_check.dramatiq(always_down, effect=counter(pg_engine), timeout=2)
+    started = time.monotonic()
+    # When a scenario runs, then it fails once its timeout is spent, naming each message
+    # still pending: where it waits, how often it was retried, when it is due
+    with pytest.raises(AssertionError) as raised:
+        check.redelivered(check.message(7, 10, producer="p", message_id="m"), times=1)
+    assert time.monotonic() - started < 8
+    message = str(raised.value)
+    assert message.startswith("redelivered (1 deliveries of p/m): not finished within 2s")
+    assert re.search(rf"queue {queue}\.DQ, retries 1, eta 20\d\d-\S+ \(in \d+(\.\d)?s\)", message)
+    assert "failed attempts: ConnectionError" in message
+    # And the worker was stopped: nothing runs the actor after the check gave up
+    assert not any(t.is_alive() for t in threading.enumerate() if "WorkerThread" in t.name)
+
+
+@pytest.mark.timeout(30)
+def test_plugin__a_leftover_delayed_message_on_a_real_broker_fails_the_check_naming_it(
+    inbox_check, redis_broker, queue, pg_engine
+):
+    # Given a message left in the actor's delay queue, due in an hour
+    redis_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    leftover = add_credit.send_with_options(
+        args=(1, 1), delay=3_600_000, **identity(producer="p", message_id="old")
+    )
+    check = inbox_check.dramatiq(add_credit, effect=counter(pg_engine), timeout=2)
+    # When a scenario runs, then it fails within its timeout, naming the leftover message
+    with pytest.raises(AssertionError, match="not finished within 2s") as raised:
+        check.redelivered(check.message(7, 10, producer="p", message_id="m"), times=1)
+    assert f"message {leftover.message_id} (actor add_credit, not this scenario's)" in str(
+        raised.value
+    )
+    assert re.search(
+        rf"queue {queue}\.DQ, retries 0, eta \S+ \(in 3\d\d\d(\.\d)?s\)", str(raised.value)
+    )
+
+
+# -- the rolled-back scenario: a write outside the inbox's transaction ---------------------
+
+
+def test_plugin__a_rolled_back_attempt_leaves_nothing_of_a_protected_actor(
+    inbox_check, credit_actor, pg_engine
+):
+    check = inbox_check.dramatiq(credit_actor(pg_engine), effect=counter(pg_engine))
+    result = check.rolled_back(check.message(7, 10, producer="p", message_id="m"))
+    assert result.assert_one_effect() is result
+    assert (result.deliveries, result.rolled_back, result.survived, result.processed) == (
+        2,
+        1,
+        0,
+        1,
+    )
+    assert result.failures == ()
+
+
+def test_plugin__an_actor_writing_through_its_own_session_fails_the_rolled_back_scenario(
+    inbox_check, stub_broker, queue, pg_engine
+):
+    # Given an actor that writes through a session of its own, not bound to the inbox's
+    # connection (the mistake the own-session guide warns about): it passes the others
+    stub_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", min_backoff=10)
+    def add_credit(account_id: int, delta: int) -> None:
+        with Session(pg_engine) as own:
+            apply_credit(own, "billing", account_id, delta)
+            own.commit()
+
+    check = inbox_check.dramatiq(add_credit, effect=counter(pg_engine))
+    check.redelivered(check.message(7, 10, producer="p", message_id="m-1")).assert_one_effect()
+    check.crash_between_commit_and_ack(
+        check.message(7, 10, producer="p", message_id="m-2")
+    ).assert_one_effect()
+    check.concurrent_duplicates(
+        check.message(7, 10, producer="p", message_id="m-3")
+    ).assert_one_effect()
+    # When its transaction is rolled back after it ran, then its write survived and the
+    # redelivery wrote again: the check fails, saying why
+    result = check.rolled_back(check.message(7, 10, producer="p", message_id="m-4"))
+    assert (result.survived, result.effect, result.processed) == (1, 2, 1)
+    with pytest.raises(AssertionError, match="the effect grew by 1 although the inbox's"):
+        result.assert_one_effect()

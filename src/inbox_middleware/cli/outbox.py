@@ -18,7 +18,7 @@ from ..exceptions import ConfigurationError
 from ..outbox.destination import Destination
 from ..outbox.dispatcher import Backoff, Dispatcher, require_postgresql
 from ..outbox.errors import EffectNotFound
-from ..outbox.statements import STATUSES, OutboxStatements, statements_for
+from ..outbox.statements import PENDING, STATUSES, OutboxStatements, statements_for
 from ..storage.migrate import check_schema
 from .options import Seconds, connect, database, database_options, naming_from
 from .output import echo_json, table, when
@@ -97,7 +97,11 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     default=None,
     help="Seconds in-flight deliveries may take after SIGTERM [default: the delivery timeout].",
 )
-@click.option("--burst", is_flag=True, help="Exit once no effect is due.")
+@click.option(
+    "--burst",
+    is_flag=True,
+    help="Exit once no effect is due, nor due within a second (a first retry).",
+)
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
@@ -238,7 +242,9 @@ def list_command(
                 row["destination"],
                 row["status"],
                 row["attempts"],
-                when(row["next_attempt_at"]),
+                # Only a pending effect has a next attempt; a dispatched or failed one
+                # keeps the column's last value, which would read as a time to come.
+                when(row["next_attempt_at"]) if row["status"] == PENDING else "-",
                 (row["last_error"] or "").splitlines()[0][:80] if row["last_error"] else "",
             ]
             for row in rows

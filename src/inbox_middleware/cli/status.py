@@ -214,8 +214,18 @@ def _age(seconds: float | None) -> str:
     return format_duration(timedelta(seconds=round(seconds))) or "0s"
 
 
+_NEEDS_METRICS = "needs metrics"
+
+
 def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
+
+    # Duplicates, shadow-mode and no-identity counts live only in the workers' metrics:
+    # without an endpoint, their cells say so rather than a bare "-".
+    unread = data["metrics"]["source"] is None
+
+    def _m(value: int | None) -> str:
+        return _NEEDS_METRICS if unread and value is None else _n(value)
 
     out = console()
     window = _age(data["window_seconds"])
@@ -238,7 +248,7 @@ def _print_status(data: dict[str, Any]) -> None:
             _n(consumer["recent_claims"]),
             f"{consumer['claims_per_second']:.2f}",
             when(consumer["last_processed_at"]),
-            _n(consumer["duplicates"]),
+            _m(consumer["duplicates"]),
             _n(consumer["conflicts"]),
             "",
         )
@@ -250,9 +260,9 @@ def _print_status(data: dict[str, Any]) -> None:
                 _n(producer["recent_claims"]),
                 f"{producer['claims_per_second']:.2f}",
                 when(producer["last_processed_at"]),
-                _n(producer["duplicates"]),
+                _m(producer["duplicates"]),
                 _n(producer["conflicts"]),
-                _n(producer["shadow_processed"]),
+                _m(producer["shadow_processed"]),
             )
     out.print(table)
 
@@ -275,7 +285,7 @@ def _print_status(data: dict[str, Any]) -> None:
             _n(consumer["poison_pending"]),
             _n(consumer["awaiting_recovery"]),
             when(consumer["oldest_unprocessed_at"]),
-            _n(consumer["missing_identity"]),
+            _m(consumer["missing_identity"]),
             "-"
             if retention is None
             else f"{_age(retention['minimum_seconds'])} ({retention['recorded_for']})",
@@ -305,7 +315,10 @@ def _print_status(data: dict[str, Any]) -> None:
     metrics = data["metrics"]
     if metrics["source"] is None:
         notes.append(
-            "duplicates are never written to the database: pass --metrics-url to show them"
+            "duplicates, shadow-processed and no-identity counts are never written to the "
+            "database: they come from the workers' metrics (Prometheus, with "
+            "PROMETHEUS_MULTIPROC_DIR set for the workers and `inbox-middleware metrics "
+            "serve` over it); pass --metrics-url to show them"
         )
     elif metrics["error"]:
         notes.append(f"the metrics endpoint could not be read: {metrics['error']}")

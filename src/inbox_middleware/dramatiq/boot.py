@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -25,6 +23,7 @@ from dramatiq.middleware import MiddlewareError
 from sqlalchemy import Engine
 
 from ..exceptions import ConfigurationError
+from ..logs import EXIT_STATUS, refuse_start
 
 if TYPE_CHECKING:
     from ..storage import Inbox
@@ -32,23 +31,12 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_STATUS", "QuietSkips", "WorkerBootError", "check_database", "refuse_boot"]
 
-EXIT_STATUS = 3
-
 logger = logging.getLogger("inbox_middleware.dramatiq")
-
-
-def _under_dramatiq_command() -> bool:
-    return "dramatiq.cli" in sys.modules and multiprocessing.parent_process() is not None
 
 
 def refuse_boot(reason: str) -> None:
     """Under the ``dramatiq`` command: log ``reason`` and exit; else return."""
-    if not _under_dramatiq_command():
-        return
-    logger.critical(reason)
-    for handler in logging.getLogger().handlers:  # the process ends without atexit
-        handler.flush()
-    raise SystemExit(EXIT_STATUS)
+    refuse_start(reason)
 
 
 class WorkerBootError(ConfigurationError, MiddlewareError):

@@ -421,8 +421,10 @@ class InboxMiddleware(dramatiq.Middleware):
     # -- worker boot ------------------------------------------------------------------------
 
     def before_worker_boot(self, broker: Broker, worker: Any) -> None:
-        """Refuse to start a worker whose database would break the guarantee."""
+        """Refuse to start a worker whose database would break the guarantee; warn when
+        tracing is on but records nothing."""
         self._quiet.install()
+        self.tracing.warn_if_inert()
         if not (self.check_database and self._actors):
             return
         check_database(self.inbox, self.async_inbox, worker.worker_threads)

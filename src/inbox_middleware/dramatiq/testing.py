@@ -7,7 +7,8 @@ import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
@@ -17,14 +18,19 @@ from ..harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
+    ROLLED_BACK,
     Effect,
     Hold,
     Outcomes,
+    Rollback,
+    RolledBackByCheck,
     ScenarioResult,
     Tally,
     fresh,
     intent_name,
     refuse_sqlite,
+    rollback_at_commit,
+    timed_out,
 )
 from ..storage import InboxSchema
 from ..storage.inspection import claim_queries
@@ -138,6 +144,16 @@ class DramatiqCheck:
     def crash_between_commit_and_ack(self, message: Any) -> ScenarioResult:
         return self._run(CRASH, message, [[message], [message]])
 
+    def rolled_back(self, message: Any) -> ScenarioResult:
+        """The handler runs and writes, then the inbox's transaction rolls back instead of
+        committing (a failed COMMIT, a worker dead before it); then the intent is delivered
+        again. Nothing the first attempt wrote may survive: a handler writing through a
+        session or connection of its own fails here."""
+        once = _renamed(message)
+        # Retried at once by Retries, as a redelivery after a lost commit would come.
+        once.options.update(min_backoff=1, max_backoff=1)
+        return self._run(ROLLED_BACK, message, [[once]])
+
     def concurrent_duplicates(self, message: Any, copies: int = 8) -> ScenarioResult:
         refuse_sqlite(self.engine)
         return self._run(CONCURRENT, message, [[_renamed(message) for _ in range(copies)]])
@@ -147,49 +163,68 @@ class DramatiqCheck:
     def _run(self, scenario: str, message: Any, waves: list[list[Any]]) -> ScenarioResult:
         from .payload import identity_options
 
+        # One deadline bounds the whole scenario: the deliveries, their retries, and the
+        # wait for the worker's queues to empty (Dramatiq's own worker.join() has no bound,
+        # and Retries' backoff or a message left in the delay queue can outlast any test).
+        deadline = time.monotonic() + self.timeout
         identity = identity_options(message.options)
         claims, quarantined, poisoned = claim_queries(self.naming, identity, self.consumer)
         fresh(self._count(claims), identity)
         before = self.effect()
         conflicts_before, poison_before = self._count(quarantined), self._count(poisoned)
         hold = Hold(self.engine, self.hold, self.asynchronous)
-        tally, unsettled = Tally(), 0
-        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._worker() as worker, self._recording() as recorder, holding:
+        tally = Tally()
+        ours = {m.message_id for wave in waves for m in wave}
+        with contextlib.ExitStack() as stack:
+            worker = stack.enter_context(self._worker(deadline))
+            recorder = stack.enter_context(self._recording())
+            if scenario == CONCURRENT:
+                stack.enter_context(hold.installed())
+            if scenario == ROLLED_BACK:  # once: the first attempt to reach its commit
+                probe = stack.enter_context(rollback_at_commit(identity.message_id))
+                recorder.rollback = (probe, lambda: self.effect() - before, deadline)
             for wave in waves:
                 outcomes = recorder.current = Outcomes({m.message_id for m in wave}, len(wave))
                 for copy in wave:
                     self.broker.enqueue(copy)
-                unsettled += self._settle(outcomes)
-                worker.join()  # acknowledged before the next wave is sent
+                # Acknowledged before the next wave is sent.
+                if not (_settled(outcomes, deadline) and _drained(worker, self.broker, deadline)):
+                    pending = _pending(worker, self.broker, ours)
+                    tally.add(outcomes)
+                    raise AssertionError(
+                        timed_out(
+                            scenario,
+                            identity,
+                            waves,
+                            tally,
+                            timeout=self.timeout,
+                            ending="so the worker was stopped"
+                            if self.worker is None
+                            else "(your worker keeps running)",
+                            pending=pending,
+                        )
+                    )
                 recorder.current = None
                 tally.add(outcomes)
         conflicts = self._count(quarantined) - conflicts_before
         poison = self._count(poisoned) - poison_before
+        failures = [f for f in tally.failures if f != RolledBackByCheck.__name__]
+        rolled_back = len(tally.failures) - len(failures)  # each came back: a redelivery
         return ScenarioResult(
             scenario=scenario,
             intent=intent_name(identity),
-            deliveries=sum(len(wave) for wave in waves),
+            deliveries=sum(len(wave) for wave in waves) + rolled_back,
             processed=tally.processed,
             duplicates=tally.skipped - conflicts - poison,
             conflicts=conflicts,
             poison=poison,
-            failures=tuple(tally.failures),
+            failures=tuple(failures),
             claims=self._count(claims),
             effect=self.effect() - before,
             overlapped=tally.overlapped(hold.first_done),
-            unsettled=unsettled,
+            rolled_back=rolled_back,
+            survived=recorder.rollback[0].survived if recorder.rollback else 0,
         )
-
-    def _settle(self, outcomes: Outcomes) -> int:
-        """Wait until every message of the wave is settled; how many were not."""
-        assert outcomes.expected is not None
-        deadline = time.monotonic() + self.timeout
-        while len(outcomes.settled) < len(outcomes.expected):
-            if time.monotonic() > deadline:
-                return len(outcomes.expected) - len(outcomes.settled)
-            time.sleep(0.01)
-        return 0
 
     def _count(self, query: Any) -> int:
         if self._async_engine is None:
@@ -212,7 +247,7 @@ class DramatiqCheck:
         return int(loop_thread.run_coroutine(count()))
 
     @contextlib.contextmanager
-    def _worker(self) -> Iterator[Any]:
+    def _worker(self, deadline: float) -> Iterator[Any]:
         if self.worker is not None:
             yield self.worker
             return
@@ -223,7 +258,9 @@ class DramatiqCheck:
         try:
             yield worker
         finally:
-            worker.stop()
+            # Bounded too: a handler still running past the deadline gets a second to end.
+            remaining = max(deadline - time.monotonic(), 1.0)
+            worker.stop(timeout=int(remaining * 1000))
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[Any]:
@@ -234,6 +271,83 @@ class DramatiqCheck:
             yield recorder
         finally:
             self.broker.middleware.remove(recorder)
+
+
+def _settled(outcomes: Outcomes, deadline: float) -> bool:
+    """Wait until every message of the wave is settled (processed, skipped, or failed for
+    good once Retries gave up); False at the deadline."""
+    assert outcomes.expected is not None
+    while len(outcomes.settled) < len(outcomes.expected):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _drained(worker: Any, broker: Any, deadline: float) -> bool:
+    """Dramatiq's ``worker.join()``, bounded: wait until the worker holds no message (its
+    work queue, its consumers' delay queues) and, on the stub broker, the queues are
+    empty; False at the deadline. Empty twice in a row, as join checks: a due delayed
+    message passes through the broker on its way from the delay queue to the work queue."""
+    empty_once = False
+    while time.monotonic() <= deadline:
+        if _holds_nothing(worker, broker):
+            if empty_once:
+                return True
+            empty_once = True
+        else:
+            empty_once = False
+        time.sleep(0.05)
+    return False
+
+
+def _holds_nothing(worker: Any, broker: Any) -> bool:
+    if worker.work_queue.unfinished_tasks:
+        return False
+    if any(consumer.delay_queue.unfinished_tasks for consumer in worker.consumers.values()):
+        return False
+    queues = getattr(broker, "queues", None)  # the stub broker's own, in memory
+    return not isinstance(queues, dict) or all(q.empty() for q in queues.values())
+
+
+def _pending(worker: Any, broker: Any, ours: set[str]) -> list[str]:
+    """Each message the worker or the stub broker still holds, one line each: its queue,
+    its retries, when it is due."""
+    import dramatiq
+
+    found: list[tuple[str, Any]] = []
+    for consumer in list(worker.consumers.values()):
+        found += [("delayed", item.message) for item in _snapshot(consumer.delay_queue)]
+    found += [("due", item.message) for item in _snapshot(worker.work_queue)]
+    queues = getattr(broker, "queues", None)
+    if isinstance(queues, dict):
+        for queue in list(queues.values()):
+            found += [("queued", dramatiq.Message.decode(data)) for data in _snapshot(queue)]
+    lines = [_describe(state, message, ours) for state, message in found]
+    running = worker.work_queue.unfinished_tasks - worker.work_queue.qsize()
+    if running > 0:
+        lines.append(f"{running} message(s) still being processed by the actor")
+    return lines
+
+
+def _snapshot(queue: Any) -> list[Any]:
+    with queue.mutex:
+        return list(queue.queue)
+
+
+def _describe(state: str, message: Any, ours: set[str]) -> str:
+    whose = "this scenario's" if message.message_id in ours else "not this scenario's"
+    retries = message.options.get("retries", 0)
+    eta = message.options.get("eta")
+    if state == "delayed" and isinstance(eta, int | float):
+        due = datetime.fromtimestamp(eta / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        when = f"eta {due} (in {max(eta / 1000 - time.time(), 0):.1f}s)"
+    else:
+        when = "due now" if state == "due" else "waiting in the broker's queue"
+    return (
+        f"message {message.message_id} (actor {message.actor_name}, {whose}): "
+        f"queue {message.queue_name}, retries {retries}, {when}"
+    )
 
 
 def _renamed(message: Any) -> Any:
@@ -247,9 +361,14 @@ def _dramatiq_recorder() -> Any:
 
     class Recorder(Middleware):
         current: Outcomes | None = None
+        rollback: tuple[Rollback, Callable[[], float], float] | None = None
 
         def before_process_message(self, broker: Any, message: Any) -> None:
             if self.current is not None and self.current.ours(message.message_id):
+                if self.rollback is not None:  # the redelivery waits for the measure
+                    probe, _, deadline = self.rollback
+                    if probe.owes_measure():
+                        probe.measured.wait(max(deadline - time.monotonic(), 0))
                 self.current.begin(message.message_id)
 
         def after_process_message(
@@ -257,6 +376,12 @@ def _dramatiq_recorder() -> Any:
         ) -> None:
             if self.current is None or not self.current.ours(message.message_id):
                 return
+            if self.rollback is not None and self.rollback[0].owes_measure():
+                # The rolled-back attempt is over: what survived it was written outside
+                # the inbox's transaction.
+                probe, measure, _ = self.rollback
+                probe.survived = measure()
+                probe.measured.set()
             if exception is None:
                 self.current.end("processed", message.message_id)
             else:  # retried later, unless Retries gave up (then it failed the message)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,14 +16,19 @@ from ..harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
+    ROLLED_BACK,
     Effect,
     Hold,
     Outcomes,
+    Rollback,
+    RolledBackByCheck,
     ScenarioResult,
     Tally,
     fresh,
     intent_name,
     refuse_sqlite,
+    rollback_at_commit,
+    timed_out,
 )
 from ..identity import MessageIdentity
 from ..storage import InboxSchema
@@ -105,6 +110,14 @@ class FastStreamCheck:
     async def crash_between_commit_and_ack(self, message: FastStreamMessage) -> ScenarioResult:
         return await self._run(CRASH, message, [1, 1])
 
+    async def rolled_back(self, message: FastStreamMessage) -> ScenarioResult:
+        """The subscriber runs and writes, then the inbox's transaction rolls back instead
+        of committing (a failed COMMIT, a worker dead before it); then the intent is
+        delivered again (by a real broker's redelivery, or published again on a test
+        broker, which does not redeliver). Nothing the first attempt wrote may survive: a
+        subscriber writing through a session of its own fails here."""
+        return await self._run(ROLLED_BACK, message, [1])
+
     async def concurrent_duplicates(
         self, message: FastStreamMessage, copies: int = 8
     ) -> ScenarioResult:
@@ -116,6 +129,9 @@ class FastStreamCheck:
     async def _run(
         self, scenario: str, message: FastStreamMessage, waves: list[int]
     ) -> ScenarioResult:
+        # One deadline bounds the whole scenario: the publishes (a test broker runs the
+        # subscriber inside them), and the wait for a real broker's redeliveries.
+        deadline = time.monotonic() + self.timeout
         await self.inbox.check(self.broker)  # what inbox.guard(broker) runs at start-up
         identity = message.identity
         claims, quarantined, poisoned = claim_queries(self.naming, identity, None)
@@ -124,43 +140,107 @@ class FastStreamCheck:
         conflicts_before = await self._count(quarantined)
         poison_before = await self._count(poisoned)
         hold = Hold(self.async_engine.sync_engine, self.hold, asynchronous=True)
-        tally, unsettled = Tally(), 0
-        holding = hold.installed() if scenario == CONCURRENT else contextlib.nullcontext()
-        with self._recording(identity) as recorder, holding:
-            for size in waves:
+        tally, unsettled, waves = Tally(), 0, list(waves)
+        with contextlib.ExitStack() as stack:
+            recorder = stack.enter_context(self._recording(identity))
+            if scenario == CONCURRENT:
+                stack.enter_context(hold.installed())
+            if scenario == ROLLED_BACK:  # once: the first attempt to reach its commit
+                probe = stack.enter_context(rollback_at_commit(identity.message_id))
+                effect = self.effect
+
+                async def measure() -> float:
+                    return await _call(effect) - before
+
+                recorder.rollback = (probe, measure, deadline)
+            for number, size in enumerate(waves, start=1):
                 outcomes = recorder.current = Outcomes(None, size)
-                publish = [
-                    self.broker.publish(
-                        message.body, headers=dict(message.headers), **message.publish
+                wave = f"(wave {number} of {len(waves)})"
+                running = await self._publish(message, outcomes, deadline)
+                if running:
+                    tally.add(outcomes)
+                    problem = timed_out(
+                        scenario,
+                        identity,
+                        waves,
+                        tally,
+                        timeout=self.timeout,
+                        ending="so its deliveries were cancelled",
+                        pending=[f"{_deliveries(running)} still running in the subscriber {wave}"],
                     )
-                    for _ in range(size)
-                ]
-                await asyncio.gather(*publish)
-                unsettled += await self._settle(outcomes)
+                    raise AssertionError(problem)
+                left = await self._settle(outcomes, deadline)
+                if left and time.monotonic() > deadline:  # a real broker redelivering it
+                    tally.add(outcomes)
+                    problem = timed_out(
+                        scenario,
+                        identity,
+                        waves,
+                        tally,
+                        timeout=self.timeout,
+                        ending="the broker may still redeliver it",
+                        pending=[f"{_deliveries(left)} not settled {wave}"],
+                    )
+                    raise AssertionError(problem)
+                if scenario == ROLLED_BACK and number == 1 and left and outcomes.failures:
+                    waves.append(1)  # a test broker: deliver it again, as a broker would
+                    left = 0
+                unsettled += left
                 recorder.current = None
                 tally.add(outcomes)
         conflicts = await self._count(quarantined) - conflicts_before
         poison = await self._count(poisoned) - poison_before
+        failures = [f for f in tally.failures if f != RolledBackByCheck.__name__]
+        rolled_back = len(tally.failures) - len(failures)
+        deliveries = sum(waves)
+        if scenario == ROLLED_BACK:  # every attempt: the broker's redeliveries too
+            deliveries = tally.processed + tally.skipped + len(tally.failures)
         return ScenarioResult(
             scenario=scenario,
             intent=intent_name(identity),
-            deliveries=sum(waves),
+            deliveries=deliveries,
             processed=tally.processed,
             duplicates=tally.skipped - conflicts - poison,
             conflicts=conflicts,
             poison=poison,
-            failures=tuple(tally.failures),
+            failures=tuple(failures),
             claims=await self._count(claims),
             effect=await _call(self.effect) - before,
             overlapped=tally.overlapped(hold.first_done),
             unsettled=unsettled,
+            rolled_back=rolled_back,
+            survived=recorder.rollback[0].survived if recorder.rollback else 0,
         )
 
-    async def _settle(self, outcomes: Outcomes) -> int:
-        """Wait until every delivery of the wave was processed or skipped; how many were
-        not. A failed one is redelivered by a real broker; a test broker never redelivers,
-        so once every delivery has some outcome and none arrives for a second, it is over."""
-        deadline = time.monotonic() + self.timeout
+    async def _publish(
+        self, message: FastStreamMessage, outcomes: Outcomes, deadline: float
+    ) -> int:
+        """Publish the wave's copies of the message; how many deliveries were still running
+        at ``deadline`` (then cancelled): a test broker runs the subscriber inside them."""
+        publish = [
+            self.broker.publish(message.body, headers=dict(message.headers), **message.publish)
+            for _ in range(outcomes.size)
+        ]
+        sent = asyncio.ensure_future(asyncio.gather(*publish, return_exceptions=True))
+        done, _ = await asyncio.wait({sent}, timeout=max(deadline - time.monotonic(), 0))
+        if not done:
+            running = outcomes.size - outcomes.final - len(outcomes.failures)
+            sent.cancel()
+            with contextlib.suppress(BaseException):
+                await sent
+            return max(running, 1)
+        for raised in sent.result():
+            # A test broker raises the subscriber's failure from publish; the check's own
+            # rollback is expected, anything else is the test's to see.
+            if isinstance(raised, BaseException) and not isinstance(raised, RolledBackByCheck):
+                raise raised
+        return 0
+
+    async def _settle(self, outcomes: Outcomes, deadline: float) -> int:
+        """Wait until every delivery of the wave was processed or skipped, at most until
+        ``deadline``; how many were not. A failed one is redelivered by a real broker; a
+        test broker never redelivers, so once every delivery has some outcome and none
+        arrives for a second, it is over."""
         quiet_since, seen = time.monotonic(), -1
         while outcomes.final < outcomes.size:
             count = outcomes.final + len(outcomes.failures)
@@ -198,6 +278,8 @@ class _FastStreamRecorder:
     def __init__(self, identity: MessageIdentity) -> None:
         self.identity = identity
         self.current: Outcomes | None = None
+        self.rollback: tuple[Rollback, Callable[[], Awaitable[float]], float] | None = None
+        """The rolled-back scenario's probe, its measure of the effect, the deadline."""
 
     def ours(self, headers: Mapping[str, Any]) -> bool:
         from .payload import headers_identity
@@ -206,6 +288,24 @@ class _FastStreamRecorder:
             return headers_identity(headers).key("") == self.identity.key("")
         except Exception:
             return False
+
+    async def measured(self) -> None:
+        """Hold a redelivery until the rolled-back attempt's effect was measured."""
+        if self.rollback is None:
+            return
+        probe, _, deadline = self.rollback
+        while probe.owes_measure() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def measure(self) -> str | None:
+        """After an attempt: if it was the one rolled back, measure what survived it (a
+        write outside the inbox's transaction) and say so."""
+        if self.rollback is None or not self.rollback[0].owes_measure():
+            return None
+        probe, measure, _ = self.rollback
+        probe.survived = await measure()
+        probe.measured.set()
+        return RolledBackByCheck.__name__
 
     def middleware(self) -> Any:
         from faststream import BaseMiddleware
@@ -218,6 +318,7 @@ class _FastStreamRecorder:
                 outcomes = recorder.current
                 if outcomes is None or not recorder.ours(msg.headers or {}):
                     return await call_next(msg)
+                await recorder.measured()  # a redelivery waits for the measure
                 outcomes.begin()
                 try:
                     result = await call_next(msg)
@@ -225,12 +326,18 @@ class _FastStreamRecorder:
                     outcomes.end("skipped")
                     raise
                 except BaseException as exc:
-                    outcomes.end(type(exc).__name__, final=False)
+                    rolled = await recorder.measure()
+                    outcomes.end(rolled or type(exc).__name__, final=False)
                     raise
-                outcomes.end("processed")
+                rolled = await recorder.measure()
+                outcomes.end(rolled or "processed", final=not rolled)
                 return result
 
         return Recorder
+
+
+def _deliveries(count: int) -> str:
+    return f"{count} delivery" if count == 1 else f"{count} deliveries"
 
 
 async def _call(effect: Effect) -> float:

@@ -67,6 +67,9 @@ _LEASE_SPARE = 0.2  # the share of the lease no delivery may use: cancellation, 
 _MIN_SHARE = 0.1  # a delivery with less than this share of delivery_timeout left is not started
 _MAX_ERROR = 2000
 _PROBE_TIMEOUT = 5.0  # seconds a probe NOTIFY may take to reach the LISTEN connection
+_BURST_HORIZON = 1.0
+"""Seconds ahead a burst (`Dispatcher.run(burst=True)`) still waits for a pending effect:
+the first retry of the default backoff comes within it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,8 +233,13 @@ class Dispatcher:
                     logger.warning("outbox dispatcher: %s; retrying", mapped)
                     count = 0
                 if burst and count == 0:
-                    break
-                if count < self.batch_size and not burst:
+                    # A burst drains what is due or about to be: a retry a moment away
+                    # (the first backoff) is waited for, one due later stays pending.
+                    wait = await asyncio.to_thread(self._next_due)
+                    if wait is None or wait > _BURST_HORIZON:
+                        break
+                    await self._idle(max(wait, 0.01))
+                elif count < self.batch_size and not burst:
                     await self._idle()
         finally:
             if listener is not None:
@@ -277,7 +285,8 @@ class Dispatcher:
         thread.start()
         return thread
 
-    async def _idle(self) -> None:
+    async def _idle(self, seconds: float | None = None) -> None:
+        """Wait ``seconds`` (default: the poll interval), until stopped or woken."""
         assert self._stopping is not None
         assert self._wake is not None
         waits = [asyncio.ensure_future(self._stopping.wait())]
@@ -285,7 +294,9 @@ class Dispatcher:
             waits.append(asyncio.ensure_future(self._wake.wait()))
         try:
             await asyncio.wait(
-                waits, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
+                waits,
+                timeout=self.poll_interval if seconds is None else seconds,
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
             for wait in waits:
@@ -462,6 +473,13 @@ class Dispatcher:
         return _outcome(effect, FAILED, error=error, result=_json(result))
 
     # -- storage (in a worker thread) -----------------------------------------------------
+
+    def _next_due(self) -> float | None:
+        with self.engine.connect() as conn:
+            seconds = conn.execute(
+                self._statements.next_due, {"destinations": list(self.destinations)}
+            ).scalar()
+        return None if seconds is None else float(seconds)
 
     def _lease(self, token: str) -> list[Effect]:
         with self.engine.begin() as conn:

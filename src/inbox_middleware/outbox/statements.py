@@ -120,6 +120,7 @@ class OutboxStatements:
         if dialect == "postgresql":
             self.lease = self._lease()
             self.settle = self._settle()
+            self.next_due = self._next_due()
 
     def _lease(self) -> Executable:
         """Lease due effects for one dispatcher, in one short transaction.
@@ -160,6 +161,15 @@ class OutboxStatements:
                 outbox.c.attempts,
                 outbox.c.created_at,
             )
+        )
+
+    def _next_due(self) -> Executable:
+        """Seconds until the next pending effect of these destinations is due (negative:
+        due already; NULL: none pending). A leased effect counts at its lease's end."""
+        outbox = self.table
+        return select(func.extract("epoch", func.min(outbox.c.next_attempt_at) - func.now())).where(
+            outbox.c.status == PENDING,
+            outbox.c.destination == any_(bindparam("destinations", type_=ARRAY(Text))),
         )
 
     def _settle(self) -> Executable:

@@ -38,19 +38,22 @@ import asyncio
 import importlib.util
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from sqlalchemy import URL, Engine, create_engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import NullPool
 
 from ..exceptions import ConfigurationError
+from ..logs import refuse_start
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = [
+    "DEFAULT_CONNECTIONS",
     "async_engine",
+    "engine_from_url",
     "parse_url",
     "pooler_connect_args",
     "postgresql_driver",
@@ -111,6 +114,101 @@ def pooler_connect_args(driver: str) -> dict[str, Any]:
             "prepared_statement_name_func": _statement_name,
         }
     return {}
+
+
+DEFAULT_CONNECTIONS = 8
+"""A worker's pool size by default: Dramatiq's default of eight worker threads, each
+holding one connection while it processes a message."""
+
+# The driver each kind of engine is built on, and how to get it.
+_USERS_DRIVERS = {
+    False: ("psycopg", "pip install 'psycopg[binary]' (the dramatiq extra brings it)"),
+    True: ("asyncpg", "pip install asyncpg (the faststream-* extras bring it)"),
+}
+
+
+@overload
+def engine_from_url(
+    database_url: str | URL,
+    *,
+    asynchronous: Literal[False] = False,
+    connections: int = DEFAULT_CONNECTIONS,
+    **options: Any,
+) -> Engine: ...
+
+
+@overload
+def engine_from_url(
+    database_url: str | URL,
+    *,
+    asynchronous: Literal[True],
+    connections: int = DEFAULT_CONNECTIONS,
+    **options: Any,
+) -> AsyncEngine: ...
+
+
+def engine_from_url(
+    database_url: str | URL,
+    *,
+    asynchronous: bool = False,
+    connections: int = DEFAULT_CONNECTIONS,
+    **options: Any,
+) -> Engine | AsyncEngine:
+    """The engine for your workers, from the same ``DATABASE_URL`` the command line takes.
+
+    ``postgres://`` and ``postgresql://``, with any driver or none, give a synchronous
+    engine over psycopg (a Dramatiq actor), or with ``asynchronous=True`` an `AsyncEngine`
+    over asyncpg (FastStream, an ``async def`` actor): the driver is named here, whatever
+    the URL says, since SQLAlchemy reads a bare ``postgresql://`` as psycopg2 (2.0) or
+    psycopg (2.1), neither of them asynchronous. ``sqlite:///path`` gives a synchronous
+    SQLite engine.
+
+    ``connections``: the pool size, one per message processed at once: the worker's
+    threads (Dramatiq, 8 by default) or the subscriber's prefetch (FastStream), as the
+    worker's start-up check recommends. ``options`` go to SQLAlchemy's `create_engine` or
+    `create_async_engine` (``connect_args``, ``echo``, ``pool_size`` itself).
+
+    A URL or an option that cannot make an engine raises `ConfigurationError`, one line
+    naming the fix; in a worker of the ``dramatiq`` command, that line is logged as
+    CRITICAL and the worker exits with status 3, as when its database cannot be reached.
+    """
+    try:
+        return _users_engine(database_url, asynchronous, connections, options)
+    except ConfigurationError as exc:
+        reason = f"the inbox cannot build its database engine, so the worker does not start: {exc}"
+        refuse_start(reason)
+        raise ConfigurationError(reason) from None
+
+
+def _users_engine(
+    database_url: str | URL, asynchronous: bool, connections: int, options: dict[str, Any]
+) -> Engine | AsyncEngine:
+    if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+        raise ConfigurationError(f"connections must be a positive number, not {connections!r}")
+    url = parse_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        if asynchronous:
+            raise ConfigurationError(
+                "an asynchronous engine needs PostgreSQL; SQLite is served synchronously"
+            )
+        return _create(create_engine, url, options)
+    driver, install = _USERS_DRIVERS[asynchronous]
+    if not _installed(driver):
+        raise ConfigurationError(f"the {driver} driver is not installed: {install}")
+    url = url.set(drivername=f"postgresql+{driver}")
+    options.setdefault("pool_size", connections)
+    if not asynchronous:
+        return _create(create_engine, url, options)
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    return _create(create_async_engine, url, options)
+
+
+def _create(factory: Callable[..., T], url: URL, options: dict[str, Any]) -> T:
+    try:
+        return factory(url, **options)
+    except (ArgumentError, TypeError) as exc:  # an option SQLAlchemy or the pool refuses
+        raise ConfigurationError(f"{url.drivername} refuses these options: {exc}") from None
 
 
 def sync_engine(database_url: str | URL, **options: Any) -> Engine:
