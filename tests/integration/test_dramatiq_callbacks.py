@@ -234,6 +234,33 @@ def test_on_success__a_duplicate_replays_the_callback_as_first_sent(broker, queu
     assert seen == [first.message_id]
 
 
+def test_on_success__with_no_stored_callback_a_duplicate_builds_its_own(
+    broker, queue, pg_engine, results
+):
+    # Given a first delivery that asked for no callback (its result stored for Results)
+    broker.add_middleware(InboxMiddleware(pg_engine))
+    seen: list[str] = []
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="stock", store_results=True)
+    def reserve(account_id: int) -> int:
+        apply_credit(current_session(), "stock", account_id, 10)
+        return 10
+
+    @dramatiq.actor(queue_name=queue)
+    def audited(message: dict[str, Any], result: int) -> None:
+        seen.append(message["message_id"])
+
+    with running_worker(broker) as worker:
+        reserve.send_with_options(args=(7,), **ident("n-1"))
+        drain(broker, queue, worker)
+        # When a copy asks for one
+        second = reserve.send_with_options(args=(7,), on_success="audited", **ident("n-1"))
+        drain(broker, queue, worker)
+    # Then the duplicate sends it, built from its own message
+    assert seen == [second.message_id]
+    assert _effects(pg_engine, 7) == 1
+
+
 # -- 4. on_failure and on_retry_exhausted, as Dramatiq sends them ---------------------------
 
 
@@ -384,9 +411,11 @@ def test_group__a_duplicate_member_never_counts_twice(
         # When the first member comes back (a redelivery: the same message, whose ack
         # was lost after its commit)
         first = delivered[0]
+        # (its stored result gone with the crash, to see the duplicate store it again)
+        results.client.delete(results.build_message_key(first))
         producer.enqueue(first)  # sent again from outside: the inbox would refuse it
         wait_for(lambda: len(delivered) == 2, timeout=10, what="the duplicate")
-        # Then a caller blocked on its result gets the first delivery's
+        # Then a caller blocked on its result gets the first delivery's, from the duplicate
         assert first.get_result(backend=results, block=True, timeout=10_000) == 70
         release.set()
         drain(broker, queue, worker)

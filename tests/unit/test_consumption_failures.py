@@ -16,6 +16,7 @@ import pytest
 from inbox_middleware.consumption import (
     Arrival,
     CountFailure,
+    CountRedelivery,
     HandedBack,
     Op,
     Poisoned,
@@ -50,6 +51,8 @@ def script(raised: BaseException | None, attempts: int = 1) -> Any:
                 raise AssertionError("only failures here")
             case CountFailure():
                 return attempts
+            case CountRedelivery():
+                return SimpleNamespace(redeliveries=0, failures=0, hand_backs=0, claimed=False)
             case RecordPoison(reason=reason, attempts=count):
                 return SimpleNamespace(id=12, attempts=count, reason=reason)
             case Publish():
@@ -113,3 +116,17 @@ def test_outputs_failed__kept_as_poison_when_the_attempts_run_out() -> None:
     assert isinstance(settlement, Poisoned)
     assert (settlement.reason, settlement.record.attempts) == ("outputs_undeliverable", 2)
     assert settlement.failure is error and settlement.exhausted
+
+
+def test_redelivery_limit__a_crash_loop_is_poison_that_no_attempt_failed() -> None:
+    # Given a message the broker delivered 12 times, each ending with a dead worker
+    crashed = Arrival(DELIVERY, deliveries=12, redelivered=True)
+    rules = ConsumerPolicy(max_attempts=None, redelivery_limit=10)
+    settlement = drive(settle_steps(crashed, rules), script(None))
+    # Then it is poison, and no exception failed it: no on_failure, no on_retry_exhausted
+    assert isinstance(settlement, Poisoned)
+    assert (settlement.reason, settlement.failure, settlement.exhausted) == (
+        "redelivery_limit",
+        None,
+        False,
+    )
