@@ -19,8 +19,10 @@ from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 from sqlalchemy import select, text
 
+from inbox_middleware import repair
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.dramatiq.middleware import ActorConfigurationError
+from inbox_middleware.dramatiq.repair import DramatiqRepublisher
 from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit, effects
@@ -470,22 +472,35 @@ def test_pipeline__a_step_that_can_never_be_sent_is_kept_as_poison(broker, queue
         apply_credit(current_session(), "stock", account_id, 10)
         return 10
 
+    shipped: list[int] = []
+
     @dramatiq.actor(queue_name=queue)
-    def ship(result: int) -> None: ...
+    def ship(result: int) -> None:
+        shipped.append(result)
 
     with running_worker(broker) as worker:
         dramatiq.pipeline(
             [reserve.message_with_options(args=(7,), **ident("u-1")), ship.message()]
         ).run()
         drain(broker, queue, worker)
-    # Then its effect committed once, and the message is poison that a redrive can finish
-    assert refuse.refused == 2
+        # Then its effect committed once, and the message is poison with the reason
+        assert refuse.refused == 2
+        assert _effects(pg_engine, 7) == 1
+        with pg_engine.connect() as conn:
+            [row] = conn.execute(select(NAMING.tables.poison)).mappings().all()
+        assert (row["reason_code"], row["attempts"], row["decision"]) == (
+            "outputs_undeliverable",
+            2,
+            "pending",
+        )
+        assert "refused ship" in row["error"]
+        # which a redrive, once the cause is repaired, finishes: the step is sent, with
+        # the stored result, and the effect is not applied again
+        refuse.left = 0
+        with pg_engine.connect() as conn:
+            repair.redrive(
+                conn, NAMING, "poison", row["id"], by="test", publisher=DramatiqRepublisher(broker)
+            )
+        drain(broker, queue, worker)
+    assert shipped == [10]
     assert _effects(pg_engine, 7) == 1
-    with pg_engine.connect() as conn:
-        [row] = conn.execute(select(NAMING.tables.poison)).mappings().all()
-    assert (row["reason_code"], row["attempts"], row["decision"]) == (
-        "outputs_undeliverable",
-        2,
-        "pending",
-    )
-    assert "refused ship" in row["error"]
