@@ -133,10 +133,14 @@ def test_group__a_member_that_fails_once_is_retried_not_lost(
     assert completed == [1]
 
 
-def test_retry__a_failed_message_whose_retry_is_refused_is_not_acked(broker, queue, pg_engine):
-    # Given an inbox actor that fails once, and a broker that refuses Retries' first
-    # enqueue of its retry (Dramatiq logs and swallows that, then acknowledges)
-    refuse = Refuse(lambda m: m.options.get("retries", 0) >= 1, times=1)
+def test_retry__a_failed_message_whose_retry_is_refused_is_not_acked(
+    broker, queue, pg_engine, monkeypatch
+):
+    # Given an inbox actor that fails once, and a broker that refuses Retries' enqueue of
+    # its retry (Dramatiq logs and swallows that, then acknowledges) and the next one
+    # too; the worker tries an acknowledgement again after 0.2 s instead of 5
+    monkeypatch.setattr(dramatiq.worker, "POST_PROCESS_MESSAGE_RETRY_DELAY_SECS", 0.2)
+    refuse = Refuse(lambda m: m.options.get("retries", 0) >= 1, times=2)
     broker.add_middleware(refuse)
     broker.add_middleware(InboxMiddleware(pg_engine))
     attempts: list[int] = []
@@ -152,7 +156,35 @@ def test_retry__a_failed_message_whose_retry_is_refused_is_not_acked(broker, que
         add_credit.send_with_options(args=(7,), **ident("r-1"))
         drain(broker, queue, worker)
     # Then the delivery was not acknowledged before its retry was enqueued: applied once
-    assert refuse.refused == 1
+    assert refuse.refused == 2
+    assert len(attempts) == 2
+    assert _effects(pg_engine, 7) == 1
+
+
+def test_hand_back__refused_then_refused_to_retries_is_not_acked(broker, queue, pg_engine):
+    # Given an inbox actor whose first attempt is handed back (transient trouble), and a
+    # broker that refuses that message's next two enqueues: the hand-back's (no patience)
+    # and the one Retries then makes
+    from inbox_middleware.exceptions import DatabaseUnavailable
+
+    sent: list[str] = []
+    refuse = Refuse(lambda m: m.message_id in sent, times=2)
+    broker.add_middleware(refuse)
+    broker.add_middleware(InboxMiddleware(pg_engine, hand_back_patience=0))
+    attempts: list[int] = []
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=3)
+    def add_credit(account_id: int) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise DatabaseUnavailable("the database went away")
+        apply_credit(current_session(), "billing", account_id, 10)
+
+    with running_worker(broker) as worker:
+        sent.append(add_credit.send_with_options(args=(7,), **ident("h-1")).message_id)
+        drain(broker, queue, worker)
+    # Then the delivery was not acknowledged until the message was enqueued again
+    assert refuse.refused == 2
     assert len(attempts) == 2
     assert _effects(pg_engine, 7) == 1
 
