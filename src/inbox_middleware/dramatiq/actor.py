@@ -286,7 +286,8 @@ class InboxActor:
                 stored = output.headers.get(CALLBACK_HEADER)
                 if stored is not None:
                     callback = dramatiq.Message.decode(base64.b64decode(stored))
-                else:  # a claim stored before callbacks were kept: built from this copy
+                else:  # the first delivery stored none (it asked for none, or its claim
+                    # is older than stored callbacks): built from this copy
                     encoded = self.callback(message, delivery, self.decode(output))
                     assert encoded is not None
                     callback = dramatiq.Message.decode(encoded)
