@@ -338,6 +338,12 @@ class Poisoned:
     record: Any
     """The `PoisonRecord` (``id``, ``attempts``)."""
     error: str
+    failure: BaseException | None = None
+    """The exception that failed the last attempt (the handler's, or its outputs'
+    publish); None when no attempt raised (a crash loop, the handler's own rejection)."""
+    exhausted: bool = False
+    """The attempts ran out (``max_attempts``, or the framework's retry budget): not a
+    permanent failure. Dramatiq sends ``on_retry_exhausted`` for these only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,14 +585,13 @@ def _failed(
     if _transient(exc, arrival):
         return (yield from _hand_back(exc, delivery))
     code = reason_code(exc, rules.permanent_errors)
+    exhausted = False
     error = describe(exc)
     try:
         attempts: int = yield CountFailure(delivery, error)
         if code is None:
-            last = rules.max_attempts is not None and attempts >= rules.max_attempts
-            if not last and arrival.gives_up is not None:
-                last = arrival.gives_up(exc)
-            if last:
+            exhausted = _last(arrival, rules, attempts, exc)
+            if exhausted:
                 code = RETRIES_EXHAUSTED if not isinstance(exc, InboxError) else INBOX_ERROR
         if code is None:
             return HandedBack(exc, counted=True, delay=_requested_delay(exc))
@@ -596,7 +601,18 @@ def _failed(
         # it is handed back whatever kind of failure this was, counted against nothing.
         yield from _hand_back(trouble, delivery)
         return HandedBack(exc, counted=False)
-    return (yield from _dead_letter(Poisoned(code, record, error), delivery))
+    # A rejection by the handler is its decision, not a failure of the attempt.
+    failure = None if isinstance(exc, RejectRequested) else exc
+    poisoned = Poisoned(code, record, error, failure, exhausted)
+    return (yield from _dead_letter(poisoned, delivery))
+
+
+def _last(arrival: Arrival, rules: Rules, attempts: int, exc: BaseException) -> bool:
+    """Whether this failed attempt was the last one allowed: by ``max_attempts``, or by
+    the framework's own retry budget."""
+    if rules.max_attempts is not None and attempts >= rules.max_attempts:
+        return True
+    return arrival.gives_up is not None and arrival.gives_up(exc)
 
 
 def outputs_failed_steps(
@@ -614,16 +630,14 @@ def outputs_failed_steps(
     error = describe(exc)
     try:
         attempts: int = yield CountFailure(delivery, error)
-        last = rules.max_attempts is not None and attempts >= rules.max_attempts
-        if not last and arrival.gives_up is not None:
-            last = arrival.gives_up(exc)
-        if not last:
+        if not _last(arrival, rules, attempts, exc):
             return HandedBack(exc, counted=True)
         record = yield RecordPoison(delivery, OUTPUTS_UNDELIVERABLE, error, attempts)
     except Exception as trouble:
         yield from _hand_back(trouble, delivery)
         return HandedBack(exc, counted=False)
-    return (yield from _dead_letter(Poisoned(OUTPUTS_UNDELIVERABLE, record, error), delivery))
+    poisoned = Poisoned(OUTPUTS_UNDELIVERABLE, record, error, exc, exhausted=True)
+    return (yield from _dead_letter(poisoned, delivery))
 
 
 def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:

@@ -13,6 +13,8 @@ INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <i
 INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
 INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
 INBOX_TEST_SCHEMA         the schema of the inbox tables (default: public)
+INBOX_TEST_REDIS_URL      Redis for the group barriers (GroupCallbacks) and the results
+                          (Results) of either broker
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import time
 from typing import Any
 
 import dramatiq
-from dramatiq.middleware import CurrentMessage, Middleware
+from dramatiq.middleware import CurrentMessage, GroupCallbacks, Middleware
+from dramatiq.rate_limits.backends import RedisBackend as RedisLimits
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
+from sqlalchemy.orm import Session
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 from inbox_middleware.storage import InboxSchema
@@ -86,6 +92,13 @@ def _broker() -> dramatiq.Broker:
 
 broker = _broker()
 broker.add_middleware(CrashPoints())
+# Added after CrashPoints, so its after_process_message runs before the after_commit pause:
+# a kill there comes after the group's barrier counted the delivery, before the ack.
+REDIS_URL = ENV.get("INBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+broker.add_middleware(GroupCallbacks(RedisLimits(url=REDIS_URL)))
+broker.add_middleware(
+    Results(backend=RedisBackend(url=REDIS_URL, namespace=ENV.get("INBOX_TEST_NAMESPACE", "")))
+)
 broker.add_middleware(CurrentMessage())
 engine = sync_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 broker.add_middleware(
@@ -116,3 +129,22 @@ def reserve(account_id: int, delta: int) -> dict[str, int]:
 @dramatiq.actor(queue_name=QUEUE, inbox_consumer="shipping", min_backoff=100, max_backoff=1000)
 def ship(order: dict[str, int]) -> None:
     apply_credit(current_session(), "shipping", order["account_id"], order["delta"])
+
+
+# A group member whose result is stored, and the group's completion callback.
+@dramatiq.actor(
+    queue_name=QUEUE,
+    inbox_consumer="members",
+    store_results=True,
+    min_backoff=100,
+    max_backoff=1000,
+)
+def member(account_id: int) -> int:
+    apply_credit(current_session(), "members", account_id, 1)
+    return account_id
+
+
+@dramatiq.actor(queue_name=QUEUE, min_backoff=100, max_backoff=1000)
+def group_done(account_id: int) -> None:
+    with Session(engine) as session, session.begin():
+        apply_credit(session, "group_done", account_id, 1)

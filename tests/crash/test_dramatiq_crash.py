@@ -52,6 +52,7 @@ def setup(broker_kind, queue, pg_url, pg_engine, tmp_path: Path):
         "INBOX_TEST_QUEUE": queue,
         "INBOX_TEST_MARKERS": str(markers),
         "INBOX_TEST_ARRIVALS": str(tmp_path / "arrivals.log"),
+        "INBOX_TEST_REDIS_URL": services.REDIS,
     }
     producer = _producer(broker_kind, queue)
     started: list[WorkerProcess] = []
@@ -169,6 +170,55 @@ def test_crash__a_pipeline_continues_after_a_kill_between_commit_and_ack(
         assert (effects(conn, 7), effects(conn, 8), balance(conn, 8)) == (1, 1, 20)
 
 
+def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_group_twice(
+    setup, queue, pg_engine
+):
+    from dramatiq.rate_limits import Barrier
+    from dramatiq.rate_limits.backends import RedisBackend as RedisLimits
+
+    start, producer, markers, tmp_path = setup
+    broker = producer.broker
+    member = dramatiq.actor(
+        lambda account_id: None, actor_name="member", queue_name=queue, broker=broker
+    )
+    done = dramatiq.actor(
+        lambda account_id: None, actor_name="group_done", queue_name=queue, broker=broker
+    )
+    # Given a group of two inbox members with a completion callback, as group.run sends
+    # it (a barrier for two, and its options on each member), from a producer without
+    # the inbox; the second member is sent only later, so that one worker gets it
+    barrier = str(uuid.uuid4())
+    Barrier(RedisLimits(url=services.REDIS), barrier, ttl=60_000).create(2)
+    group = {
+        "group_completion_uuid": barrier,
+        "group_completion_callbacks": [done.message(99).asdict()],
+    }
+
+    def send_member(n: int) -> str:
+        return member.send_with_options(
+            args=(n,), **group, **identity(producer="orders", message_id=f"m-{n}")
+        ).message_id
+
+    # and a worker that stops after the first member's commit: GroupCallbacks has
+    # counted it, the ack is not sent
+    first = start(INBOX_TEST_PAUSE_AT="after_commit")
+    sent = send_member(1)
+    wait_for((markers / "after_commit.paused").exists, timeout=30, what="after_commit")
+    # When it is killed there, and a fresh worker gets that member again (a duplicate),
+    # then the second member
+    first.kill()
+    second = start()
+    wait_for(lambda: _deliveries(tmp_path, sent) == 2, timeout=30, what="the duplicate")
+    time.sleep(1.5)  # settled, and a completion it caused would have been applied
+    assert applied(pg_engine, 99) == 0  # a duplicate counted would complete the group here
+    send_member(2)
+    wait_for(lambda: applied(pg_engine, 99) >= 1, timeout=30, what="the completion")
+    time.sleep(2)  # a second completion would show up here
+    second.stop()
+    # Then each member applied once, and the group completed once, after both
+    assert (applied(pg_engine, 1), applied(pg_engine, 2), applied(pg_engine, 99)) == (1, 1, 1)
+
+
 def test_crash__sixteen_concurrent_deliveries_across_four_processes(setup, pg_engine):
     start, producer, _, tmp_path = setup
     # Given four worker processes with four threads each (each taking at most four
@@ -193,6 +243,12 @@ def test_crash__sixteen_concurrent_deliveries_across_four_processes(setup, pg_en
     assert max(t for t, _ in arrivals) < float(applied_at) + 2
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
+
+
+def _deliveries(tmp_path: Path, message_id: str) -> int:
+    path = tmp_path / "arrivals.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(1 for line in lines if line.endswith(f" {message_id}"))
 
 
 def _arrivals(path: Path, count: int) -> list[tuple[float, int]] | None:

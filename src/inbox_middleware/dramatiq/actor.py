@@ -8,10 +8,13 @@ the settlement to the middleware, which tells Dramatiq.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import inspect
 import logging
+import time
+import traceback
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -29,15 +32,19 @@ from sqlalchemy.orm import Session
 from .. import faults
 from ..consumption import (
     Arrival,
+    Duplicate,
     HandBackRequested,
     HandedBack,
     Op,
+    Poisoned,
     Process,
+    Processed,
     Publish,
     RejectRequested,
     Route,
     RunUnprotected,
     drive,
+    outputs_failed_steps,
     settle_steps,
 )
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
@@ -51,11 +58,16 @@ from .context import CONSUMER_INFO, identity, session_var
 from .payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
 from .repair import OPTION_REPAIR
 
+CALLBACK_HEADER = "dramatiq-on-success"
+"""The stored output's header that holds the ``on_success`` callback message as first
+sent (encoded by Dramatiq's encoder, in base64): a replay sends these bytes again."""
+
 DELIVERIES = "inbox_deliveries"
 """The attribute of a message from a quorum queue (`QuorumRabbitmqBroker`) that holds the
 broker's count of its deliveries, this one included."""
 
 if TYPE_CHECKING:
+    from dramatiq.middleware import Retries
     from sqlalchemy.ext.asyncio import AsyncSession
 
     from ..consumption import Settlement
@@ -89,6 +101,9 @@ class ActorHost(Protocol):
     canonical_form: Any
     quarantine_queue: str
     tracing: Tracing | NoTracing
+    retries: Retries | None
+
+    def continuing(self) -> contextlib.AbstractContextManager[None]: ...
 
     def take_pending(self, actor_name: str) -> Pending | None: ...
 
@@ -238,27 +253,91 @@ class InboxActor:
         output = Output(body, "application/json" if json else None)
         return output.checked(self.policy.max_output_bytes)
 
-    def replay(self, message: MessageProxy, delivery: Delivery, output: Output) -> Any:
-        """Send what follows the committed ``delivery`` (its pipeline step and on_success
-        callback), each with an identity derived from the delivery's, and answer the
-        stored result for the Results middleware. Runs before the ack; a failure here
-        fails the call (retried: the retry, a duplicate, sends them again)."""
-        result = dramatiq.get_encoder().decode(output.body) if output.body is not None else None
+    def decode(self, output: Output) -> Any:
+        """The stored result, as the Results middleware and the next step receive it."""
+        return dramatiq.get_encoder().decode(output.body) if output.body is not None else None
+
+    def callback(self, message: MessageProxy, delivery: Delivery, result: Any) -> bytes | None:
+        """The ``on_success`` callback of ``message``, built as Dramatiq's Callbacks builds
+        it (the message as a dict, the result) with an identity derived from the
+        delivery's, encoded for storage with the result: every replay sends these bytes."""
+        name = message.options.get("on_success") or self.on_success
+        if not name:
+            return None
+        callee = self.actor.broker.get_actor(name)
+        options = _with_identity({}, delivery, "on_success")
+        sent = callee.message_with_options(args=(message.asdict(), result), **options)
+        return sent.encode()
+
+    def replay(self, message: MessageProxy, delivery: Delivery, output: Output) -> None:
+        """Send what follows the committed ``delivery``: its pipeline step and its
+        ``on_success`` callback, each with an identity derived from the delivery's (the
+        callback exactly as the first delivery stored it). Runs before the ack; the
+        consumption core decides what a failure here means (`outputs_failed_steps`)."""
         broker = self.actor.broker
-        target = message.options.get("pipe_target")
-        if target is not None:
-            step: dramatiq.Message[Any] = dramatiq.Message(**target)
-            if not (step.options.get("pipe_ignore") or self.actor.options.get("pipe_ignore")):
-                step = step.copy(args=(*step.args, result))
-            step = step.copy(options=_with_identity(step.options, delivery, "pipe"))
-            broker.enqueue(step, delay=step.options.get("delay"))
-            del message.options["pipe_target"]  # sent: Pipelines must not send it again
-        callback = message.options.pop("on_success", None) or self.on_success
-        if callback:
-            callee = broker.get_actor(callback)
-            options = _with_identity({}, delivery, "on_success")
-            callee.send_with_options(args=(message.asdict(), result), **options)
-        return result
+        with self.middleware.continuing():
+            target = message.options.get("pipe_target")
+            if target is not None:
+                step: dramatiq.Message[Any] = dramatiq.Message(**target)
+                if not (step.options.get("pipe_ignore") or self.actor.options.get("pipe_ignore")):
+                    step = step.copy(args=(*step.args, self.decode(output)))
+                step = step.copy(options=_with_identity(step.options, delivery, "pipe"))
+                broker.enqueue(step, delay=step.options.get("delay"))
+                del message.options["pipe_target"]  # sent: Pipelines must not send it again
+            if message.options.get("on_success") or self.on_success:
+                stored = output.headers.get(CALLBACK_HEADER)
+                if stored is not None:
+                    callback = dramatiq.Message.decode(base64.b64decode(stored))
+                else:  # the first delivery stored none (it asked for none, or its claim
+                    # is older than stored callbacks): built from this copy
+                    encoded = self.callback(message, delivery, self.decode(output))
+                    assert encoded is not None
+                    callback = dramatiq.Message.decode(encoded)
+                broker.enqueue(callback, delay=callback.options.get("delay"))
+                # sent: Dramatiq's Callbacks must not send it, nor Retries' copy again
+                message.options.pop("on_success", None)
+
+    def unprotected_callback(self, message: MessageProxy, result: Any) -> None:
+        """The actor's own ``on_success`` after a delivery run without a claim (no
+        identity, ``missing_identity="process"``): sent as Dramatiq's Callbacks sends it,
+        best effort and without an identity. A callback named in the message's options is
+        Callbacks' own business there."""
+        if result is SKIPPED or not self.on_success or message.options.get("on_success"):
+            return
+        try:
+            self.actor.broker.get_actor(self.on_success).send(message.asdict(), result)
+        except Exception:
+            logger.exception("could not send the on_success callback of %s", message.message_id)
+
+    def notify_failure(self, message: MessageProxy, poisoned: Poisoned) -> None:
+        """Send ``on_retry_exhausted`` and ``on_failure`` for a message kept as poison, as
+        Dramatiq's Retries and Callbacks would have after its last failed attempt (which
+        the inbox settles itself): with their arguments, in their order, best effort."""
+        exc = poisoned.failure
+        if exc is None:
+            return
+        if isinstance(exc, HandBackRequested) and exc.cause is not None:
+            exc = exc.cause
+        options, declared = message.options, self.actor.options
+        sends: list[tuple[str, dict[str, Any]]] = []
+        if poisoned.exhausted:  # what Retries writes into a message it gives up on
+            retries = options.get("retries", 0)
+            default = self.middleware.retries.max_retries if self.middleware.retries else None
+            max_retries = options.get("max_retries", declared.get("max_retries", default))
+            options["retries"] = retries + 1
+            options["traceback"] = "".join(traceback.format_exception(exc, limit=30))
+            options["requeue_timestamp"] = int(time.time() * 1000)
+            target = options.get("on_retry_exhausted") or declared.get("on_retry_exhausted")
+            if target:
+                sends.append((target, {"retries": retries, "max_retries": max_retries}))
+        target = options.get("on_failure") or declared.get("on_failure")
+        if target:
+            sends.append((target, {"type": type(exc).__name__, "message": str(exc)}))
+        for name, detail in sends:
+            try:
+                self.actor.broker.get_actor(name).send(message.asdict(), detail)
+            except Exception:
+                logger.exception("could not send %s for message %s", name, message.message_id)
 
     # -- the call ---------------------------------------------------------------------------
 
@@ -273,12 +352,38 @@ class InboxActor:
         with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
             try:
                 steps = trace.steps(settle_steps(pending.arrival, self.policy))
-                settlement = drive(steps, functools.partial(self.perform, pending, args, kwargs))
+                perform = functools.partial(self.perform, pending, args, kwargs)
+                settlement = drive(steps, perform)
+                settlement = self._outputs(pending, settlement, perform)
             except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer)
                 settlement = HandedBack(exc, counted=True)
             trace.settled(settlement)
             return self.middleware.settle(self, pending, settlement)
+
+    def _outputs(
+        self, pending: Pending, settlement: Settlement, perform: Callable[[Op], Any]
+    ) -> Settlement:
+        """Send the outputs of a committed delivery (or of its duplicate); when that
+        fails, the consumption core decides what follows."""
+        assert pending.arrival is not None
+        match settlement:
+            case Processed(result=Output() as output) | Duplicate(output=Output() as output):
+                delivery = pending.arrival.delivery
+                assert delivery is not None
+                try:
+                    self.replay(pending.message, delivery, output)
+                except Exception as exc:
+                    logger.warning(
+                        "inbox consumer %s could not send the outputs of %s: %s",
+                        self.consumer,
+                        pending.message.message_id,
+                        exc,
+                    )
+                    return drive(outputs_failed_steps(pending.arrival, self.policy, exc), perform)
+            case Processed(result=result, verdict=None):
+                self.unprotected_callback(pending.message, result)
+        return settlement
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
@@ -344,11 +449,22 @@ class InboxActor:
                 outcome.result = self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
-            output = self.encode(outcome.result)
+            output = self._output(pending, keep, outcome.result)
             self._storage.keep_output(session, keep, output)
             return output
 
         return body
+
+    def _output(self, pending: Pending | None, keep: Delivery, result: Any) -> Output:
+        """The result to store, with the ``on_success`` callback as it is sent."""
+        output = self.encode(result)
+        if pending is None:
+            return output
+        callback = self.callback(pending.message, keep, result)
+        if callback is None:
+            return output
+        headers = {**output.headers, CALLBACK_HEADER: base64.b64encode(callback).decode()}
+        return replace(output, headers=headers)
 
     def _async_body(
         self,
@@ -362,7 +478,7 @@ class InboxActor:
                 outcome.result = await self.target(*args, **kwargs)
             if keep is None or outcome.result is SKIPPED:
                 return outcome.result
-            output = self.encode(outcome.result)
+            output = self._output(pending, keep, outcome.result)
             self._storage.keep_output(session.sync_session, keep, output)
             return output
 

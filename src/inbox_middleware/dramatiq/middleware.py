@@ -24,12 +24,22 @@ no callback runs twice); ``fail()`` then `SkipMessage` (dead-lettered, poisoned)
 re-raise the failure (a failed attempt: Dramatiq's Retries retries it, counted); or
 enqueue the message again with a delay and skip this copy (a hand-back, which spends no
 retry).
+
+A failed message is acknowledged only once it is enqueued again: Dramatiq logs and
+swallows a failure of Retries' enqueue and would then acknowledge it, so `before_ack`
+enqueues it itself, and keeps it unacknowledged while that fails. A group of inbox actors
+with completion callbacks is refused where it is sent, never where a message already
+sent is enqueued again (a retry, a hand-back, a delayed message falling due, a pipeline's
+next step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 import dramatiq
@@ -37,7 +47,9 @@ import tenacity
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
+from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
+from dramatiq.worker import ConsumerThread
 from sqlalchemy import Engine
 
 from .. import direct, faults
@@ -93,6 +105,22 @@ class ActorConfigurationError(ConfigurationError, MiddlewareError):
     A `MiddlewareError`, because Dramatiq logs and swallows any other exception raised
     while an actor is declared, which would leave the actor running unprotected.
     """
+
+
+class RequeuePending(MiddlewareError, BrokerConnectionError):
+    """A failed message is not enqueued again yet: the worker must not acknowledge it.
+
+    A `BrokerConnectionError`, so that Dramatiq's worker keeps the message and tries its
+    acknowledgement (and with it this enqueue) again a few seconds later."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)  # type: ignore[no-untyped-call]  # Dramatiq's, untyped
+
+
+@dataclass(frozen=True, slots=True)
+class _Requeue:
+    message: MessageProxy
+    delay: int  # milliseconds
 
 
 class DirectSendRefused(DirectPublishRefused, MiddlewareError):
@@ -193,6 +221,9 @@ class InboxMiddleware(dramatiq.Middleware):
         self._actors: dict[str, InboxActor] = {}
         self._consumers: dict[str, str] = {}
         self._pending = threading.local()
+        self._current = threading.local()  # the id of the message this thread processes
+        self._continuing = threading.local()
+        self._requeue = threading.local()  # a failed message Retries must enqueue again
         self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
 
@@ -267,17 +298,87 @@ class InboxMiddleware(dramatiq.Middleware):
                 direct.check(policy, consumer, f"a send to {message.actor_name!r}")
             except DirectPublishRefused as exc:
                 raise DirectSendRefused(str(exc)) from None
-        if message.actor_name in self._actors and "group_completion_uuid" in message.options:
+        if self._accepted(message):
+            return  # a retry or a hand-back of a message already sent, or its next step
+        if (member := self._group_member(message)) is not None:
             raise ActorConfigurationError(
-                f"actor {message.actor_name!r} is an inbox actor: a group with completion "
-                "callbacks cannot include it. Dramatiq's group barrier counts deliveries, not "
-                "messages, so a redelivered duplicate would complete the group early; chain "
-                "the steps with a pipeline instead, or give the group a plain actor that "
-                "sends to the inbox actor"
+                f"actor {member!r} is an inbox actor: a group with completion callbacks "
+                "cannot include it, not even as a step of a pipeline. Dramatiq's group barrier "
+                "counts deliveries, not messages: a redelivery after a crash between the "
+                "commit and the acknowledgement would count the member twice, or not at all; "
+                "chain the steps with a pipeline instead, or give the group a plain actor "
+                "that sends to the inbox actor"
             )
+
+    def _accepted(self, message: dramatiq.Message[Any]) -> bool:
+        """Whether ``message`` continues one already sent: the message this thread is
+        processing (enqueued again by Retries or a hand-back), a delayed message a
+        worker's consumer moves to its queue when it is due, or a pipeline step the inbox
+        sends on its behalf. A refusal there would lose a message Dramatiq acks."""
+        if getattr(self._continuing, "value", False):
+            return True
+        if isinstance(threading.current_thread(), ConsumerThread):
+            return True
+        return bool(message.message_id == getattr(self._current, "value", None))
+
+    def _group_member(self, message: dramatiq.Message[Any]) -> str | None:
+        """The inbox actor among ``message`` and its pipeline's later steps that carries
+        a group's completion callbacks, if any (a group marks a pipeline's last step)."""
+        step: dict[str, Any] | None = message.asdict()
+        while step is not None:
+            options = step.get("options") or {}
+            if step.get("actor_name") in self._actors and "group_completion_uuid" in options:
+                return str(step["actor_name"])
+            step = options.get("pipe_target")
+        return None
+
+    @contextlib.contextmanager
+    def continuing(self) -> Iterator[None]:
+        """Messages enqueued inside continue the message being processed (its outputs)."""
+        self._continuing.value = True
+        try:
+            yield
+        finally:
+            self._continuing.value = False
+
+    def after_enqueue(self, broker: Broker, message: dramatiq.Message[Any], delay: int) -> None:
+        requeue: _Requeue | None = getattr(self._requeue, "value", None)
+        if requeue is not None and requeue.message.message_id == message.message_id:
+            self._requeue.value = None  # Retries (or the hand-back) enqueued it again
+
+    def before_ack(self, broker: Broker, message: MessageProxy) -> None:
+        """Never acknowledge a message whose retry was not enqueued.
+
+        Dramatiq's Retries enqueues a failed message again in ``after_process_message``,
+        whose exceptions Dramatiq logs and swallows before acknowledging the delivery: a
+        broker that refused that enqueue would lose the message. The inbox enqueues it
+        here instead; while that fails too, the worker keeps the message unacknowledged
+        and tries again (Dramatiq retries ``post_process_message`` after a
+        `BrokerConnectionError`)."""
+        requeue: _Requeue | None = getattr(self._requeue, "value", None)
+        if requeue is None or requeue.message.message_id != message.message_id:
+            return
+        try:
+            broker.enqueue(requeue.message._message, delay=requeue.delay)
+        except Exception as exc:
+            logger.warning(
+                "message %s failed and could not be enqueued again (%s): not acknowledged; "
+                "trying again",
+                message.message_id,
+                exc,
+            )
+            raise RequeuePending(
+                f"message {message.message_id} was not enqueued again: {exc}"
+            ) from exc
+        self._requeue.value = None
+
+    def _expect_requeue(self, message: MessageProxy, delay: float) -> None:
+        self._requeue.value = _Requeue(message, round(delay * 1000))
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._pending.value = None
+        self._current.value = message.message_id
+        self._requeue.value = None
         bound = self._actors.get(message.actor_name)
         if bound is None:
             return
@@ -331,9 +432,12 @@ class InboxMiddleware(dramatiq.Middleware):
                 self._quiet.mark(message)
                 raise SkipMessage(f"the actor of {bound.consumer} skipped it after committing")
             case Processed(result=Output() as output) | Duplicate(output=Output() as output):
+                # Its pipeline step and on_success callback are sent already (the outputs).
                 assert delivery is not None
                 self.backoffs[message.actor_name].forget(delivery.key)
-                return bound.replay(message, delivery, output)
+                if isinstance(settlement, Duplicate):
+                    _leave_the_barrier(message)
+                return bound.decode(output)
             case Processed(result=result):
                 if delivery is not None:
                     self.backoffs[message.actor_name].forget(delivery.key)
@@ -348,11 +452,14 @@ class InboxMiddleware(dramatiq.Middleware):
                     f"{bound.quarantine_queue}"
                 )
             case DeadLettered(reason=reason) | Poisoned(reason=reason):
+                if isinstance(settlement, Poisoned):  # Retries and Callbacks see no failure
+                    bound.notify_failure(message, settlement)
                 message.fail()
                 self._quiet.mark(message)
                 raise SkipMessage(f"dead-lettered for {bound.consumer}: {reason}")
             case HandedBack(error=error, counted=True):
                 cause = error.cause if isinstance(error, HandBackRequested) else None
+                self._expect_requeue(message, self.backoffs[message.actor_name].first)
                 raise cause or error  # Retries retries it, and counts it
             case HandedBack(error=error):
                 delay = self._hand_back_delay(error, pending)
@@ -360,6 +467,7 @@ class InboxMiddleware(dramatiq.Middleware):
                     self._enqueue_again(bound, message, delay)
                 except Exception:
                     logger.exception("could not hand message %s back", message.message_id)
+                    self._expect_requeue(message, delay)
                     raise error from None  # not re-enqueued: Retries takes it (counted)
                 self._quiet.mark(message)
                 raise SkipMessage(f"handed back for {bound.consumer}: {type(error).__name__}")
@@ -438,6 +546,14 @@ class InboxMiddleware(dramatiq.Middleware):
         loop_thread = get_event_loop_thread()
         if self.async_inbox is not None and loop_thread and loop_thread.loop.is_running():
             loop_thread.run_coroutine(self.async_inbox.engine.dispose())
+
+
+def _leave_the_barrier(message: MessageProxy) -> None:
+    """A duplicate is no party to a group's barrier (GroupCallbacks counts deliveries):
+    the first delivery counted, or its worker died before it could, and the group then
+    never completes, which is why sending such a group to an inbox actor is refused."""
+    message.options.pop("group_completion_uuid", None)
+    message.options.pop("group_completion_callbacks", None)
 
 
 def _option_name(actor: dramatiq.Actor[Any, Any], option: str) -> str:
