@@ -16,6 +16,7 @@ from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Dialect, Engine, event, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .. import faults, tracing
@@ -41,7 +42,7 @@ from .driver import driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
-from .statements import ClaimStatements
+from .statements import TRANSACTION_PROBE, ClaimStatements
 from .tables import InboxSchema
 
 __all__ = [
@@ -385,6 +386,7 @@ def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimSt
 
 ABORTED = "inbox_middleware.aborted"
 """Set in a connection's info when a statement failed in its transaction."""
+_IN_FAILED_TRANSACTION = "25P02"
 _UNRECORDED_MEMORY = 10_000
 
 
@@ -397,13 +399,26 @@ def _aborted(session: Session) -> bool:
     """Whether the session's transaction is in the failed state (25P02 on any statement).
 
     psycopg reads libpq's own state, with no round trip. asyncpg keeps its state private,
-    so `track_aborts` records it from the statement errors SQLAlchemy sees.
+    so `track_aborts` records, from the statement errors SQLAlchemy sees, that the
+    transaction may be aborted; a savepoint the handler rolled back to in plain SQL
+    (``ROLLBACK TO SAVEPOINT x``, which SQLAlchemy does not see) may have healed it since.
+    Only then is the server asked, with one statement that fails in an aborted
+    transaction (25P02) and does nothing in a healthy one.
     """
     conn = session.connection()
     if conn.dialect.driver == "psycopg":
         status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
         return getattr(status, "name", None) == "INERROR"
-    return bool(conn.info.get(ABORTED))
+    if not conn.info.get(ABORTED):
+        return False
+    try:
+        conn.exec_driver_sql(TRANSACTION_PROBE)
+    except DBAPIError as exc:
+        if sqlstate(exc) != _IN_FAILED_TRANSACTION:
+            raise  # the connection's own trouble (lost, cancelled): the attempt fails with it
+        return True
+    conn.info.pop(ABORTED, None)
+    return False
 
 
 def track_aborts(engine: Engine) -> None:
