@@ -10,17 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import dramatiq
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.exceptions import TransactionAborted
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.protocol import Decision
-from inbox_middleware.storage import AsyncInbox, Inbox
+from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support.dramatiq_worker import drain, running_worker
+from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+from ..support.workers import wait_for
 from .test_claim import delivery, inbox_rows
+from .test_dramatiq import dead_letters
+from .test_faststream import ORDER, ident
 
 DUPLICATE_ACCOUNT = text("INSERT INTO accounts (id, balance) VALUES (1, 0)")
 
@@ -97,3 +105,74 @@ async def test_handler_transaction__savepoint_not_rolled_back_to_stays_refused_a
     outcome = await inbox.process(delivery(), healed_async)
     assert outcome.decision is Decision.FIRST
     assert inbox_rows(pg_engine) == 1
+
+
+# -- the handler's own commit() is a programming error: poison at once, with the reason -----
+
+
+def poison_rows(engine: Any) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(InboxSchema().tables.poison)).mappings().all()
+    return [dict(row) for row in rows]
+
+
+def test_handler_transaction__dramatiq_commit_in_the_actor_is_poison_at_once(
+    broker, queue, pg_engine
+):
+    # Given an actor that commits its session itself, with Dramatiq's default retries
+    broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        session = current_session()
+        apply_credit(session, "billing", account_id, delta)
+        session.commit()
+
+    # When it is delivered
+    with running_worker(broker) as worker:
+        add_credit.send_with_options(
+            args=(1, 10), **identity(producer="orders", message_id="ord-1")
+        )
+        drain(broker, queue, worker)
+        # Then it is kept as poison at its first attempt, with the reason, and
+        # dead-lettered: no retry over days for an error that repeats every time
+        wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
+    [row] = poison_rows(pg_engine)
+    assert (row["reason_code"], row["attempts"]) == ("handler_transaction", 1)
+    assert "HandlerTransactionError" in row["error"]
+    assert "commit()" in row["error"]
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+@pytest.mark.parametrize("method", ["commit", "rollback", "close"])
+async def test_handler_transaction__faststream_commit_in_the_handler_is_poison_at_once(
+    method, pg_async_engine, pg_engine
+):
+    # Given a handler that ends its session's transaction itself (max_attempts 10)
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.2))
+    h = Harness("rabbit", [recorder(seen), inbox.middleware])
+    inbox.guard(h.broker)
+    try:
+
+        @h.subscribe(inbox.consumer("billing"))
+        async def handle(body: dict[str, Any], session: InboxSession) -> None:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+            await getattr(session, method)()
+
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, ident())
+            # When it is delivered
+            await eventually(lambda: poison_rows(pg_engine), timeout=20, what="the poison row")
+    finally:
+        await h.cleanup()
+    # Then it is poison at its first attempt, with the reason
+    [row] = poison_rows(pg_engine)
+    assert (row["reason_code"], row["attempts"]) == ("handler_transaction", 1)
+    assert f"{method}()" in row["error"]
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0

@@ -70,6 +70,7 @@ PUBLIC = {
         "Duplicate",
         "EXPIRED_REDELIVERY",
         "HANDLER_REJECTED",
+        "HANDLER_TRANSACTION",
         "HandBackRequested",
         "HandedBack",
         "LoadOutputs",
