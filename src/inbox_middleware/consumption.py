@@ -271,7 +271,9 @@ class HandBackRequested(Exception):
 
 
 class Unfit(InboxError):
-    """The message's body does not fit the handler (it fails the handler's validation).
+    """The message's body does not fit the handler: the framework could not decode it
+    into the handler's parameters. A validation error raised inside the handler, or by
+    its return value, is the handler's own failure, not this.
 
     Retrying cannot help, so it goes where messages with an unusable identity go, with
     the validation error as its reason.

@@ -310,6 +310,8 @@ class Subscription:
             except RejectMessage as exc:
                 raise RejectRequested(str(exc) or "the handler rejected it") from exc
             except _INVALID as exc:
+                if not _decoding_failed(exc):
+                    raise  # the handler's own, or its return value's: an ordinary failure
                 raise Unfit(f"the message does not fit the handler: {exc}") from exc
             finally:
                 refused.restore()
@@ -413,11 +415,40 @@ def _text_headers(headers: dict[str, Any]) -> dict[str, str]:
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:
+    from fast_depends.exceptions import ValidationError as Wrapped
+
     try:
         from pydantic import ValidationError
     except ImportError:  # pragma: no cover - FastStream installs pydantic
-        return ()
-    return (ValidationError,)
+        return (Wrapped,)
+    return (ValidationError, Wrapped)
 
 
 _INVALID = _validation_errors()
+_SOLVE = ("fast_depends.core.model", "_solve")
+_FRAMEWORK = ("faststream", "fast_depends", "anyio", "asyncio", "contextlib", "functools")
+
+
+def _decoding_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (a validation error out of FastStream's call) is FastStream failing
+    to decode the body into the handler's parameters (or a dependency's): only then does
+    the message not fit the handler.
+
+    FastStream's resolver (fast_depends) casts the arguments in its ``_solve`` step, which
+    calls the serializer: that is the argument cast, when no code of the application's
+    own ran before it. The same step checks the return value through ``_cast_response``
+    (not a decoding); and a model the handler builds fails in the handler's own frame.
+    """
+    frames: list[tuple[str, str]] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        frames.append((str(frame.f_globals.get("__name__", "")), frame.f_code.co_name))
+        tb = tb.tb_next
+    for index, (module, function) in enumerate(frames[1:], start=1):  # [0]: the body's own
+        if (module, function) == _SOLVE:
+            following = frames[index + 1] if index + 1 < len(frames) else ("", "")
+            return following[0].startswith("fast_depends.") and following[1] == "__call__"
+        if module.partition(".")[0] not in _FRAMEWORK:
+            return False  # the application's code ran first: its error, not the body's
+    return False
