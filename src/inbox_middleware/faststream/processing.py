@@ -20,9 +20,11 @@ middleware then finds it settled and does nothing, whatever the subscriber's ack
     no/bad identity ─ nothing written ──────── publish to <source>.dead-letter, ack
     failure ───────── ROLLBACK ─────────────── wait (bounded backoff), hand back (nack)
 
-While the handler runs, the message's own ``ack()``, ``nack()`` and ``reject()`` are
-refused: the inbox settles the message after its commit or rollback. The handler asks
-with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ack),
+While the handler runs, every settling method of the message is refused (``ack()``,
+``nack()``, ``reject()``, NATS's ``ack_sync()``, a Redis entry's ``delete()``, and those of
+the driver's message where it allows it): the inbox settles the message after its commit
+or rollback; a driver's message settled anyway fails the attempt, kept as poison. The
+handler asks with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ack),
 `NackMessage` a redelivery (rolled back, counted as a failed attempt), `RejectMessage` a
 rejection (rolled back, kept as poison, dead-lettered).
 
@@ -73,6 +75,7 @@ from ..consumption import (
     settle_steps,
 )
 from ..exceptions import (
+    HandlerTransactionError,
     IdentityError,
     MissingIdentity,
     PayloadNotHashable,
@@ -89,7 +92,14 @@ from ..tracing import OFF, NoTracing, Tracing
 from .batch import consume_batch
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, _Unset
-from .context import Attempt, BatchItem, refuse_manual_settling, reset_attempt, set_attempt
+from .context import (
+    Attempt,
+    BatchItem,
+    ManualSettling,
+    refuse_manual_settling,
+    reset_attempt,
+    set_attempt,
+)
 from .outcome import (
     ACKED,
     CONFLICT_HEADER,
@@ -285,17 +295,19 @@ class Subscription:
         message: Any,
         batch: tuple[BatchItem, ...] = (),
         keep: Delivery | None = None,
+        original: Any = None,
     ) -> Callable[[AsyncSession], Awaitable[Any]]:
         """The handler's transaction body; with ``keep``, its result is encoded and stored
-        with that claim, and the body answers the `Output`."""
+        with that claim, and the body answers the `Output`. ``original``: the message in
+        FastStream's context when the handler is given another (a batch's view)."""
 
         async def body(session: AsyncSession) -> Any:
             token = set_attempt(
                 Attempt(session, batch, self.consumer.name, self.policy.direct_publish)
             )
-            refused = refuse_manual_settling(message)
+            refused = refuse_manual_settling(message, original)
             try:
-                result = await call_next(message)
+                result = await _unsettled(refused, call_next(message))
                 if keep is None or result is ACKED:
                     return result
                 output = self.encode(result, keep)
@@ -396,6 +408,20 @@ class Subscription:
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
                     raise error  # the handler's: FastStream logs it with its traceback
                 raise HandedBack(f"{type(error).__name__}: {error}") from error
+
+
+async def _unsettled(refused: ManualSettling, call: Awaitable[Any]) -> Any:
+    """Await the handler; whatever it did, a settlement of the driver's message made
+    behind the inbox fails the attempt (a `HandlerTransactionError`, kept as poison)."""
+    try:
+        result = await call
+    except Exception as exc:
+        if behind := refused.settled_behind():
+            raise HandlerTransactionError(behind) from exc
+        raise
+    if behind := refused.settled_behind():
+        raise HandlerTransactionError(behind)
+    return result
 
 
 def _published_output(settlement: Settlement) -> Output | None:
