@@ -452,7 +452,15 @@ def _validation_errors() -> tuple[type[Exception], ...]:
 
 _INVALID = _validation_errors()
 _SOLVE = ("fast_depends.core.model", "_solve")
-_FRAMEWORK = ("faststream", "fast_depends", "anyio", "asyncio", "contextlib", "functools")
+_FRAMEWORK = (
+    "inbox_middleware",
+    "faststream",
+    "fast_depends",
+    "anyio",
+    "asyncio",
+    "contextlib",
+    "functools",
+)
 
 
 def _decoding_failed(exc: BaseException) -> bool:
