@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import TransactionAborted
+from inbox_middleware.exceptions import HandlerTransactionError, TransactionAborted
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.protocol import Decision
 from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
@@ -173,6 +173,88 @@ async def test_handler_transaction__faststream_commit_in_the_handler_is_poison_a
     [row] = poison_rows(pg_engine)
     assert (row["reason_code"], row["attempts"]) == ("handler_transaction", 1)
     assert f"{method}()" in row["error"]
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+# -- the handler ends the claim's transaction by other means: refused before it does --------
+
+
+def rolls_back_in_sql(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.execute(text("ROLLBACK"))
+
+
+def commits_in_sql_then_fails(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.execute(text("commit"))
+    apply_credit(session, "billing", 2, 5)
+
+
+def commits_the_connection(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.connection().commit()
+
+
+def rolls_back_the_connection(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.connection().rollback()
+
+
+def ends_it_in_sql_after_a_comment(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.execute(text("/* done */ END"))
+
+
+def invalidates(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.invalidate()
+
+
+def rolls_back_on_the_driver(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.connection().connection.dbapi_connection.execute("ROLLBACK")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        rolls_back_in_sql,
+        commits_in_sql_then_fails,
+        commits_the_connection,
+        rolls_back_the_connection,
+        ends_it_in_sql_after_a_comment,
+        invalidates,
+        rolls_back_on_the_driver,
+    ],
+)
+def test_handler_transaction__ending_it_behind_the_inbox_is_refused_psycopg(handler, pg_engine):
+    # Given a handler that ends the claim's transaction itself, by other means than its
+    # session's commit() or rollback()
+    inbox = Inbox(pg_engine)
+    # When it is processed, then the attempt fails: never an ack with no claim, or a claim
+    # committed before the handler's work is done
+    with pytest.raises(HandlerTransactionError):
+        inbox.process(delivery(), handler)
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    # And the pooled connection serves the next attempt as usual
+    outcome = inbox.process(delivery(), healed)
+    assert outcome.decision is Decision.FIRST
+    assert inbox_rows(pg_engine) == 1
+
+
+async def test_handler_transaction__sql_rollback_is_refused_asyncpg(pg_async_engine, pg_engine):
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def rolls_back(session: Any) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        await session.execute(text("ROLLBACK"))
+
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process(delivery(), rolls_back)
     assert inbox_rows(pg_engine) == 0
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
