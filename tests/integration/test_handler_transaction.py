@@ -258,3 +258,45 @@ async def test_handler_transaction__sql_rollback_is_refused_asyncpg(pg_async_eng
     assert inbox_rows(pg_engine) == 0
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+def rolls_back_among_statements(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.execute(text("SELECT 1; ROLLBACK"))
+
+
+def rolls_back_on_the_driver_then_writes(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    session.connection().connection.dbapi_connection.execute("ROLLBACK")  # type: ignore[union-attr]
+    apply_credit(session, "billing", 2, 5)  # psycopg would begin a new transaction
+
+
+@pytest.mark.parametrize(
+    "handler", [rolls_back_among_statements, rolls_back_on_the_driver_then_writes]
+)
+def test_handler_transaction__a_rollback_sqlalchemy_did_not_see_is_refused_psycopg(
+    handler, pg_engine
+):
+    inbox = Inbox(pg_engine)
+    with pytest.raises(HandlerTransactionError):
+        inbox.process(delivery(), handler)
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+
+
+def test_handler_transaction__a_failure_on_the_driver_caught_is_refused_psycopg(pg_engine):
+    # Given a handler that runs a failing statement on psycopg's own connection (SQLAlchemy
+    # never sees the error) and carries on
+    def swallows(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        raw = session.connection().connection.dbapi_connection
+        try:  # noqa: SIM105 - the mistake under test
+            raw.execute("INSERT INTO accounts (id, balance) VALUES (1, 0)")  # type: ignore[union-attr]
+        except Exception:
+            pass
+
+    inbox = Inbox(pg_engine)
+    with pytest.raises(TransactionAborted):
+        inbox.process(delivery(), swallows)
+    assert inbox_rows(pg_engine) == 0

@@ -482,7 +482,10 @@ def guard_transaction(engine: Engine) -> None:
     the inbox: the connection's own ``commit()``, and a statement that ends the
     transaction (``COMMIT``, ``ROLLBACK``, ``END``, ``ABORT``, ``PREPARE TRANSACTION``;
     ``ROLLBACK TO SAVEPOINT`` is fine), refused before it is sent. Nothing of it reaches
-    the server, so the attempt rolls back whole.
+    the server, so the attempt rolls back whole. On psycopg, a transaction found closed
+    before or after a statement (ended on the driver's own connection, or by one of
+    several statements in one string) is refused there too, before psycopg would begin a
+    new one for what follows.
 
     The connection's ``rollback()`` (also that of a session bound to it with
     ``join_transaction_mode="rollback_only"``) is not refused as it happens, because
@@ -491,16 +494,41 @@ def guard_transaction(engine: Engine) -> None:
     """
     if not event.contains(engine, "before_cursor_execute", _refuse_control):
         event.listen(engine, "before_cursor_execute", _refuse_control)
+        event.listen(engine, "after_cursor_execute", _check_still_open)
         event.listen(engine, "commit", _refuse_commit)
 
 
 def _refuse_control(conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
-    if conn.info.get(IN_HANDLER) and _TRANSACTION_CONTROL.match(statement):
+    if not conn.info.get(IN_HANDLER):
+        return
+    if _TRANSACTION_CONTROL.match(statement):
         raise HandlerTransactionError(
             f"the handler ran {statement.strip()[:40]!r}, which would end the inbox's "
             "transaction; the inbox commits when the handler returns (raise an exception to "
             "abandon the message, use SAVEPOINT or session.begin_nested() for part of it)"
         )
+    if _idle(cursor):  # psycopg would begin a new transaction for this statement
+        raise HandlerTransactionError(_ENDED_BEHIND)
+
+
+def _check_still_open(conn: Connection, cursor: Any, *_: Any) -> None:
+    if conn.info.get(IN_HANDLER) and _idle(cursor):  # several statements, one ended it
+        raise HandlerTransactionError(_ENDED_BEHIND)
+
+
+def _idle(cursor: Any) -> bool:
+    """psycopg: libpq reports no transaction open on the cursor's connection (no round
+    trip). Other drivers: False (they do not say)."""
+    info = getattr(getattr(cursor, "connection", None), "info", None)
+    status = getattr(info, "transaction_status", None)
+    return getattr(status, "name", None) == "IDLE"
+
+
+_ENDED_BEHIND = (
+    "the inbox's transaction was ended behind it (a COMMIT or ROLLBACK on the driver's own "
+    "connection, or among several statements in one): what ran before it was committed or "
+    "rolled back apart from the claim's outcome. Raise an exception to abandon the message"
+)
 
 
 def _refuse_commit(conn: Connection) -> None:
