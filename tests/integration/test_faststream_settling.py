@@ -80,6 +80,10 @@ async def delete(message: Any) -> None:
     await message.delete()
 
 
+async def consumer_commit(message: Any) -> None:
+    await message.consumer.commit()
+
+
 @pytest.mark.parametrize(
     ("kind", "settle", "named"),
     [
@@ -87,6 +91,8 @@ async def delete(message: Any) -> None:
         ("nats", raw_ack, "ack()"),
         ("nats", raw_term, "term()"),
         ("redis", delete, "delete()"),
+        ("kafka", ack, "ack()"),
+        ("kafka", consumer_commit, "commit()"),
     ],
 )
 async def test_settling__refused_on_every_message_object(

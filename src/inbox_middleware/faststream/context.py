@@ -109,7 +109,10 @@ _SETTLING = ("ack", "ack_sync", "nack", "reject", "delete")
 # nats-py's `Msg`. aio-pika's message has no room for it (slots): its settlement is
 # detected instead (`ManualSettling.settled_behind`).
 _RAW_SETTLING = ("ack", "ack_sync", "nak", "term")
+# Kafka's message carries its consumer, whose offset commit settles every message read.
+_CONSUMER_SETTLING = ("commit",)
 _INSTEAD = {
+    "commit": "AckMessage",
     "ack": "AckMessage",
     "ack_sync": "AckMessage",
     "nack": "NackMessage",
@@ -134,6 +137,7 @@ class ManualSettling:
                 continue
             seen.add(id(message))
             self._refuse(message, _SETTLING, "message")
+            self._refuse_consumer(message)
             raw = getattr(message, "raw_message", None)
             for one in raw if isinstance(raw, list | tuple) else (raw,):
                 if one is not None and id(one) not in seen:
@@ -149,6 +153,17 @@ class ManualSettling:
         self.saved.append((target, {name: own[name] for name in present if name in own}, present))
         for name in present:
             setattr(target, name, partial(_refused, owner, name))
+
+    def _refuse_consumer(self, message: Any) -> None:
+        # The consumer is shared with the subscriber's other messages (the inbox commits
+        # their offsets meanwhile): this message's reference to it is swapped for one
+        # that refuses, never the consumer itself.
+        own = getattr(message, "__dict__", None)
+        consumer = own.get("consumer") if own is not None else None
+        if consumer is None or not callable(getattr(consumer, "commit", None)):
+            return
+        self.saved.append((message, {"consumer": consumer}, ("consumer",)))
+        message.consumer = _RefusingConsumer(consumer)
 
     def settled_behind(self) -> str | None:
         """Why a driver's message was settled behind the inbox while the handler ran (the
@@ -176,6 +191,19 @@ def refuse_manual_settling(*messages: Any) -> ManualSettling:
     """Until ``restore()``, the settling methods of ``messages`` (and of their drivers'
     messages) raise."""
     return ManualSettling(*messages)
+
+
+class _RefusingConsumer:
+    """A Kafka consumer as the handler's message holds it: its offset commit raises,
+    everything else is the consumer's."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+        for name in _CONSUMER_SETTLING:
+            setattr(self, name, partial(_refused, "message.consumer", name))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
 
 
 async def _refused(owner: str, name: str, *args: Any, **kwargs: Any) -> None:
