@@ -25,7 +25,7 @@ from ..support.faststream_brokers import Seen, eventually
 from ..support.proxy import Proxy
 from ..support.workers import wait_for
 from .test_dramatiq import dead_letters, quarantined
-from .test_settlement_faststream import harness
+from .test_settlement_faststream import MESSAGE, harness
 
 NAMING = InboxSchema()
 
@@ -342,3 +342,58 @@ async def test_quorum__faststream_request_whose_caller_timed_out_commits_once(
     assert len(attempts) == 2
     assert _effects(pg_engine) == 1
     assert poison_rows(pg_engine) == []
+
+
+async def test_quorum__faststream_hand_back_keeps_the_properties_and_what_is_left_of_the_ttl(
+    pg_async_engine, pg_engine
+):
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    from .test_faststream import ORDER, ident
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.3, 0.3))
+    attempts: list[dict[str, Any]] = []
+    async with harness("rabbit", inbox, seen) as h:
+        source = RabbitQueue(h.name, durable=True, queue_type=QueueType.QUORUM)
+
+        # Given a handler whose first attempt fails, on a quorum queue
+        @h.broker.subscriber(source, dependencies=[inbox.consumer("billing")])
+        async def handle(
+            body: dict[str, Any], session: InboxSession, message: Any = MESSAGE
+        ) -> None:
+            raw = message.raw_message
+            attempts.append(
+                {
+                    "expiration": raw.expiration,
+                    "expires_at": (raw.headers or {}).get("x-inbox-expires-at"),
+                    "properties": (raw.priority, raw.type, raw.app_id, raw.correlation_id),
+                }
+            )
+            if len(attempts) == 1:
+                raise RuntimeError("the first attempt fails")
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+        async with h.broker:
+            await h.broker.start()
+            # When a message with a priority, a type and a 60 s time to live arrives
+            await h.broker.publish(
+                ORDER,
+                h.name,
+                headers=ident(),
+                persist=True,
+                priority=3,
+                message_type="credit",
+                expiration=60,
+                correlation_id="c-1",
+            )
+            await eventually(lambda: seen.count("processed") == 1, what="the commit")
+    # Then the copy handed back kept its properties, and its time to live went on from
+    # the deadline the hand-back wrote down, not from 60 s again
+    first, second = attempts
+    assert first["expiration"] == 60 and first["expires_at"] is None
+    assert second["properties"] == first["properties"]
+    assert first["properties"][:2] == (3, "credit")
+    assert second["expires_at"] is not None
+    assert 55 < second["expiration"] < 60
+    assert _effects(pg_engine) == 1
