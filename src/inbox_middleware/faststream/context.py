@@ -142,7 +142,8 @@ class ManualSettling:
             for one in raw if isinstance(raw, list | tuple) else (raw,):
                 if one is not None and id(one) not in seen:
                     seen.add(id(one))
-                    self.raws.append(one)
+                    if not _settled(one):  # a test broker's may come settled already
+                        self.raws.append(one)
                     self._refuse(one, _RAW_SETTLING, "message.raw_message")
 
     def _refuse(self, target: Any, names: tuple[str, ...], owner: str) -> None:
@@ -151,25 +152,27 @@ class ManualSettling:
             return  # no instance attributes (slots): see settled_behind
         present = tuple(name for name in names if callable(getattr(target, name, None)))
         self.saved.append((target, {name: own[name] for name in present if name in own}, present))
-        for name in present:
-            setattr(target, name, partial(_refused, owner, name))
+        for name in present:  # in the instance's dict: past a __setattr__ that refuses
+            own[name] = partial(_refused, owner, name)
 
     def _refuse_consumer(self, message: Any) -> None:
         # The consumer is shared with the subscriber's other messages (the inbox commits
         # their offsets meanwhile): this message's reference to it is swapped for one
         # that refuses, never the consumer itself.
         own = getattr(message, "__dict__", None)
-        consumer = own.get("consumer") if own is not None else None
+        if own is None:
+            return
+        consumer = own.get("consumer")
         if consumer is None or not callable(getattr(consumer, "commit", None)):
             return
         self.saved.append((message, {"consumer": consumer}, ("consumer",)))
-        message.consumer = _RefusingConsumer(consumer)
+        own["consumer"] = _RefusingConsumer(consumer)
 
     def settled_behind(self) -> str | None:
         """Why a driver's message was settled behind the inbox while the handler ran (the
         driver says so), or None. It cannot be undone: the broker has forgotten it."""
         for raw in self.raws:
-            if getattr(raw, "processed", False) is True or getattr(raw, "_ackd", False) is True:
+            if _settled(raw):
                 return (
                     "the handler settled message.raw_message itself (the driver's own "
                     "message), so the broker no longer holds it: the attempt is rolled back "
@@ -180,17 +183,24 @@ class ManualSettling:
 
     def restore(self) -> None:
         for target, saved, present in self.saved:
+            own = target.__dict__
             for name in present:
                 if name in saved:
-                    setattr(target, name, saved[name])
+                    own[name] = saved[name]
                 else:
-                    target.__dict__.pop(name, None)
+                    own.pop(name, None)
 
 
 def refuse_manual_settling(*messages: Any) -> ManualSettling:
     """Until ``restore()``, the settling methods of ``messages`` (and of their drivers'
     messages) raise."""
     return ManualSettling(*messages)
+
+
+def _settled(raw: Any) -> bool:
+    """Whether the driver says its message was settled: aio-pika's ``processed``,
+    nats-py's ``_ackd``."""
+    return getattr(raw, "processed", False) is True or getattr(raw, "_ackd", False) is True
 
 
 class _RefusingConsumer:

@@ -305,7 +305,11 @@ class Subscription:
             token = set_attempt(
                 Attempt(session, batch, self.consumer.name, self.policy.direct_publish)
             )
-            refused = refuse_manual_settling(message, original)
+            try:
+                refused = refuse_manual_settling(message, original)
+            except BaseException:
+                reset_attempt(token)
+                raise
             try:
                 result = await _unsettled(refused, call_next(message))
                 if keep is None or result is ACKED:
