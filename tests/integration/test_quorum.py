@@ -367,7 +367,13 @@ async def test_quorum__faststream_hand_back_keeps_the_properties_and_what_is_lef
                 {
                     "expiration": raw.expiration,
                     "expires_at": (raw.headers or {}).get("x-inbox-expires-at"),
-                    "properties": (raw.priority, raw.type, raw.app_id, raw.correlation_id),
+                    "properties": (
+                        raw.priority,
+                        raw.type,
+                        raw.user_id,
+                        raw.app_id,
+                        raw.correlation_id,
+                    ),
                 }
             )
             if len(attempts) == 1:
@@ -386,6 +392,7 @@ async def test_quorum__faststream_hand_back_keeps_the_properties_and_what_is_lef
                 message_type="credit",
                 expiration=60,
                 correlation_id="c-1",
+                user_id="guest",  # the connection's user: RabbitMQ checks it
             )
             await eventually(lambda: seen.count("processed") == 1, what="the commit")
     # Then the copy handed back kept its properties, and its time to live went on from
@@ -393,7 +400,7 @@ async def test_quorum__faststream_hand_back_keeps_the_properties_and_what_is_lef
     first, second = attempts
     assert first["expiration"] == 60 and first["expires_at"] is None
     assert second["properties"] == first["properties"]
-    assert first["properties"][:2] == (3, "credit")
+    assert first["properties"][:3] == (3, "credit", "guest")
     assert second["expires_at"] is not None
     assert 55 < second["expiration"] < 60
     assert _effects(pg_engine) == 1
