@@ -15,7 +15,8 @@ tells the broker, in one ``match``::
               ├─ conflict ──> Publish(quarantine) ──────────────────────> Quarantined
               └─ raised: rolled back, the claim with it
                    ├─ transient (database, lock_timeout, shutdown) ──────> HandedBack
-                   ├─ permanent, or out of attempts ──> RecordPoison ───> Poisoned
+                   ├─ permanent (the handler's own commit() included),
+                   │  or out of attempts ──> RecordPoison ──────────────> Poisoned
                    └─ otherwise ──> CountFailure ────────────────────────> HandedBack
 
 Settlement is total: an exception from any operation (the database at any step, a
@@ -34,12 +35,14 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from .exceptions import (
     DatabaseUnavailable,
+    HandlerTransactionError,
     IdentityError,
     InboxError,
     MissingIdentity,
     PayloadNotHashable,
     PermanentError,
     SchemaError,
+    TransactionAborted,
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
@@ -48,6 +51,7 @@ from .protocol import Decision, Delivery, QuarantineRecord, Verdict
 __all__ = [
     "EXPIRED_REDELIVERY",
     "HANDLER_REJECTED",
+    "HANDLER_TRANSACTION",
     "INBOX_ERROR",
     "REDELIVERY_LIMIT",
     "RETRIES_EXHAUSTED",
@@ -89,6 +93,7 @@ RETRIES_EXHAUSTED = "retries_exhausted"
 REDELIVERY_LIMIT = "redelivery_limit"
 EXPIRED_REDELIVERY = "expired_redelivery"
 HANDLER_REJECTED = "handler_rejected"
+HANDLER_TRANSACTION = "handler_transaction"
 INBOX_ERROR = "inbox_error"
 
 _ERROR_TEXT = 2000  # longest error text kept
@@ -271,7 +276,9 @@ class HandBackRequested(Exception):
 
 
 class Unfit(InboxError):
-    """The message's body does not fit the handler (it fails the handler's validation).
+    """The message's body does not fit the handler: the framework could not decode it
+    into the handler's parameters. A validation error raised inside the handler, or by
+    its return value, is the handler's own failure, not this.
 
     Retrying cannot help, so it goes where messages with an unusable identity go, with
     the validation error as its reason.
@@ -365,11 +372,21 @@ Settlement = Processed | Duplicate | Quarantined | DeadLettered | Poisoned | Han
 
 
 def reason_code(exc: BaseException, permanent: tuple[type[BaseException], ...] = ()) -> str | None:
-    """The stable reason code when ``exc`` is permanent, else None (retry)."""
+    """The stable reason code when ``exc`` is permanent, else None (retry).
+
+    A handler that tries to end the inbox's transaction itself (its session's
+    ``commit()``, ``rollback()``, ``close()``), or publishes directly where that is
+    refused, makes a programming error that fails the same way at every attempt: poison
+    at once (``handler_transaction``). Not a `TransactionAborted`: the error the handler
+    swallowed may have been transient (a serialization failure, a deadlock, a lock or a
+    statement timeout), so that attempt is an ordinary failure, retried.
+    """
     if isinstance(exc, PermanentError):
         return exc.reason_code
     if isinstance(exc, RejectRequested):
         return HANDLER_REJECTED
+    if isinstance(exc, HandlerTransactionError) and not isinstance(exc, TransactionAborted):
+        return HANDLER_TRANSACTION
     if permanent and isinstance(exc, permanent):
         return type(exc).__name__
     return None

@@ -161,11 +161,9 @@ async def test_faststream__exception_after_claim_is_retried_and_applied_once(
     assert await h.leftover() == 0
 
 
-async def test_faststream__handler_commit_is_refused_and_the_message_kept(
-    h, inbox, pg_engine, seen, caplog
+async def test_faststream__handler_commit_is_refused_and_the_message_kept_as_poison(
+    h, inbox, pg_engine, seen
 ):
-    caplog.set_level(logging.WARNING, logger="inbox_middleware")
-
     @h.subscribe(inbox.consumer("billing"))
     async def commits(body: dict[str, int], session: InboxSession) -> None:
         await apply_credit_async(session, "billing", body["account"], body["delta"])
@@ -174,12 +172,18 @@ async def test_faststream__handler_commit_is_refused_and_the_message_kept(
     async with h.broker:
         await h.broker.start()
         await h.publish(ORDER, ident())
-        await eventually(lambda: seen.count("HandlerTransactionError") >= 2, what="retries")
-    assert "the handler called commit(); the inbox commits when the handler returns" in (
-        caplog.text
+        await eventually(lambda: seen.count("Skipped") == 1, what="the poisoned message")
+        dead = await h.read(f"{h.source}.dead-letter")
+    # A programming error that fails the same way every time: kept as poison at its first
+    # attempt with the reason, dead-lettered, nothing applied
+    with pg_engine.connect() as conn:
+        (row,) = conn.execute(select(InboxSchema().tables.poison)).mappings()
+    assert (row["reason_code"], row["attempts"]) == ("handler_transaction", 1)
+    assert (
+        "the handler called commit(); the inbox commits when the handler returns" in (row["error"])
     )
+    assert len(dead) == 1
     assert (applied(pg_engine), claims(pg_engine)) == (0, [])
-    assert await h.leftover() == 1  # not lost: still waiting for a handler that works
 
 
 # -- conflicts and unusable messages -----------------------------------------------------

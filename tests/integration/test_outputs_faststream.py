@@ -185,7 +185,8 @@ async def test_outputs__a_direct_publish_from_a_handler_is_warned_or_refused(
     finally:
         await h.cleanup()
     # Then: warned, the publish went out and the effect committed; or refused, nothing
-    # went out and the attempt was rolled back (kept as poison, max_attempts=1)
+    # went out and the attempt was rolled back (kept as poison at once: a refused publish
+    # repeats at every attempt)
     with pg_engine.connect() as conn:
         applied = effects(conn, 7)
         poison = conn.scalar(text("SELECT reason_code FROM inbox_poison"))
@@ -193,7 +194,7 @@ async def test_outputs__a_direct_publish_from_a_handler_is_warned_or_refused(
     if policy == "warn":
         assert (applied, len(sent), poison, len(warned)) == (1, 1, None, 1)
     else:
-        assert (applied, len(sent), poison) == (0, 0, "inbox_error")
+        assert (applied, len(sent), poison) == (0, 0, "handler_transaction")
 
 
 async def test_outputs__a_batch_subscriber_with_a_publisher_is_refused(inbox, seen):

@@ -6,6 +6,7 @@ restart under load: ``tests/chaos/test_topologies.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from typing import Any
 
@@ -20,11 +21,11 @@ from inbox_middleware.storage import InboxSchema
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support import services
 from ..support.dramatiq_worker import drain, running_worker
-from ..support.faststream_brokers import Seen
+from ..support.faststream_brokers import Seen, eventually
 from ..support.proxy import Proxy
 from ..support.workers import wait_for
 from .test_dramatiq import dead_letters, quarantined
-from .test_settlement_faststream import harness
+from .test_settlement_faststream import MESSAGE, harness
 
 NAMING = InboxSchema()
 
@@ -173,3 +174,233 @@ async def test_quorum__faststream_quarantine_and_dead_letter_queues_are_quorum(
         names = (h.name, f"{h.name}.quarantine", f"{h.name}.dead-letter")
         # Then they are quorum queues, as the source is
         assert queue_types(*names) == dict.fromkeys(names, "quorum")
+
+
+# -- a deleted quarantine queue comes back as a quorum queue; a hand-back keeps the request --
+
+
+def delete_queue(name: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(services.RABBITMQ))
+    try:
+        connection.channel().queue_delete(name)
+    finally:
+        connection.close()
+
+
+def queue_depth(name: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(services.RABBITMQ))
+    try:
+        return int(connection.channel().queue_declare(name, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+def test_quorum__dramatiq_deleted_quarantine_queue_is_declared_quorum_again(
+    quorum_broker, queue, pg_engine
+):
+    quorum_broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    with running_worker(quorum_broker) as worker:
+        send(add_credit, 7, 10)
+        send(add_credit, 7, 99)
+        drain(quorum_broker, queue, worker)
+        # Given an operator who deleted the quarantine queue
+        delete_queue(f"{queue}.quarantine")
+        # When another conflict is quarantined
+        send(add_credit, 7, 98)
+        drain(quorum_broker, queue, worker)
+    # Then the queue is declared again, as a quorum queue, with the conflict in it
+    assert queue_types(f"{queue}.quarantine") == {f"{queue}.quarantine": "quorum"}
+    assert quarantined(quorum_broker, queue) == 1
+
+
+async def test_quorum__faststream_deleted_quarantine_queue_is_declared_quorum_again(
+    pg_async_engine, pg_engine
+):
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    from .test_faststream import ORDER, ident
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.2))
+
+    def app(h: Any) -> None:
+        source = RabbitQueue(h.name, durable=True, queue_type=QueueType.QUORUM)
+
+        @h.broker.subscriber(source, dependencies=[inbox.consumer("billing")])
+        async def handle(body: dict[str, Any], session: InboxSession) -> None:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    async with harness("rabbit", inbox, seen) as h:
+        app(h)
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, ident())
+            await eventually(lambda: seen.count("processed") == 1, what="the effect")
+            # Given an operator who deleted the quarantine queue of the running app
+            delete_queue(f"{h.name}.quarantine")
+            # When a conflict is quarantined
+            await h.publish({"account": 7, "delta": 99}, ident())
+            await eventually(lambda: seen.count("Skipped") == 1, what="the quarantined conflict")
+        # Then the queue came back as a quorum queue
+        assert queue_types(f"{h.name}.quarantine") == {f"{h.name}.quarantine": "quorum"}
+        # And the app starts again (its start-up declares the queue as quorum)
+        again = type(h)("rabbit", [inbox.middleware])
+        again.name = h.name
+        inbox.guard(again.broker)
+        app(again)
+        async with again.broker:
+            await again.broker.start()
+        assert queue_depth(f"{h.name}.quarantine") == 1
+
+
+async def test_quorum__faststream_handed_back_request_still_gets_its_reply(
+    pg_async_engine, pg_engine
+):
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    from .test_faststream import ident
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.2))
+    attempts: list[int] = []
+    async with harness("rabbit", inbox, seen) as h:
+        source = RabbitQueue(h.name, durable=True, queue_type=QueueType.QUORUM)
+
+        # Given a handler whose first attempt fails: the request is handed back, which on a
+        # quorum queue is a new publish of it
+        @h.broker.subscriber(source, dependencies=[inbox.consumer("billing")])
+        async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+            attempts.append(1)
+            if len(attempts) == 1:
+                raise RuntimeError("the first attempt fails")
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+            return {"balance": body["delta"]}
+
+        async with h.broker:
+            await h.broker.start()
+            # When a caller sends it as a request (direct reply-to) with a priority and a
+            # time to live
+            reply = await h.broker.request(
+                {"account": 7, "delta": 10},
+                h.name,
+                headers=ident(),
+                timeout=10,
+                priority=3,
+                message_type="credit",
+                expiration=60,
+            )
+            # Then the caller gets the reply of the attempt that committed
+            assert await reply.decode() == {"balance": 10}
+    assert len(attempts) == 2
+    assert _effects(pg_engine) == 1
+
+
+async def test_quorum__faststream_request_whose_caller_timed_out_commits_once(
+    pg_async_engine, pg_engine
+):
+    import asyncio
+
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    from .test_faststream import ident
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.2))
+    attempts: list[int] = []
+    async with harness("rabbit", inbox, seen) as h:
+        source = RabbitQueue(h.name, durable=True, queue_type=QueueType.QUORUM)
+
+        # Given a handler whose first attempt fails after the caller gave up waiting
+        @h.broker.subscriber(source, dependencies=[inbox.consumer("billing")])
+        async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+            attempts.append(1)
+            await asyncio.sleep(1.0)
+            if len(attempts) == 1:
+                raise RuntimeError("the first attempt fails")
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+            return {"balance": body["delta"]}
+
+        async with h.broker:
+            await h.broker.start()
+            with contextlib.suppress(TimeoutError):
+                await h.broker.request(
+                    {"account": 7, "delta": 10}, h.name, headers=ident(), timeout=0.5
+                )
+            # When the request is handed back and committed with nobody waiting
+            await eventually(lambda: seen.count("processed") == 1, what="the commit")
+            # Then the effect is applied once, nothing is poisoned, and the caller's
+            # repeat gets the stored reply as a duplicate
+            reply = await h.broker.request(
+                {"account": 7, "delta": 10}, h.name, headers=ident(), timeout=10
+            )
+            assert await reply.decode() == {"balance": 10}
+    assert len(attempts) == 2
+    assert _effects(pg_engine) == 1
+    assert poison_rows(pg_engine) == []
+
+
+async def test_quorum__faststream_hand_back_keeps_the_properties_and_what_is_left_of_the_ttl(
+    pg_async_engine, pg_engine
+):
+    from faststream.rabbit import QueueType, RabbitQueue
+
+    from .test_faststream import ORDER, ident
+
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.3, 0.3))
+    attempts: list[dict[str, Any]] = []
+    async with harness("rabbit", inbox, seen) as h:
+        source = RabbitQueue(h.name, durable=True, queue_type=QueueType.QUORUM)
+
+        # Given a handler whose first attempt fails, on a quorum queue
+        @h.broker.subscriber(source, dependencies=[inbox.consumer("billing")])
+        async def handle(
+            body: dict[str, Any], session: InboxSession, message: Any = MESSAGE
+        ) -> None:
+            raw = message.raw_message
+            attempts.append(
+                {
+                    "expiration": raw.expiration,
+                    "expires_at": (raw.headers or {}).get("x-inbox-expires-at"),
+                    "properties": (
+                        raw.priority,
+                        raw.type,
+                        raw.user_id,
+                        raw.app_id,
+                        raw.correlation_id,
+                    ),
+                }
+            )
+            if len(attempts) == 1:
+                raise RuntimeError("the first attempt fails")
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+        async with h.broker:
+            await h.broker.start()
+            # When a message with a priority, a type and a 60 s time to live arrives
+            await h.broker.publish(
+                ORDER,
+                h.name,
+                headers=ident(),
+                persist=True,
+                priority=3,
+                message_type="credit",
+                expiration=60,
+                correlation_id="c-1",
+                user_id="guest",  # the connection's user: RabbitMQ checks it
+            )
+            await eventually(lambda: seen.count("processed") == 1, what="the commit")
+    # Then the copy handed back kept its properties, and its time to live went on from
+    # the deadline the hand-back wrote down, not from 60 s again
+    first, second = attempts
+    assert first["expiration"] == 60 and first["expires_at"] is None
+    assert second["properties"] == first["properties"]
+    assert first["properties"][:3] == (3, "credit", "guest")
+    assert second["expires_at"] is not None
+    assert 55 < second["expiration"] < 60
+    assert _effects(pg_engine) == 1

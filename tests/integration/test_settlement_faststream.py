@@ -269,9 +269,11 @@ async def test_settlement__handler_calling_msg_ack_is_refused_and_nothing_is_los
             await h.broker.start()
             await h.publish(ORDER, ident())
             await eventually(lambda: poison_rows(pg_engine), timeout=20, what="the poison row")
-    # Then the manual ack was refused with a clear error on each attempt, nothing was
-    # committed, and the message is kept as poison: never acked and lost
+    # Then the manual ack was refused with a clear error, nothing was committed, and the
+    # message is kept as poison at once (the mistake repeats at every attempt): never
+    # acked and lost
     (row,) = poison_rows(pg_engine)
+    assert (row["reason_code"], row["attempts"]) == ("handler_transaction", 1)
     assert "inbox settles this message itself" in row["error"]
     assert "AckMessage" in row["error"]
     assert applied(pg_engine) == 0

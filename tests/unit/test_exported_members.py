@@ -78,6 +78,7 @@ PUBLIC = {
         "Duplicate",
         "EXPIRED_REDELIVERY",
         "HANDLER_REJECTED",
+        "HANDLER_TRANSACTION",
         "HandBackRequested",
         "HandedBack",
         "LoadOutputs",

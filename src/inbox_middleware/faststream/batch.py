@@ -68,6 +68,7 @@ class BatchSubscription(Protocol):
         message: Any,
         batch: tuple[BatchItem, ...] = (),
         keep: Delivery | None = None,
+        original: Any = None,
     ) -> Callable[[Any], Awaitable[Any]]: ...
 
 
@@ -99,7 +100,7 @@ async def _consume(
         first = [index for index, _ in claims if decided[index].runs_handler]
         view = await _view(message, first)
         seen = _batch_items(items, claims, decided, rejected)
-        return await sub.body(call_next, view, seen)(session)
+        return await sub.body(call_next, view, seen, original=message)(session)
 
     outcome = None
     reject: InboxError | None = None

@@ -20,9 +20,11 @@ middleware then finds it settled and does nothing, whatever the subscriber's ack
     no/bad identity ─ nothing written ──────── publish to <source>.dead-letter, ack
     failure ───────── ROLLBACK ─────────────── wait (bounded backoff), hand back (nack)
 
-While the handler runs, the message's own ``ack()``, ``nack()`` and ``reject()`` are
-refused: the inbox settles the message after its commit or rollback. The handler asks
-with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ack),
+While the handler runs, every settling method of the message is refused (``ack()``,
+``nack()``, ``reject()``, NATS's ``ack_sync()``, a Redis entry's ``delete()``, and those of
+the driver's message where it allows it): the inbox settles the message after its commit
+or rollback; a driver's message settled anyway fails the attempt, kept as poison. The
+handler asks with FastStream's exceptions instead: `AckMessage` means "done" (commit, then ack),
 `NackMessage` a redelivery (rolled back, counted as a failed attempt), `RejectMessage` a
 rejection (rolled back, kept as poison, dead-lettered).
 
@@ -73,6 +75,7 @@ from ..consumption import (
     settle_steps,
 )
 from ..exceptions import (
+    HandlerTransactionError,
     IdentityError,
     MissingIdentity,
     PayloadNotHashable,
@@ -89,7 +92,14 @@ from ..tracing import OFF, NoTracing, Tracing
 from .batch import consume_batch
 from .brokers import BrokerAdapter, Item
 from .consumer import InboxConsumer, _Unset
-from .context import Attempt, BatchItem, refuse_manual_settling, reset_attempt, set_attempt
+from .context import (
+    Attempt,
+    BatchItem,
+    ManualSettling,
+    refuse_manual_settling,
+    reset_attempt,
+    set_attempt,
+)
 from .outcome import (
     ACKED,
     CONFLICT_HEADER,
@@ -287,17 +297,23 @@ class Subscription:
         message: Any,
         batch: tuple[BatchItem, ...] = (),
         keep: Delivery | None = None,
+        original: Any = None,
     ) -> Callable[[AsyncSession], Awaitable[Any]]:
         """The handler's transaction body; with ``keep``, its result is encoded and stored
-        with that claim, and the body answers the `Output`."""
+        with that claim, and the body answers the `Output`. ``original``: the message in
+        FastStream's context when the handler is given another (a batch's view)."""
 
         async def body(session: AsyncSession) -> Any:
             token = set_attempt(
                 Attempt(session, batch, self.consumer.name, self.policy.direct_publish)
             )
-            refused = refuse_manual_settling(message)
             try:
-                result = await call_next(message)
+                refused = refuse_manual_settling(message, original)
+            except BaseException:
+                reset_attempt(token)
+                raise
+            try:
+                result = await _unsettled(refused, call_next(message))
                 if keep is None or result is ACKED:
                     return result
                 output = self.encode(result, keep)
@@ -312,6 +328,8 @@ class Subscription:
             except RejectMessage as exc:
                 raise RejectRequested(str(exc) or "the handler rejected it") from exc
             except _INVALID as exc:
+                if not _decoding_failed(exc):
+                    raise  # the handler's own, or its return value's: an ordinary failure
                 raise Unfit(f"the message does not fit the handler: {exc}") from exc
             finally:
                 refused.restore()
@@ -400,6 +418,20 @@ class Subscription:
                 raise HandedBack(f"{type(error).__name__}: {error}") from error
 
 
+async def _unsettled(refused: ManualSettling, call: Awaitable[Any]) -> Any:
+    """Await the handler; whatever it did, a settlement of the driver's message made
+    behind the inbox fails the attempt (a `HandlerTransactionError`, kept as poison)."""
+    try:
+        result = await call
+    except Exception as exc:
+        if behind := refused.settled_behind():
+            raise HandlerTransactionError(behind) from exc
+        raise
+    if behind := refused.settled_behind():
+        raise HandlerTransactionError(behind)
+    return result
+
+
 def _published_output(settlement: Settlement) -> Output | None:
     """The stored output this settlement publishes before the ack, if any."""
     match settlement:
@@ -417,11 +449,48 @@ def _text_headers(headers: dict[str, Any]) -> dict[str, str]:
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:
+    from fast_depends.exceptions import ValidationError as Wrapped
+
     try:
         from pydantic import ValidationError
     except ImportError:  # pragma: no cover - FastStream installs pydantic
-        return ()
-    return (ValidationError,)
+        return (Wrapped,)
+    return (ValidationError, Wrapped)
 
 
 _INVALID = _validation_errors()
+_SOLVE = ("fast_depends.core.model", "_solve")
+_FRAMEWORK = (
+    "inbox_middleware",
+    "faststream",
+    "fast_depends",
+    "anyio",
+    "asyncio",
+    "contextlib",
+    "functools",
+)
+
+
+def _decoding_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (a validation error out of FastStream's call) is FastStream failing
+    to decode the body into the handler's parameters (or a dependency's): only then does
+    the message not fit the handler.
+
+    FastStream's resolver (fast_depends) casts the arguments in its ``_solve`` step, which
+    calls the serializer: that is the argument cast, when no code of the application's
+    own ran before it. The same step checks the return value through ``_cast_response``
+    (not a decoding); and a model the handler builds fails in the handler's own frame.
+    """
+    frames: list[tuple[str, str]] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        frames.append((str(frame.f_globals.get("__name__", "")), frame.f_code.co_name))
+        tb = tb.tb_next
+    for index, (module, function) in enumerate(frames[1:], start=1):  # [0]: the body's own
+        if (module, function) == _SOLVE:
+            following = frames[index + 1] if index + 1 < len(frames) else ("", "")
+            return following[0].startswith("fast_depends.") and following[1] == "__call__"
+        if module.partition(".")[0] not in _FRAMEWORK:
+            return False  # the application's code ran first: its error, not the body's
+    return False

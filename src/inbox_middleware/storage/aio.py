@@ -31,6 +31,8 @@ from .base import (
     SingleAttempts,
     any_first_seen,
     database_settings,
+    guard_transaction,
+    leave_handler,
     log_event,
     track_aborts,
 )
@@ -72,6 +74,7 @@ class AsyncInbox(Executor):
         self.engine = engine
         if engine.dialect.driver == "asyncpg":
             track_aborts(engine.sync_engine)
+        guard_transaction(engine.sync_engine)
         self._session_options: dict[str, Any] = {
             "bind": engine,
             "sync_session_class": ClaimSession,
@@ -165,6 +168,7 @@ class AsyncInbox(Executor):
                 await _abandon_async(session, exc, attempts.delivery)
                 raise
             finally:
+                leave_handler(session.sync_session)
                 if not closed:
                     await session.run_sync(Session.close)
 
@@ -214,6 +218,7 @@ class AsyncInbox(Executor):
 async def _abandon_async(
     session: AsyncSession, exc: BaseException, delivery: Delivery | None
 ) -> None:
+    leave_handler(session.sync_session)
     if delivery is not None:
         log_event(logging.INFO, "rolled_back", delivery, "rolled back", error=type(exc).__name__)
     if not isinstance(exc, Exception):

@@ -9,6 +9,7 @@ is awaited (see `executors` for one attempt's shape).
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Dialect, Engine, event, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .. import faults, tracing
@@ -31,6 +33,7 @@ from ..consumption import (
 from ..exceptions import (
     ClaimInProgress,
     ConfigurationError,
+    HandlerTransactionError,
     PrerequisiteError,
     TransactionAborted,
 )
@@ -41,7 +44,7 @@ from .driver import driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
-from .statements import ClaimStatements
+from .statements import TRANSACTION_PROBE, ClaimStatements
 from .tables import InboxSchema
 
 __all__ = [
@@ -61,6 +64,9 @@ __all__ = [
     "any_first_seen",
     "current_delivery",
     "database_settings",
+    "enter_handler",
+    "guard_transaction",
+    "leave_handler",
     "log_event",
     "shadow_verdict",
     "track_aborts",
@@ -195,8 +201,19 @@ class Executor:
     def _before_commit(self, session: Session, delivery: Delivery | None) -> None:
         """Refuse to commit an aborted transaction: PostgreSQL would answer the COMMIT
         with ROLLBACK and no error, and the message would be acked with nothing done."""
+        leave_handler(session)
         if delivery is not None:
             faults.at("commit", delivery.identity.message_id)
+        if self.dialect == "postgresql" and _ended(session):
+            raise HandlerTransactionError(
+                "the handler ended the inbox's transaction itself (the connection's "
+                "rollback(), or a statement on the driver's connection): nothing it did (nor "
+                "the claim) is in the transaction that would commit. Raise an exception to "
+                "abandon the message",
+                consumer=delivery.consumer if delivery else None,
+                producer=delivery.identity.producer if delivery else None,
+                message_id=delivery.identity.message_id if delivery else None,
+            )
         if self.dialect == "postgresql" and _aborted(session):
             raise TransactionAborted(
                 "the transaction was aborted by an earlier error that the handler caught, so "
@@ -239,6 +256,7 @@ class Executor:
             verdict = _drive(traced.steps(attempts.steps()), conn, self.statements)
         attempts.claim_took()
         attempts.bind(session, verdict)
+        enter_handler(session, conn)
         faults.at("claim", attempts.delivery.identity.message_id)
         return verdict
 
@@ -387,6 +405,16 @@ def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimSt
 
 ABORTED = "inbox_middleware.aborted"
 """Set in a connection's info when a statement failed in its transaction."""
+IN_HANDLER = "inbox_middleware.in_handler"
+"""Set in a connection's info while a handler runs in its claim's transaction."""
+# A statement that ends the transaction, after any comments: not ROLLBACK TO (a savepoint).
+_TRANSACTION_CONTROL = re.compile(
+    r"(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
+    r"(?:COMMIT|END|ABORT|PREPARE\s+TRANSACTION"
+    r"|ROLLBACK(?!\s+(?:(?:WORK|TRANSACTION)\s+)?TO\b))\b",
+    re.IGNORECASE | re.DOTALL,
+)
+_IN_FAILED_TRANSACTION = "25P02"
 _UNRECORDED_MEMORY = 10_000
 
 
@@ -399,13 +427,118 @@ def _aborted(session: Session) -> bool:
     """Whether the session's transaction is in the failed state (25P02 on any statement).
 
     psycopg reads libpq's own state, with no round trip. asyncpg keeps its state private,
-    so `track_aborts` records it from the statement errors SQLAlchemy sees.
+    so `track_aborts` records, from the statement errors SQLAlchemy sees, that the
+    transaction may be aborted; a savepoint the handler rolled back to in plain SQL
+    (``ROLLBACK TO SAVEPOINT x``, which SQLAlchemy does not see) may have healed it since.
+    Only then is the server asked, with one statement that fails in an aborted
+    transaction (25P02) and does nothing in a healthy one.
     """
     conn = session.connection()
     if conn.dialect.driver == "psycopg":
         status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
         return getattr(status, "name", None) == "INERROR"
-    return bool(conn.info.get(ABORTED))
+    if not conn.info.get(ABORTED):
+        return False
+    try:
+        conn.exec_driver_sql(TRANSACTION_PROBE)
+    except DBAPIError as exc:
+        if sqlstate(exc) != _IN_FAILED_TRANSACTION:
+            raise  # the connection's own trouble (lost, cancelled): the attempt fails with it
+        return True
+    conn.info.pop(ABORTED, None)
+    return False
+
+
+def _ended(session: Session) -> bool:
+    """Whether the transaction ended behind the inbox: the connection's ``rollback()``
+    (SQLAlchemy's transaction is inactive), or a ``ROLLBACK`` or ``COMMIT`` sent on the
+    driver's own connection with nothing after it (psycopg reads libpq's state, idle: no
+    transaction, with no round trip). The other ways are refused as they happen
+    (`guard_transaction`)."""
+    conn = session.connection()
+    transaction = conn.get_transaction()
+    if transaction is None or not transaction.is_active:
+        return True
+    if conn.dialect.driver != "psycopg":
+        return False
+    status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
+    return getattr(status, "name", None) == "IDLE"
+
+
+def enter_handler(session: Session, conn: Connection) -> None:
+    """From now until `leave_handler`, ending ``conn``'s transaction is refused."""
+    info = conn.info
+    info[IN_HANDLER] = True
+    session.info[IN_HANDLER] = info
+
+
+def leave_handler(session: Session) -> None:
+    """The inbox itself ends the transaction now (its commit or its rollback)."""
+    info = session.info.pop(IN_HANDLER, None)
+    if isinstance(info, dict):
+        info.pop(IN_HANDLER, None)
+
+
+def guard_transaction(engine: Engine) -> None:
+    """While a handler runs, refuse whatever would end the claim's transaction behind
+    the inbox: the connection's own ``commit()``, and a statement that ends the
+    transaction (``COMMIT``, ``ROLLBACK``, ``END``, ``ABORT``, ``PREPARE TRANSACTION``;
+    ``ROLLBACK TO SAVEPOINT`` is fine), refused before it is sent. Nothing of it reaches
+    the server, so the attempt rolls back whole. On psycopg, a transaction found closed
+    before or after a statement (ended on the driver's own connection, or by one of
+    several statements in one string) is refused there too, before psycopg would begin a
+    new one for what follows.
+
+    The connection's ``rollback()`` (also that of a session bound to it with
+    ``join_transaction_mode="rollback_only"``) is not refused as it happens, because
+    SQLAlchemy rolls back the same way itself when a statement is interrupted: it leaves
+    the transaction inactive, which the commit refuses (`_ended`).
+    """
+    if not event.contains(engine, "before_cursor_execute", _refuse_control):
+        event.listen(engine, "before_cursor_execute", _refuse_control)
+        event.listen(engine, "after_cursor_execute", _check_still_open)
+        event.listen(engine, "commit", _refuse_commit)
+
+
+def _refuse_control(conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
+    if not conn.info.get(IN_HANDLER):
+        return
+    if _TRANSACTION_CONTROL.match(statement):
+        raise HandlerTransactionError(
+            f"the handler ran {statement.strip()[:40]!r}, which would end the inbox's "
+            "transaction; the inbox commits when the handler returns (raise an exception to "
+            "abandon the message, use SAVEPOINT or session.begin_nested() for part of it)"
+        )
+    if _idle(cursor):  # psycopg would begin a new transaction for this statement
+        raise HandlerTransactionError(_ENDED_BEHIND)
+
+
+def _check_still_open(conn: Connection, cursor: Any, *_: Any) -> None:
+    if conn.info.get(IN_HANDLER) and _idle(cursor):  # several statements, one ended it
+        raise HandlerTransactionError(_ENDED_BEHIND)
+
+
+def _idle(cursor: Any) -> bool:
+    """psycopg: libpq reports no transaction open on the cursor's connection (no round
+    trip). Other drivers: False (they do not say)."""
+    info = getattr(getattr(cursor, "connection", None), "info", None)
+    status = getattr(info, "transaction_status", None)
+    return getattr(status, "name", None) == "IDLE"
+
+
+_ENDED_BEHIND = (
+    "the inbox's transaction was ended behind it (a COMMIT or ROLLBACK on the driver's own "
+    "connection, or among several statements in one): what ran before it was committed or "
+    "rolled back apart from the claim's outcome. Raise an exception to abandon the message"
+)
+
+
+def _refuse_commit(conn: Connection) -> None:
+    if conn.info.get(IN_HANDLER):
+        raise HandlerTransactionError(
+            "the handler called commit() on the inbox's connection; the inbox commits when "
+            "the handler returns"
+        )
 
 
 def track_aborts(engine: Engine) -> None:

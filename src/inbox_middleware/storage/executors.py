@@ -57,6 +57,8 @@ from .base import (
     any_first_seen,
     current_delivery,
     database_settings,
+    guard_transaction,
+    leave_handler,
     log_event,
     shadow_verdict,
     track_aborts,
@@ -110,6 +112,7 @@ class Inbox(Executor):
             )
         super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
         self.engine = engine
+        guard_transaction(engine)
         self._sessions = sessionmaker(engine, class_=ClaimSession, expire_on_commit=False)
 
     def check(self) -> None:
@@ -196,6 +199,7 @@ class Inbox(Executor):
                 _abandon(session, exc, attempts.delivery)
                 raise
             finally:
+                leave_handler(session)
                 Session.close(session)
 
     def bookkeep(self, op: Op) -> Any:
@@ -234,12 +238,13 @@ class Inbox(Executor):
 
 def _abandon(session: Session, exc: BaseException, delivery: Delivery | None) -> None:
     """Roll back; invalidate instead when the attempt was interrupted mid-call."""
+    leave_handler(session)
     if delivery is not None:
         log_event(logging.INFO, "rolled_back", delivery, "rolled back", error=type(exc).__name__)
     if not isinstance(exc, Exception):
-        session.invalidate()
+        Session.invalidate(session)
         return
     try:
         Session.rollback(session)
     except Exception:
-        session.invalidate()
+        Session.invalidate(session)

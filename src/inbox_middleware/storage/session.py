@@ -17,7 +17,9 @@ class ClaimSession(Session):
     The claim row and everything the handler writes commit together, after the handler
     returns; an exception from the handler rolls both back. Ending the transaction early
     would split them (a committed claim without its effects, or effects without a claim),
-    so `commit`, `rollback` and `close` raise `HandlerTransactionError`.
+    so `commit`, `rollback`, `close`, `invalidate` and `reset` raise
+    `HandlerTransactionError`; so do the connection's own ``commit()`` and ``rollback()``
+    and a ``COMMIT`` or ``ROLLBACK`` statement (see `base.guard_transaction`).
 
     Savepoints are fine: ``with session.begin_nested(): ...`` rolls back only its own
     block. To write through your own sessionmaker or repository, bind it to this
@@ -39,6 +41,11 @@ class ClaimSession(Session):
 
     def close(self) -> NoReturn:
         raise HandlerTransactionError("the handler called close(); the inbox owns this session")
+
+    def invalidate(self) -> NoReturn:
+        raise HandlerTransactionError(
+            "the handler called invalidate(); raise an exception to abandon the message"
+        )
 
     def reset(self) -> NoReturn:
         raise HandlerTransactionError("the handler called reset(); the inbox owns this session")

@@ -45,9 +45,12 @@ from ..protocol import (
 )
 from .tables import InboxSchema
 
-__all__ = ["ClaimStatements", "DriverStatement"]
+__all__ = ["TRANSACTION_PROBE", "ClaimStatements", "DriverStatement"]
 
 _TIMESTAMP = DateTime(timezone=True)
+
+TRANSACTION_PROBE = "SELECT 1"
+"""Does nothing in a healthy transaction; fails with 25P02 in an aborted one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from aio_pika import DeliveryMode, Message
 from faststream.rabbit import QueueType, RabbitQueue, RabbitResponse
 
 from ...outbox.confirms import unconfirmed
@@ -15,6 +17,10 @@ from .base import BrokerAdapter, Item, NotPublished, _wait_then
 __all__ = ["RabbitAdapter", "unconfirmed"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
+
+EXPIRES_AT = "x-inbox-expires-at"
+"""On a message handed back with a time to live: when it expires (milliseconds since the
+epoch), so that each hand-back publishes it with what is left, not the whole TTL again."""
 
 
 class RabbitAdapter(BrokerAdapter):
@@ -35,14 +41,17 @@ class RabbitAdapter(BrokerAdapter):
         )
 
     async def prepare(self, destinations: Iterable[str]) -> None:
-        # Durable, like the queues a repair tool would declare to read them back; quorum
-        # queues (replicated) when the source is one, so that they survive what it does.
         for name in destinations:
-            if self.quorum:
-                queue = RabbitQueue(name, durable=True, queue_type=QueueType.QUORUM)
-            else:
-                queue = RabbitQueue(name, durable=True)
-            await self.broker.declare_queue(queue)
+            await self.broker.declare_queue(self._destination(name))
+
+    def _destination(self, name: str) -> RabbitQueue:
+        # Durable, like the queues a repair tool would declare to read them back; quorum
+        # queues (replicated) when the source is one, so that they survive what it does
+        # (and a queue declared again after an operator deleted it keeps its type, or the
+        # next start-up's declaration would fail with PRECONDITION_FAILED).
+        if self.quorum:
+            return RabbitQueue(name, durable=True, queue_type=QueueType.QUORUM)
+        return RabbitQueue(name, durable=True)
 
     async def publish(self, destination: str, item: Item, headers: dict[str, Any]) -> None:
         # persist: FastStream publishes non-persistent messages unless asked. mandatory
@@ -64,7 +73,7 @@ class RabbitAdapter(BrokerAdapter):
 
     async def _declare_again(self, name: str) -> None:
         # The broker caches what it declared, so the queue object declares itself anew.
-        queue = await self.broker.declare_queue(RabbitQueue(name, durable=True))
+        queue = await self.broker.declare_queue(self._destination(name))
         await queue.declare()
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
@@ -96,24 +105,59 @@ class RabbitAdapter(BrokerAdapter):
         await _wait_then(self._publish_again(message), delay)
 
     async def _publish_again(self, message: Any) -> None:
-        raw = message.raw_message
-        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
-        result = await self.broker.publish(
-            bytes(message.body),
-            queue=self.source,
-            persist=True,
-            mandatory=True,
-            headers=headers,
-            content_type=message.content_type,
-            message_id=getattr(raw, "message_id", None),  # the broker_id opt-in reads it
-            correlation_id=getattr(raw, "correlation_id", None),
-        )
-        if problem := unconfirmed(result, self.broker):
+        copy = self._copy(message.raw_message, message.headers or {})
+        problem: str | None = copy if isinstance(copy, str) else None
+        if not isinstance(copy, str):
+            result = await self.broker.publish(copy, queue=self.source, mandatory=True)
+            problem = unconfirmed(result, self.broker)
+        if problem:
             # Kept the classic way instead: this requeue counts against the delivery limit.
             logger.warning("requeueing a message of %s instead: %s", self.source, problem)
             await message.nack(requeue=True)
             return
         await message.ack()
+
+    def _copy(self, raw: Any, headers: Mapping[str, Any]) -> Message | str:
+        """The message to publish again in ``raw``'s place: its body and every property
+        (a request's ``reply_to`` and ``correlation_id``, the ``message_id`` the broker_id
+        opt-in reads, priority, type, ...), persistent. A time to live goes on with what is
+        left of it, from the deadline the first hand-back wrote down (``x-inbox-expires-at``,
+        the first hand-back's clock plus the TTL: the time the message waited before its
+        first delivery is not known, so it may live that much longer). A string: why it
+        cannot be copied (a ``user_id`` RabbitMQ would refuse from this connection)."""
+        user_id = getattr(raw, "user_id", None)
+        if user_id and user_id != self._login():
+            return f"its user_id {user_id!r} is not this connection's user"
+        kept = {k: v for k, v in headers.items() if k != "x-delivery-count"}
+        expiration = getattr(raw, "expiration", None)
+        if expiration is not None:
+            now = time.time()
+            deadline = kept.get(EXPIRES_AT)
+            if not isinstance(deadline, int | float) or isinstance(deadline, bool):
+                deadline = int((now + float(expiration)) * 1000)
+                kept[EXPIRES_AT] = deadline
+            expiration = max(deadline / 1000 - now, 0.001)  # spent: expires at once
+        return Message(
+            bytes(raw.body),
+            headers=kept,
+            content_type=raw.content_type,
+            content_encoding=raw.content_encoding,
+            delivery_mode=DeliveryMode.PERSISTENT,
+            priority=raw.priority,
+            correlation_id=raw.correlation_id,
+            reply_to=raw.reply_to,
+            expiration=expiration,
+            message_id=raw.message_id,
+            timestamp=raw.timestamp,
+            type=raw.type,
+            user_id=user_id,
+            app_id=raw.app_id,
+        )
+
+    def _login(self) -> str | None:
+        url = getattr(getattr(self.broker, "_connection", None), "url", None)
+        user = getattr(url, "user", None)
+        return user if isinstance(user, str) else None
 
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
