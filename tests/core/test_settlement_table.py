@@ -17,6 +17,7 @@ import pytest
 from inbox_middleware.consumption import (
     EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
+    HANDLER_TRANSACTION,
     INBOX_ERROR,
     REDELIVERY_LIMIT,
     RETRIES_EXHAUSTED,
@@ -52,6 +53,7 @@ from inbox_middleware.exceptions import (
     PayloadNotHashable,
     PermanentError,
     SchemaError,
+    TransactionAborted,
     TransientError,
 )
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
@@ -538,11 +540,25 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": False},
     ),
-    "the handler ended the transaction itself: an ordinary counted failure today": Row(
+    "the handler ended the transaction itself: poisoned at once, handler_transaction": Row(
         {},
-        {Process: [HandlerTransactionError("commit() inside the handler")], CountFailure: [1]},
+        {
+            Process: [HandlerTransactionError("commit() inside the handler")],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": HANDLER_TRANSACTION},
+    ),
+    "the handler left the transaction aborted (a caught error): an ordinary failure": Row(
+        {},
+        {Process: [TransactionAborted("40001 caught by the handler")], CountFailure: [1]},
         ["Process", "CountFailure"],
         HandedBack,
+        policy={"max_attempts": 10},
         expect={"counted": True},
     ),
 }
