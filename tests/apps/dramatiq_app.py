@@ -7,7 +7,8 @@ INBOX_TEST_BROKER         "redis" or "rabbitmq";  INBOX_TEST_BROKER_URL its URL
 INBOX_TEST_NAMESPACE      Redis key namespace (one per test)
 INBOX_TEST_QUEUE          the actors' queue (one per test)
 INBOX_TEST_PAUSE_AT       a named point where the first message to reach it stops and
-                          waits to be killed: before_claim, in_body or after_commit
+                          waits to be killed: before_claim, in_body, before_barrier or
+                          after_commit
 INBOX_TEST_MARKERS        folder where "<point>.paused" is written on reaching it
 INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <id>"
 INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
@@ -72,6 +73,15 @@ class CrashPoints(Middleware):
             pause_point("after_commit", message.message_id)
 
 
+class BeforeBarrier(Middleware):
+    """Added after GroupCallbacks, so its after_process_message runs first: the commit is
+    done, the group's barrier has not counted the delivery yet."""
+
+    def after_process_message(self, broker: Any, message: Any, *, result=None, exception=None):
+        if exception is None:
+            pause_point("before_barrier", message.message_id)
+
+
 def _broker() -> dramatiq.Broker:
     url = ENV["INBOX_TEST_BROKER_URL"]
     if ENV.get("INBOX_TEST_BROKER") == "rabbitmq":
@@ -96,6 +106,7 @@ broker.add_middleware(CrashPoints())
 # a kill there comes after the group's barrier counted the delivery, before the ack.
 REDIS_URL = ENV.get("INBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 broker.add_middleware(GroupCallbacks(RedisLimits(url=REDIS_URL)))
+broker.add_middleware(BeforeBarrier())
 broker.add_middleware(
     Results(backend=RedisBackend(url=REDIS_URL, namespace=ENV.get("INBOX_TEST_NAMESPACE", "")))
 )

@@ -219,6 +219,51 @@ def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_gro
     assert (applied(pg_engine, 1), applied(pg_engine, 2), applied(pg_engine, 99)) == (1, 1, 1)
 
 
+def test_crash__a_group_member_killed_before_the_barrier_counted_leaves_the_group_incomplete(
+    setup, queue, pg_engine
+):
+    # What the outputs guide says of a group sent to inbox actors anyway: the barrier
+    # counts deliveries, a duplicate is no party to it, so a member whose worker died
+    # after its commit and before the barrier counted it is never counted.
+    from dramatiq.rate_limits import Barrier
+    from dramatiq.rate_limits.backends import RedisBackend as RedisLimits
+
+    start, producer, markers, tmp_path = setup
+    broker = producer.broker
+    member = dramatiq.actor(
+        lambda account_id: None, actor_name="member", queue_name=queue, broker=broker
+    )
+    done = dramatiq.actor(
+        lambda account_id: None, actor_name="group_done", queue_name=queue, broker=broker
+    )
+    barrier = str(uuid.uuid4())
+    Barrier(RedisLimits(url=services.REDIS), barrier, ttl=60_000).create(2)
+    group = {
+        "group_completion_uuid": barrier,
+        "group_completion_callbacks": [done.message(99).asdict()],
+    }
+
+    def send_member(n: int) -> str:
+        return member.send_with_options(
+            args=(n,), **group, **identity(producer="orders", message_id=f"m-{n}")
+        ).message_id
+
+    # Given a worker that stops after the first member's commit, before the barrier
+    first = start(INBOX_TEST_PAUSE_AT="before_barrier")
+    sent = send_member(1)
+    wait_for((markers / "before_barrier.paused").exists, timeout=30, what="before_barrier")
+    # When it is killed there, a fresh worker gets that member again, then the second
+    first.kill()
+    second = start()
+    wait_for(lambda: _deliveries(tmp_path, sent) == 2, timeout=30, what="the duplicate")
+    send_member(2)
+    wait_for(lambda: applied(pg_engine, 2) == 1, timeout=30, what="the second member")
+    time.sleep(3)  # a completion would be applied by now
+    second.stop()
+    # Then each member applied once, and the group never completed
+    assert (applied(pg_engine, 1), applied(pg_engine, 2), applied(pg_engine, 99)) == (1, 1, 0)
+
+
 def test_crash__sixteen_concurrent_deliveries_across_four_processes(setup, pg_engine):
     start, producer, _, tmp_path = setup
     # Given four worker processes with four threads each (each taking at most four
