@@ -6,7 +6,8 @@ its own I/O: the generator yields the operations to perform (`Op`), receives the
 results or their exceptions, and returns exactly one `Settlement`. The adapter then
 tells the broker, in one ``match``::
 
-    Arrival ──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
+    Arrival ──> held (the start-up check has not passed)? ──> CountHandBack ──> HandedBack
+       ├──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
        │                         └─ reject ──> Publish(dead letter) ──────> DeadLettered
        ├──> redelivered without outcome too often? ──> RecordPoison ──────> Poisoned
        └──> Process (claim, handler, commit, in one transaction)
@@ -150,6 +151,10 @@ class Arrival:
     the message has no usable identity (a dead letter names it)."""
     source: str | None = None
     """The queue, stream, subject or topic it came from, likewise."""
+    held: BaseException | None = None
+    """Why the inbox cannot settle anything yet: the start-up check, run at the first
+    message (FastStream without ``guard``), failed (the database down, the schema not
+    migrated). The delivery is handed back before anything else, counted as a hand-back."""
 
     @property
     def consumer(self) -> str | None:
@@ -402,6 +407,8 @@ def _transient(exc: BaseException, arrival: Arrival) -> bool:
 def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
     """Decide one delivery; yields the operations to perform, returns its settlement."""
     delivery = arrival.delivery
+    if arrival.held is not None:
+        return (yield from _held(arrival, arrival.held))
     if delivery is None:
         return (yield from _without_identity(arrival, rules))
     try:
@@ -632,6 +639,16 @@ def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Set
     redelivery it causes is not taken for a crash."""
     with contextlib.suppress(Exception):  # best effort
         yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
+    return HandedBack(exc, counted=False)
+
+
+def _held(arrival: Arrival, exc: BaseException) -> Generator[Op, Any, Settlement]:
+    """Handed back before the claim: the start-up check has not passed. Counted as a
+    hand-back in this process (the database is the trouble, or its schema is), so that
+    neither the redelivery limit nor anything else takes the redelivery for a crash."""
+    if arrival.delivery is not None:
+        with contextlib.suppress(Exception):  # best effort
+            yield CountHandBack(arrival.delivery, unreachable=True)
     return HandedBack(exc, counted=False)
 
 

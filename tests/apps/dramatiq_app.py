@@ -13,6 +13,8 @@ INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <i
 INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
 INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
 INBOX_TEST_SCHEMA         the schema of the inbox tables (default: public)
+INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: the
+                          library's)
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def _broker() -> dramatiq.Broker:
     )
 
 
+_patience: dict[str, Any] = (
+    {"startup_patience": float(ENV["INBOX_TEST_STARTUP_PATIENCE"])}
+    if "INBOX_TEST_STARTUP_PATIENCE" in ENV
+    else {}
+)
 broker = _broker()
 broker.add_middleware(CrashPoints())
 broker.add_middleware(CurrentMessage())
@@ -93,6 +100,7 @@ broker.add_middleware(
         engine,
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
+        **_patience,
     )
 )
 dramatiq.set_broker(broker)

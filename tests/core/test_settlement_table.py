@@ -174,6 +174,34 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": False},
     ),
+    # -- held: the start-up check, run at the first message, has not passed -----------------
+    "held: counted as a hand-back in this process, handed back before the claim": Row(
+        {"held": SchemaError("the inbox tables do not exist")},
+        {CountHandBack: [None]},
+        ["CountHandBack"],
+        HandedBack,
+        expect={"counted": False, "delay": None},
+    ),
+    "held past the redelivery limit: still handed back, never poisoned": Row(
+        {"held": DatabaseUnavailable(), "deliveries": 50, "redelivered": True},
+        {CountHandBack: [None]},
+        ["CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 3},
+        expect={"counted": False},
+    ),
+    "held, the hand-back not even remembered: still handed back": Row(
+        {"held": DatabaseUnavailable()},
+        {CountHandBack: [RuntimeError("bug")]},
+        ["CountHandBack"],
+        HandedBack,
+    ),
+    "held without a usable identity: handed back, nothing to count it against": Row(
+        {"held": DatabaseUnavailable(), "delivery": None, "problem": MissingIdentity()},
+        {},
+        [],
+        HandedBack,
+    ),
     # -- the redelivery limit ----------------------------------------------------------
     "broker count within the limit: no count, processed": Row(
         {"deliveries": 11, "redelivered": True},
@@ -617,6 +645,14 @@ def test_core__the_hand_back_is_remembered_in_process_only_when_the_database_is_
         count = script.performed[-1]
         assert isinstance(count, CountHandBack)
         assert count.unreachable is unreachable
+
+
+def test_core__a_held_delivery_is_remembered_as_a_hand_back_in_this_process() -> None:
+    script = Script({CountHandBack: [None]})
+    run(arrival(held=SchemaError("not migrated")), script)
+    (count,) = script.performed
+    assert isinstance(count, CountHandBack)
+    assert count.unreachable is True
 
 
 def test_core__the_process_is_going_down_the_core_lets_it() -> None:

@@ -284,6 +284,7 @@ def unmigrated(pg_async_url: str) -> dict[str, str]:
         "INBOX_TEST_BROKER_URL": services.RABBITMQ,
         "INBOX_TEST_SOURCE": f"t{uuid.uuid4().hex[:10]}",
         "INBOX_TEST_INBOX_SCHEMA": "never_migrated",
+        "INBOX_TEST_STARTUP_PATIENCE": "0",  # refused at once, not waited out
     }
 
 

@@ -199,6 +199,19 @@ class Subscription:
             finish.append(partial(self._after_publish, message, item, arrival))
             return self.adapter.response(output)
 
+    async def hold(self, message: Any, error: Exception) -> Any:
+        """Hand ``message`` back, through the core, because the start-up check has not
+        passed (run at the first message, without ``guard``); ends as `_tell` does."""
+        (item,) = self.adapter.items(message)
+        arrival = replace(self.arrival(message, item), held=error)
+        perform = partial(self._perform, _no_handler, message, item)
+        try:
+            settlement = await drive_async(settle_steps(arrival, self.policy), perform)
+        except Exception as exc:  # the inbox's own bug: the message stays with the broker
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
+            settlement = core.HandedBack(exc, counted=False)
+        return await self._tell(message, item, arrival, settlement)
+
     async def _after_publish(
         self, message: Any, item: Item, arrival: Arrival, error: BaseException | None
     ) -> None:
