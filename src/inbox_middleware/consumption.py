@@ -171,8 +171,9 @@ class Route(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class CountRedelivery:
-    """In a short transaction of its own: count this redelivery; answer a
-    `RedeliveryCount`. With ``counted`` (the broker's count), nothing is written."""
+    """In a short transaction of its own: count this redelivery, one that reached the
+    database; answer a `RedeliveryCount`. ``counted`` is the broker's own count, which
+    bounds the database's (see `_limit_redeliveries`)."""
 
     delivery: Delivery
     counted: int | None
@@ -551,17 +552,26 @@ def _limit_redeliveries(
     """Bound crash loops: a message the broker keeps redelivering with no outcome (its
     worker killed, out of memory) is kept as poison after ``redelivery_limit``.
 
-    Deliveries that an outcome explains are not crashes: a failure counted in the attempts
-    row, or a hand-back the inbox made itself (counted there when the database answered).
+    The evidence that a worker died with this message: a redelivery that reached the
+    database (counted there, in the attempts row, by whichever worker received it) after
+    a delivery that left no outcome, neither a failure counted nor a hand-back counted
+    (in the attempts row, or in the memory of the worker that received the redelivery).
+    A delivery that never reached the database (an outage: every worker hands it back
+    without counting anything durable) is no evidence, however high the broker's own
+    count climbed meanwhile: that count only bounds the database's. A live worker that
+    overran the broker's ack deadline is no death either: its outcome is counted (or its
+    claim found committed). What remains is counted in `docs/explanation/limits.md`.
     """
     limit = rules.redelivery_limit
     counted = arrival.deliveries
     if limit is None or (counted is None and not arrival.redelivered):
         return None
-    if counted is not None and counted <= limit + 1:
-        return None  # the broker's own count: even if all were crashes, within the limit
+    if counted is not None and counted <= 1:
+        return None  # the broker says this is the first delivery
     count: RedeliveryCount = yield CountRedelivery(delivery, counted)
-    redeliveries = counted - 1 if counted is not None else count.redeliveries
+    redeliveries = count.redeliveries
+    if counted is not None:
+        redeliveries = min(redeliveries, counted - 1)
     crashes = redeliveries
     if arrival.outcomes_redeliver:
         crashes -= count.failures + count.hand_backs

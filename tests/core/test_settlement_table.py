@@ -203,10 +203,31 @@ ROWS: dict[str, Row] = {
         HandedBack,
     ),
     # -- the redelivery limit ----------------------------------------------------------
-    "broker count within the limit: no count, processed": Row(
-        {"deliveries": 11, "redelivered": True},
+    "the broker's first delivery: no count, processed": Row(
+        {"deliveries": 1},
         {Process: [FIRST]},
         ["Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "broker count within the limit: counted in the database, processed": Row(
+        {"deliveries": 11, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(10, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "an outage: broker count far over the limit, few deliveries reached the database": Row(
+        {"deliveries": 40, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(2, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 3},
+    ),
+    "the database counted more than the broker did: the broker's count bounds it": Row(
+        {"deliveries": 3, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(50, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
         Processed,
         policy={"redelivery_limit": 10},
     ),
@@ -224,10 +245,10 @@ ROWS: dict[str, Row] = {
         Processed,
         policy={"redelivery_limit": 10},
     ),
-    "broker count over the limit, crashes: poisoned and dead-lettered": Row(
+    "broker count over the limit, crashes the database counted: poisoned, dead-lettered": Row(
         {"deliveries": 13, "redelivered": True},
         {
-            CountRedelivery: [RedeliveryCount(0, 0, 1, False)],
+            CountRedelivery: [RedeliveryCount(12, 0, 1, False)],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
@@ -265,7 +286,7 @@ ROWS: dict[str, Row] = {
     "outcomes do not come back as redeliveries: failures are not subtracted": Row(
         {"deliveries": 13, "redelivered": True, "outcomes_redeliver": False},
         {
-            CountRedelivery: [RedeliveryCount(0, 5, 5, False)],
+            CountRedelivery: [RedeliveryCount(12, 5, 5, False)],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },

@@ -164,8 +164,8 @@ class Executor:
         of its own (never the failed attempt's)."""
         faults.at("record", _message_id(op))
         match op:
-            case CountRedelivery(delivery=delivery, counted=counted):
-                count = self.recorder.count_redelivery(conn, delivery, counted=counted is not None)
+            case CountRedelivery(delivery=delivery):
+                count = self.recorder.count_redelivery(conn, delivery)
                 extra = self._unrecorded.get(delivery.key, 0)
                 if not extra:
                     return count
