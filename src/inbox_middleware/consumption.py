@@ -10,6 +10,7 @@ tells the broker, in one ``match``::
        ├──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
        │                         └─ reject ──> Publish(dead letter) ──────> DeadLettered
        ├──> redelivered without outcome too often? ──> RecordPoison ──────> Poisoned
+       ├──> claimed under its earlier broker id since it was stored? ─────> Duplicate
        └──> Process (claim, handler, commit, in one transaction)
               ├─ first seen ────────────────────────────────────────────> Processed
               ├─ duplicate ─────────────────────────────────────────────> Duplicate
@@ -44,7 +45,7 @@ from .exceptions import (
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
-from .protocol import Decision, Delivery, QuarantineRecord, Verdict
+from .protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -61,6 +62,7 @@ __all__ = [
     "HandBackRequested",
     "HandedBack",
     "LoadOutputs",
+    "LookUpClaim",
     "Op",
     "Poisoned",
     "Process",
@@ -151,6 +153,12 @@ class Arrival:
     the message has no usable identity (a dead letter names it)."""
     source: str | None = None
     """The queue, stream, subject or topic it came from, likewise."""
+    earlier_form: Delivery | None = None
+    """The same delivery under the form its broker id had in earlier versions (a
+    sequence or offset alone), while workers of both versions may run; see
+    `_claimed_earlier`."""
+    stored_at: datetime | None = None
+    """When the broker stored the message (in the broker id's current form)."""
     held: BaseException | None = None
     """Why the inbox cannot settle anything yet: the start-up check, run at the first
     message (FastStream without ``guard``), failed (the database down, the schema not
@@ -243,6 +251,14 @@ class LoadOutputs:
 
 
 @dataclass(frozen=True, slots=True)
+class LookUpClaim:
+    """Read the claim of ``delivery``'s key, without claiming; answer the `StoredClaim`,
+    or None when there is none."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """Publish the message, confirmed, to its quarantine or dead-letter destination with
     ``details`` (what the repair tools read). Raise when the broker did not take it."""
@@ -259,6 +275,7 @@ Op = (
     | CountHandBack
     | RecordPoison
     | LoadOutputs
+    | LookUpClaim
     | Publish
 )
 
@@ -418,6 +435,13 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         return (yield from _hand_back(exc, delivery))
     if poisoned is not None:
         return (yield from _dead_letter(poisoned, delivery))
+    if arrival.earlier_form is not None and not delivery.shadow:
+        try:
+            earlier = yield from _claimed_earlier(arrival, arrival.earlier_form)
+        except Exception as exc:
+            return (yield from _hand_back(exc, delivery))
+        if earlier is not None:
+            return earlier
 
     too_old: list[timedelta] = []
 
@@ -466,6 +490,25 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     except Exception as exc:
         return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
+
+
+def _claimed_earlier(arrival: Arrival, earlier: Delivery) -> Generator[Op, Any, Settlement | None]:
+    """A rolling deploy: a worker of an earlier version claimed this message under its
+    broker id's earlier form (a sequence or offset alone). That claim is this message's
+    when it was made once the broker had stored the message; a claim made before is an
+    earlier message's, which a re-created stream or topic gave the same sequence or offset,
+    and says nothing about this one."""
+    stored = arrival.stored_at
+    if stored is None:
+        return None
+    claim: StoredClaim | None = yield LookUpClaim(earlier)
+    if claim is None or claim.processed_at is None or claim.processed_at < stored:
+        return None
+    verdict = Verdict(Decision.DUPLICATE, claim)
+    if not arrival.keeps_outputs:
+        return Duplicate(verdict)
+    output = yield LoadOutputs(earlier)
+    return Duplicate(verdict, output)
 
 
 def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:

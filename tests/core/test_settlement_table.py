@@ -29,6 +29,7 @@ from inbox_middleware.consumption import (
     HandBackRequested,
     HandedBack,
     LoadOutputs,
+    LookUpClaim,
     Poisoned,
     Process,
     Processed,
@@ -54,6 +55,7 @@ from inbox_middleware.exceptions import (
     SchemaError,
     TransientError,
 )
+from inbox_middleware.identity import MessageIdentity
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
@@ -103,6 +105,13 @@ def arrival(**given: Any) -> Arrival:
 
 
 OLD = datetime.now(UTC) - timedelta(days=30)
+STORED_AT = datetime(2026, 1, 1, 12, tzinfo=UTC)  # when the broker stored the message
+EARLIER = replace(delivery(), identity=MessageIdentity("nats-stream:S", "1"))
+
+
+def claimed_at(when: datetime) -> StoredClaim:
+    return replace(STORED, processed_at=when)
+
 
 ROWS: dict[str, Row] = {
     # -- no usable identity ------------------------------------------------------------
@@ -312,6 +321,39 @@ ROWS: dict[str, Row] = {
         ["CountRedelivery", "RecordPoison", "Publish", "CountHandBack"],
         HandedBack,
         policy={"redelivery_limit": 10},
+        expect={"counted": False},
+    ),
+    # -- a broker id whose form changed (a rolling deploy) -----------------------------
+    "claimed under the earlier form once stored (an earlier worker): a duplicate": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [claimed_at(STORED_AT + timedelta(seconds=1))]},
+        ["LookUpClaim"],
+        Duplicate,
+    ),
+    "claimed under the earlier form, outputs kept: the earlier claim's outputs": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT, "keeps_outputs": True},
+        {LookUpClaim: [claimed_at(STORED_AT)], LoadOutputs: [OUTPUT]},
+        ["LookUpClaim", "LoadOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT},
+    ),
+    "claimed under the earlier form before it was stored (a re-created stream): processed": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [claimed_at(STORED_AT - timedelta(minutes=5))], Process: [FIRST]},
+        ["LookUpClaim", "Process"],
+        Processed,
+    ),
+    "no claim under the earlier form: processed": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [None], Process: [FIRST]},
+        ["LookUpClaim", "Process"],
+        Processed,
+    ),
+    "the earlier form's look-up fails (the database is down): handed back": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["LookUpClaim", "CountHandBack"],
+        HandedBack,
         expect={"counted": False},
     ),
     # -- claim, handler, commit --------------------------------------------------------
@@ -764,6 +806,7 @@ def test_core__every_arrow_has_a_row() -> None:
         "RecordPoison",
         "Process",
         "LoadOutputs",
+        "LookUpClaim",
         "CountFailure",
         "CountHandBack",
     }

@@ -73,6 +73,7 @@ PUBLIC = {
         "HandBackRequested",
         "HandedBack",
         "LoadOutputs",
+        "LookUpClaim",
         "INBOX_ERROR",
         "Op",
         "Poisoned",

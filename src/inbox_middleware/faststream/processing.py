@@ -245,9 +245,17 @@ class Subscription:
             "source": self.adapter.source,
         }
         try:
-            return Arrival(self.delivery(item), **common)
+            claim = self.delivery(item)
         except (IdentityError, PayloadNotHashable) as exc:
             return Arrival(None, exc, **common)
+        earlier = None
+        identity = claim.identity
+        if item.earlier_id is not None and (identity.producer, identity.message_id) == (
+            item.broker_id
+        ):
+            # Named by the broker: an earlier version's worker named it differently.
+            earlier = replace(claim, identity=MessageIdentity(*item.earlier_id))
+        return Arrival(claim, earlier_form=earlier, stored_at=item.stored_at, **common)
 
     def delivery(self, item: Item) -> Delivery:
         try:

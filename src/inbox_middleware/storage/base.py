@@ -24,6 +24,7 @@ from ..consumption import (
     CountHandBack,
     CountRedelivery,
     LoadOutputs,
+    LookUpClaim,
     Op,
     RecordPoison,
     RedeliveryCount,
@@ -177,6 +178,8 @@ class Executor:
             case CountHandBack(delivery=delivery):
                 self.recorder.count_hand_back(conn, delivery, "handed back")
                 return None
+            case LookUpClaim(delivery=delivery):
+                return self.statements.stored_claim(conn, delivery)
             case LoadOutputs(delivery=delivery):
                 return self.outputs.load(conn, delivery)
             case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
