@@ -1,7 +1,9 @@
 """An outage poisons no valid message: several workers hand the same messages back while
 the database is down, each remembering only its own hand-backs, and JetStream's delivery
 count climbs far past the ``redelivery_limit`` meanwhile. No worker died: when the
-database returns, every message is applied once and none is kept as poison.
+database returns, every message is applied once and none is kept as poison. The same
+for messages held back while the start-up check, run at the first message (no
+``guard``), fails.
 
 Three real ``faststream run`` workers on NATS JetStream, a small hand-back backoff and a
 low limit, and a PostgreSQL of these tests alone that they stop and start
@@ -35,8 +37,11 @@ def _arrivals(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-async def test_outage__three_nats_workers_handing_back_through_an_outage_poison_nothing(
-    outage_postgres: OutagePostgres, tmp_path: Path
+@pytest.mark.parametrize(
+    ("workers", "guarded"), [(3, True), (1, False)], ids=["three-workers", "held-unguarded"]
+)
+async def test_outage__nats_workers_handing_back_through_an_outage_poison_nothing(
+    workers: int, guarded: bool, outage_postgres: OutagePostgres, tmp_path: Path
 ) -> None:
     services.require(services.NATS, "NATS")
     producer = Harness("nats", [])
@@ -50,16 +55,19 @@ async def test_outage__three_nats_workers_handing_back_through_an_outage_poison_
         "INBOX_TEST_ARRIVALS": str(arrivals),
         "INBOX_TEST_REDELIVERY_LIMIT": str(LIMIT),
         "INBOX_TEST_RETRY_BACKOFF": "0.05,0.2",
+        "INBOX_TEST_UNGUARDED": "0" if guarded else "1",
     }
-    workers = [
+    if not guarded:  # the start-up check fails at the first message, and holds it back
+        outage_postgres.stop()
+    started = [
         FastStreamWorker("tests.apps.faststream_app:app", env, tmp_path / f"w{n}.log")
-        for n in range(3)
+        for n in range(workers)
     ]
     engine = create_engine(outage_postgres.url)
     try:
-        for worker in workers:
+        for worker in started:
             await eventually(worker.ready, timeout=60, what="the workers to start")
-        # Given three workers, and the database going down
+        # Given the workers, and the database going down
         outage_postgres.stop()
         async with producer.broker:
             for number in range(INTENTS):
@@ -79,9 +87,9 @@ async def test_outage__three_nats_workers_handing_back_through_an_outage_poison_
         )
         await asyncio.sleep(1.5)  # a poisoned or twice-applied message would show here
     finally:
-        for worker in workers:
+        for worker in started:
             worker.stop()
-        for number, worker in enumerate(workers):
+        for number, worker in enumerate(started):
             print(f"-- worker {number}\n{worker.output()}")
     # Then every message is applied once, none is poisoned or dead-lettered
     with engine.connect() as conn:

@@ -76,6 +76,8 @@ class OutagePostgres:
 
     def stop(self) -> None:
         """A fast shutdown (connections cut, nothing lost), and wait until it is down."""
+        if not answering(_port()):
+            return
         _ctl("stop", "-m", "fast")
         _wait(lambda: not answering(_port()), 30, "the outage PostgreSQL to stop")
 
