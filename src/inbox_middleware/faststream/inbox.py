@@ -344,11 +344,31 @@ class FastStreamInbox:
             raise ConfigurationError(self._refused[subscriber])
         return self._subscriptions.get(subscriber)
 
+    def _not_checked(self, broker: Any, subscriber: Any) -> Subscription | None:
+        """The subscription of an inbox subscriber whose start-up check failed before it
+        could say (its messages are still handed back through the core), or None."""
+        try:
+            for f in find(broker, self):
+                if f.subscriber is not subscriber or f.problem is not None:
+                    continue
+                if f.consumer is None or f.adapter is None:
+                    return None
+                subscription = self._subscription(f)
+                if _settings_refusal(subscription) is not None:
+                    return None
+                self._waiting[subscriber] = subscription
+                return subscription
+        except Exception:  # the message is still handed back, the way a refusal is
+            logger.debug("no subscription to hand a message back through", exc_info=True)
+        return None
+
     async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> Any:
         """Hand back a message the inbox cannot settle yet (its subscriber is refused, or
         the start-up check failed), so it is not lost meanwhile. Ends as the settlement
         of a consumed message does (raises `HandedBack`)."""
         waiting = self._waiting.get(subscriber)
+        if waiting is None and not isinstance(error, ConfigurationError):
+            waiting = self._not_checked(broker, subscriber)
         if waiting is not None and not waiting.adapter.batch:
             # Through the core, as every hand-back: counted as one, with this message's
             # own delays (a crash count would otherwise take the redelivery for a crash).
