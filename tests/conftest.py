@@ -20,7 +20,10 @@ from .apps import domain
 from .support import database, services
 from .support.engines import async_engine, sync_engine
 
-pytest_plugins = ["pytester"]  # the plugin's own tests run users' suites
+pytest_plugins = [
+    "pytester",  # the plugin's own tests run users' suites
+    "tests.support.outage",  # the outage PostgreSQL fixture
+]
 
 
 @pytest.fixture(scope="session")

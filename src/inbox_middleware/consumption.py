@@ -6,9 +6,11 @@ its own I/O: the generator yields the operations to perform (`Op`), receives the
 results or their exceptions, and returns exactly one `Settlement`. The adapter then
 tells the broker, in one ``match``::
 
-    Arrival ──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
+    Arrival ──> held (the start-up check has not passed)? ──> CountHandBack ──> HandedBack
+       ├──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
        │                         └─ reject ──> Publish(dead letter) ──────> DeadLettered
        ├──> redelivered without outcome too often? ──> RecordPoison ──────> Poisoned
+       ├──> claimed under its earlier broker id since it was stored? ─────> Duplicate
        └──> Process (claim, handler, commit, in one transaction)
               ├─ first seen ────────────────────────────────────────────> Processed
               ├─ duplicate ─────────────────────────────────────────────> Duplicate
@@ -46,7 +48,7 @@ from .exceptions import (
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
-from .protocol import Decision, Delivery, QuarantineRecord, Verdict
+from .protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -64,6 +66,7 @@ __all__ = [
     "HandBackRequested",
     "HandedBack",
     "LoadOutputs",
+    "LookUpClaim",
     "Op",
     "Poisoned",
     "Process",
@@ -155,6 +158,16 @@ class Arrival:
     the message has no usable identity (a dead letter names it)."""
     source: str | None = None
     """The queue, stream, subject or topic it came from, likewise."""
+    earlier_form: Delivery | None = None
+    """The same delivery under the form its broker id had in earlier versions (a
+    sequence or offset alone), while workers of both versions may run; see
+    `_claimed_earlier`."""
+    stored_at: datetime | None = None
+    """When the broker stored the message (in the broker id's current form)."""
+    held: BaseException | None = None
+    """Why the inbox cannot settle anything yet: the start-up check, run at the first
+    message (FastStream without ``guard``), failed (the database down, the schema not
+    migrated). The delivery is handed back before anything else, counted as a hand-back."""
 
     @property
     def consumer(self) -> str | None:
@@ -171,8 +184,9 @@ class Route(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class CountRedelivery:
-    """In a short transaction of its own: count this redelivery; answer a
-    `RedeliveryCount`. With ``counted`` (the broker's count), nothing is written."""
+    """In a short transaction of its own: count this redelivery, one that reached the
+    database; answer a `RedeliveryCount`. ``counted`` is the broker's own count, which
+    bounds the database's (see `_limit_redeliveries`)."""
 
     delivery: Delivery
     counted: int | None
@@ -242,6 +256,14 @@ class LoadOutputs:
 
 
 @dataclass(frozen=True, slots=True)
+class LookUpClaim:
+    """Read the claim of ``delivery``'s key, without claiming; answer the `StoredClaim`,
+    or None when there is none."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """Publish the message, confirmed, to its quarantine or dead-letter destination with
     ``details`` (what the repair tools read). Raise when the broker did not take it."""
@@ -258,6 +280,7 @@ Op = (
     | CountHandBack
     | RecordPoison
     | LoadOutputs
+    | LookUpClaim
     | Publish
 )
 
@@ -425,6 +448,8 @@ def _transient(exc: BaseException, arrival: Arrival) -> bool:
 def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
     """Decide one delivery; yields the operations to perform, returns its settlement."""
     delivery = arrival.delivery
+    if arrival.held is not None:
+        return (yield from _held(arrival, arrival.held))
     if delivery is None:
         return (yield from _without_identity(arrival, rules))
     try:
@@ -433,6 +458,13 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         return (yield from _hand_back(exc, delivery))
     if poisoned is not None:
         return (yield from _dead_letter(poisoned, delivery))
+    if arrival.earlier_form is not None and not delivery.shadow:
+        try:
+            earlier = yield from _claimed_earlier(arrival, arrival.earlier_form)
+        except Exception as exc:
+            return (yield from _hand_back(exc, delivery))
+        if earlier is not None:
+            return earlier
 
     too_old: list[timedelta] = []
 
@@ -481,6 +513,25 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     except Exception as exc:
         return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
+
+
+def _claimed_earlier(arrival: Arrival, earlier: Delivery) -> Generator[Op, Any, Settlement | None]:
+    """A rolling deploy: a worker of an earlier version claimed this message under its
+    broker id's earlier form (a sequence or offset alone). That claim is this message's
+    when it was made once the broker had stored the message; a claim made before is an
+    earlier message's, which a re-created stream or topic gave the same sequence or offset,
+    and says nothing about this one."""
+    stored = arrival.stored_at
+    if stored is None:
+        return None
+    claim: StoredClaim | None = yield LookUpClaim(earlier)
+    if claim is None or claim.processed_at is None or claim.processed_at < stored:
+        return None
+    verdict = Verdict(Decision.DUPLICATE, claim)
+    if not arrival.keeps_outputs:
+        return Duplicate(verdict)
+    output = yield LoadOutputs(earlier)
+    return Duplicate(verdict, output)
 
 
 def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
@@ -567,17 +618,26 @@ def _limit_redeliveries(
     """Bound crash loops: a message the broker keeps redelivering with no outcome (its
     worker killed, out of memory) is kept as poison after ``redelivery_limit``.
 
-    Deliveries that an outcome explains are not crashes: a failure counted in the attempts
-    row, or a hand-back the inbox made itself (counted there when the database answered).
+    The evidence that a worker died with this message: a redelivery that reached the
+    database (counted there, in the attempts row, by whichever worker received it) after
+    a delivery that left no outcome, neither a failure counted nor a hand-back counted
+    (in the attempts row, or in the memory of the worker that received the redelivery).
+    A delivery that never reached the database (an outage: every worker hands it back
+    without counting anything durable) is no evidence, however high the broker's own
+    count climbed meanwhile: that count only bounds the database's. A live worker that
+    overran the broker's ack deadline is no death either: its outcome is counted (or its
+    claim found committed). What remains is counted in `docs/explanation/limits.md`.
     """
     limit = rules.redelivery_limit
     counted = arrival.deliveries
     if limit is None or (counted is None and not arrival.redelivered):
         return None
-    if counted is not None and counted <= limit + 1:
-        return None  # the broker's own count: even if all were crashes, within the limit
+    if counted is not None and counted <= 1:
+        return None  # the broker says this is the first delivery
     count: RedeliveryCount = yield CountRedelivery(delivery, counted)
-    redeliveries = counted - 1 if counted is not None else count.redeliveries
+    redeliveries = count.redeliveries
+    if counted is not None:
+        redeliveries = min(redeliveries, counted - 1)
     crashes = redeliveries
     if arrival.outcomes_redeliver:
         crashes -= count.failures + count.hand_backs
@@ -663,6 +723,16 @@ def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Set
     redelivery it causes is not taken for a crash."""
     with contextlib.suppress(Exception):  # best effort
         yield CountHandBack(delivery, unreachable=isinstance(exc, DatabaseUnavailable))
+    return HandedBack(exc, counted=False)
+
+
+def _held(arrival: Arrival, exc: BaseException) -> Generator[Op, Any, Settlement]:
+    """Handed back before the claim: the start-up check has not passed. Counted as a
+    hand-back in this process (the database is the trouble, or its schema is), so that
+    neither the redelivery limit nor anything else takes the redelivery for a crash."""
+    if arrival.delivery is not None:
+        with contextlib.suppress(Exception):  # best effort
+            yield CountHandBack(arrival.delivery, unreachable=True)
     return HandedBack(exc, counted=False)
 
 

@@ -16,6 +16,8 @@ INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
 INBOX_TEST_SCHEMA         the schema of the inbox tables (default: public)
 INBOX_TEST_REDIS_URL      Redis for the group barriers (GroupCallbacks) and the results
                           (Results) of either broker
+INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: the
+                          library's)
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def _broker() -> dramatiq.Broker:
     )
 
 
+_patience: dict[str, Any] = (
+    {"startup_patience": float(ENV["INBOX_TEST_STARTUP_PATIENCE"])}
+    if "INBOX_TEST_STARTUP_PATIENCE" in ENV
+    else {}
+)
 broker = _broker()
 broker.add_middleware(CrashPoints())
 # Added after CrashPoints, so its after_process_message runs before the after_commit pause:
@@ -117,6 +124,7 @@ broker.add_middleware(
         engine,
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
+        **_patience,
     )
 )
 dramatiq.set_broker(broker)

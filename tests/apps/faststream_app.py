@@ -18,6 +18,12 @@ INBOX_TEST_ACK_POLICY     an AckPolicy value for the subscriber (to test the gua
 INBOX_TEST_INBOX_SCHEMA   the schema of the inbox tables (one never migrated: the start-up
                           check refuses to start)
 INBOX_TEST_REDIS_LIST     "1": Redis only, read a list instead of a stream (refused)
+INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: the
+                          library's)
+INBOX_TEST_UNGUARDED      "1": the broker is not wrapped with inbox.guard (the start-up
+                          check runs at the first message)
+INBOX_TEST_REDELIVERY_LIMIT  the consumers' redelivery_limit (default: the library's)
+INBOX_TEST_RETRY_BACKOFF  "first,limit": the hand-back backoff in seconds (default 0.1,1.0)
 """
 
 from __future__ import annotations
@@ -100,9 +106,17 @@ engine = async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 naming = (
     InboxSchema(schema=ENV["INBOX_TEST_INBOX_SCHEMA"]) if "INBOX_TEST_INBOX_SCHEMA" in ENV else None
 )
-inbox = FastStreamInbox(engine, naming=naming, lock_timeout=30, retry_backoff=(0.1, 1.0))
+settings: dict[str, Any] = {}
+if "INBOX_TEST_STARTUP_PATIENCE" in ENV:
+    settings["startup_patience"] = float(ENV["INBOX_TEST_STARTUP_PATIENCE"])
+if "INBOX_TEST_REDELIVERY_LIMIT" in ENV:
+    settings["redelivery_limit"] = int(ENV["INBOX_TEST_REDELIVERY_LIMIT"])
+first, limit = (float(s) for s in ENV.get("INBOX_TEST_RETRY_BACKOFF", "0.1,1.0").split(","))
+inbox = FastStreamInbox(
+    engine, naming=naming, lock_timeout=30, retry_backoff=(first, limit), **settings
+)
 broker = _broker([CrashPoints, inbox.middleware])
-app = FastStream(inbox.guard(broker))
+app = FastStream(broker if ENV.get("INBOX_TEST_UNGUARDED") == "1" else inbox.guard(broker))
 app.after_shutdown(engine.dispose)
 billing = inbox.consumer("billing")
 options: dict[str, Any] = {"dependencies": [billing]}

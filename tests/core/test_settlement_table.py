@@ -30,6 +30,7 @@ from inbox_middleware.consumption import (
     HandBackRequested,
     HandedBack,
     LoadOutputs,
+    LookUpClaim,
     Poisoned,
     Process,
     Processed,
@@ -56,6 +57,7 @@ from inbox_middleware.exceptions import (
     TransactionAborted,
     TransientError,
 )
+from inbox_middleware.identity import MessageIdentity
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
@@ -105,6 +107,13 @@ def arrival(**given: Any) -> Arrival:
 
 
 OLD = datetime.now(UTC) - timedelta(days=30)
+STORED_AT = datetime(2026, 1, 1, 12, tzinfo=UTC)  # when the broker stored the message
+EARLIER = replace(delivery(), identity=MessageIdentity("nats-stream:S", "1"))
+
+
+def claimed_at(when: datetime) -> StoredClaim:
+    return replace(STORED, processed_at=when)
+
 
 ROWS: dict[str, Row] = {
     # -- no usable identity ------------------------------------------------------------
@@ -176,11 +185,60 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": False},
     ),
+    # -- held: the start-up check, run at the first message, has not passed -----------------
+    "held: counted as a hand-back in this process, handed back before the claim": Row(
+        {"held": SchemaError("the inbox tables do not exist")},
+        {CountHandBack: [None]},
+        ["CountHandBack"],
+        HandedBack,
+        expect={"counted": False, "delay": None},
+    ),
+    "held past the redelivery limit: still handed back, never poisoned": Row(
+        {"held": DatabaseUnavailable(), "deliveries": 50, "redelivered": True},
+        {CountHandBack: [None]},
+        ["CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 3},
+        expect={"counted": False},
+    ),
+    "held, the hand-back not even remembered: still handed back": Row(
+        {"held": DatabaseUnavailable()},
+        {CountHandBack: [RuntimeError("bug")]},
+        ["CountHandBack"],
+        HandedBack,
+    ),
+    "held without a usable identity: handed back, nothing to count it against": Row(
+        {"held": DatabaseUnavailable(), "delivery": None, "problem": MissingIdentity()},
+        {},
+        [],
+        HandedBack,
+    ),
     # -- the redelivery limit ----------------------------------------------------------
-    "broker count within the limit: no count, processed": Row(
-        {"deliveries": 11, "redelivered": True},
+    "the broker's first delivery: no count, processed": Row(
+        {"deliveries": 1},
         {Process: [FIRST]},
         ["Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "broker count within the limit: counted in the database, processed": Row(
+        {"deliveries": 11, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(10, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 10},
+    ),
+    "an outage: broker count far over the limit, few deliveries reached the database": Row(
+        {"deliveries": 40, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(2, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
+        Processed,
+        policy={"redelivery_limit": 3},
+    ),
+    "the database counted more than the broker did: the broker's count bounds it": Row(
+        {"deliveries": 3, "redelivered": True},
+        {CountRedelivery: [RedeliveryCount(50, 0, 0, False)], Process: [FIRST]},
+        ["CountRedelivery", "Process"],
         Processed,
         policy={"redelivery_limit": 10},
     ),
@@ -198,10 +256,10 @@ ROWS: dict[str, Row] = {
         Processed,
         policy={"redelivery_limit": 10},
     ),
-    "broker count over the limit, crashes: poisoned and dead-lettered": Row(
+    "broker count over the limit, crashes the database counted: poisoned, dead-lettered": Row(
         {"deliveries": 13, "redelivered": True},
         {
-            CountRedelivery: [RedeliveryCount(0, 0, 1, False)],
+            CountRedelivery: [RedeliveryCount(12, 0, 1, False)],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
@@ -239,7 +297,7 @@ ROWS: dict[str, Row] = {
     "outcomes do not come back as redeliveries: failures are not subtracted": Row(
         {"deliveries": 13, "redelivered": True, "outcomes_redeliver": False},
         {
-            CountRedelivery: [RedeliveryCount(0, 5, 5, False)],
+            CountRedelivery: [RedeliveryCount(12, 5, 5, False)],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
@@ -265,6 +323,39 @@ ROWS: dict[str, Row] = {
         ["CountRedelivery", "RecordPoison", "Publish", "CountHandBack"],
         HandedBack,
         policy={"redelivery_limit": 10},
+        expect={"counted": False},
+    ),
+    # -- a broker id whose form changed (a rolling deploy) -----------------------------
+    "claimed under the earlier form once stored (an earlier worker): a duplicate": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [claimed_at(STORED_AT + timedelta(seconds=1))]},
+        ["LookUpClaim"],
+        Duplicate,
+    ),
+    "claimed under the earlier form, outputs kept: the earlier claim's outputs": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT, "keeps_outputs": True},
+        {LookUpClaim: [claimed_at(STORED_AT)], LoadOutputs: [OUTPUT]},
+        ["LookUpClaim", "LoadOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT},
+    ),
+    "claimed under the earlier form before it was stored (a re-created stream): processed": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [claimed_at(STORED_AT - timedelta(minutes=5))], Process: [FIRST]},
+        ["LookUpClaim", "Process"],
+        Processed,
+    ),
+    "no claim under the earlier form: processed": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [None], Process: [FIRST]},
+        ["LookUpClaim", "Process"],
+        Processed,
+    ),
+    "the earlier form's look-up fails (the database is down): handed back": Row(
+        {"earlier_form": EARLIER, "stored_at": STORED_AT},
+        {LookUpClaim: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["LookUpClaim", "CountHandBack"],
+        HandedBack,
         expect={"counted": False},
     ),
     # -- claim, handler, commit --------------------------------------------------------
@@ -635,6 +726,14 @@ def test_core__the_hand_back_is_remembered_in_process_only_when_the_database_is_
         assert count.unreachable is unreachable
 
 
+def test_core__a_held_delivery_is_remembered_as_a_hand_back_in_this_process() -> None:
+    script = Script({CountHandBack: [None]})
+    run(arrival(held=SchemaError("not migrated")), script)
+    (count,) = script.performed
+    assert isinstance(count, CountHandBack)
+    assert count.unreachable is True
+
+
 def test_core__the_process_is_going_down_the_core_lets_it() -> None:
     # KeyboardInterrupt and cancellation: nothing is settled, the broker keeps the message.
     for exc in (KeyboardInterrupt(), SystemExit()):
@@ -723,6 +822,7 @@ def test_core__every_arrow_has_a_row() -> None:
         "RecordPoison",
         "Process",
         "LoadOutputs",
+        "LookUpClaim",
         "CountFailure",
         "CountHandBack",
     }

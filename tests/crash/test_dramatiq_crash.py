@@ -305,7 +305,7 @@ def _arrivals(path: Path, count: int) -> list[tuple[float, int]] | None:
 
 def test_crash__worker_refuses_to_boot_on_a_missing_schema(setup):
     start, _, _, _ = setup
-    worker = start(INBOX_TEST_SCHEMA="never_migrated")
+    worker = start(INBOX_TEST_SCHEMA="never_migrated", INBOX_TEST_STARTUP_PATIENCE="0")
     wait_for(
         lambda: "WorkerBootError" in worker.output() or worker.proc.poll() is not None,
         timeout=30,

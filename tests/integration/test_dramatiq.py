@@ -390,7 +390,8 @@ def test_dramatiq__direct_call_runs_without_the_inbox(pg_engine, add_credit):
 
 
 def test_dramatiq__worker_refuses_to_boot_without_the_schema(broker, queue, pg_engine):
-    broker.add_middleware(InboxMiddleware(pg_engine, naming=InboxSchema(schema="never_migrated")))
+    naming = InboxSchema(schema="never_migrated")
+    broker.add_middleware(InboxMiddleware(pg_engine, naming=naming, startup_patience=0))
 
     @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
     def add_credit(account_id: int, delta: int) -> None: ...

@@ -7,6 +7,7 @@ Real PostgreSQL, RabbitMQ, Redis and Kafka (tansu), real server processes."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from faststream import AckPolicy
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware import faults
 from inbox_middleware.dramatiq import InboxMiddleware
 from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
@@ -154,6 +156,7 @@ async def _delete_queue(name: str) -> None:
 async def _used_and_dropped(h: Harness, seen: Seen) -> int:
     """The id of a plain subscriber that consumed one message and is gone (made in a
     function of its own: a frame still running would keep it alive)."""
+    gc.collect()  # earlier tests' garbage freed now, not just after the subscriber
     plain = h.broker.subscriber(f"{h.source}-plain", persistent=False)
 
     @plain
@@ -234,6 +237,44 @@ async def test_startup__an_async_engine_over_psycopg_is_refused_when_the_inbox_i
         await engine.dispose()
 
 
+async def test_startup__without_guard_a_failed_check_hands_back_through_the_core(
+    pg_async_engine, pg_engine, caplog
+):
+    # Given an unguarded NATS broker whose start-up check, run at the first message, fails
+    # four times before it passes, and a redelivery limit of 1
+    caplog.set_level(logging.INFO, logger="inbox_middleware")
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), redelivery_limit=1)
+    seen = Seen()
+    h = Harness("nats", [recorder(seen), inbox.middleware])
+
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    failures = iter(range(4))
+
+    def check_fails(point: str, message_id: str | None) -> None:
+        if point == "check" and next(failures, None) is not None:
+            raise ConnectionRefusedError(111, "the database is restarting")
+
+    faults.hook = check_fails
+    try:
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
+            await eventually(lambda: "processed" in seen.outcomes, what="the message applied")
+    finally:
+        faults.hook = None
+        await h.cleanup()
+    # Then each delivery was handed back through the core (counted as a hand-back, so the
+    # redeliveries it caused are no crash), and the message applied once, not poisoned
+    handed = [r for r in caplog.records if "handed a message back" in r.getMessage()]
+    assert len(handed) == 4, caplog.text
+    assert "holds a message back" not in caplog.text
+    assert seen.outcomes == ["HandedBack"] * 4 + ["processed"], seen.outcomes
+    assert applied(pg_engine) == 1
+
+
 # -- a refusal under a server command --------------------------------------------------------
 
 TRACEBACK = ("Traceback", "╭")  # Python's, and the rich one of FastStream's command
@@ -284,6 +325,7 @@ def unmigrated(pg_async_url: str) -> dict[str, str]:
         "INBOX_TEST_BROKER_URL": services.RABBITMQ,
         "INBOX_TEST_SOURCE": f"t{uuid.uuid4().hex[:10]}",
         "INBOX_TEST_INBOX_SCHEMA": "never_migrated",
+        "INBOX_TEST_STARTUP_PATIENCE": "0",  # refused at once, not waited out
     }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import dramatiq
 import pika
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, func, insert, select
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
@@ -74,10 +74,30 @@ def test_quorum__dramatiq_declares_quorum_queues_and_quarantines_to_one(
         assert balance(conn, 7) == 10
 
 
+def _crashed_deliveries(engine: Any, counted: int) -> None:
+    """What deliveries that reached the database and died with the message leave: the
+    redeliveries among them counted in the attempts row, no failure, no hand-back."""
+    with engine.begin() as conn:
+        conn.execute(
+            insert(NAMING.tables.attempts).values(
+                consumer_name="billing",
+                producer_name="orders",
+                tenant="",
+                message_id="ord-1",
+                attempts=0,
+                redeliveries=counted,
+                hand_backs=0,
+                first_failure_at=func.now(),
+                last_failure_at=func.now(),
+            )
+        )
+
+
 def test_quorum__dramatiq_redelivery_count_is_the_brokers(quorum_broker, queue, pg_engine):
     # Given a redelivery limit of 1, and a message that went back to its queue three times
-    # unacknowledged (three consumers died holding it)
+    # unacknowledged (three consumers died holding it, after it reached the database)
     quorum_broker.add_middleware(InboxMiddleware(pg_engine, redelivery_limit=1))
+    _crashed_deliveries(pg_engine, counted=2)
 
     @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
     def add_credit(account_id: int, delta: int) -> None:
@@ -103,6 +123,37 @@ def test_quorum__dramatiq_redelivery_count_is_the_brokers(quorum_broker, queue, 
     wait_for(lambda: dead_letters(quorum_broker, queue) == 1, timeout=10, what="the dead letter")
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+def test_quorum__deliveries_that_never_reached_the_database_are_no_crashes(
+    quorum_broker, queue, pg_engine
+):
+    # Given a redelivery limit of 1, and a message requeued three times by a consumer that
+    # never reached the database (as every worker does while the database is down)
+    quorum_broker.add_middleware(InboxMiddleware(pg_engine, redelivery_limit=1))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    send(add_credit, 7, 10)
+    connection = pika.BlockingConnection(pika.URLParameters(services.RABBITMQ))
+    try:
+        channel = connection.channel()
+        for _ in range(3):
+            method = None
+            while method is None:
+                method, _, _ = channel.basic_get(queue)
+            channel.basic_nack(method.delivery_tag, requeue=True)
+    finally:
+        connection.close()
+    # When a worker receives it (x-delivery-count 3: its fourth delivery)
+    with running_worker(quorum_broker) as worker:
+        drain(quorum_broker, queue, worker)
+    # Then the broker's count is no evidence that a worker died with it: applied once
+    assert poison_rows(pg_engine) == []
+    with pg_engine.connect() as conn:
+        assert (effects(conn), balance(conn, 7)) == (1, 10)
 
 
 def test_quorum__dramatiq_hand_backs_spend_no_delivery_limit(

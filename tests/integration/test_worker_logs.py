@@ -141,7 +141,10 @@ def test_dramatiq__unreachable_database_exits_with_one_line_instead_of_starting(
 ):
     services.require(services.REDIS, "Redis")
     # Given a database nobody listens on
-    env = dramatiq_env | {"INBOX_TEST_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:9/x"}
+    env = dramatiq_env | {
+        "INBOX_TEST_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:9/x",
+        "INBOX_TEST_STARTUP_PATIENCE": "0",  # not waited out: refused at once
+    }
     ran = subprocess.run(
         [sys.executable, "-m", "dramatiq", "tests.apps.dramatiq_app", "--processes", "1"],
         cwd=ROOT,

@@ -15,7 +15,8 @@ The production topologies (``scripts/services`` starts them too): ``INBOX_TEST_R
 a Redis with an append-only file fsynced on every write; ``INBOX_TEST_POSTGRES_PAIR``, the
 ``host:port`` of a PostgreSQL primary and of its synchronous streaming standby, comma
 separated (two local clusters, restarted and promoted by the failover tests, see
-`tests.support.servers`).
+`tests.support.servers`); ``INBOX_TEST_POSTGRES_OUTAGE``, a PostgreSQL the outage tests
+stop and start (`tests.support.outage`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ THROUGH_POOLER = urlsplit(POSTGRES)[1:3] != urlsplit(POSTGRES_SERVER)[1:3]
 REDIS = os.environ.get("INBOX_TEST_REDIS", "redis://127.0.0.1:6379/15")
 REDIS_PERSISTENT = os.environ.get("INBOX_TEST_REDIS_PERSISTENT", "redis://127.0.0.1:6380/0")
 POSTGRES_PAIR = os.environ.get("INBOX_TEST_POSTGRES_PAIR", "127.0.0.1:5433,127.0.0.1:5434")
+# A PostgreSQL of the outage tests alone, which they stop and start (never the shared one).
+POSTGRES_OUTAGE = os.environ.get(
+    "INBOX_TEST_POSTGRES_OUTAGE", "postgresql://postgres@127.0.0.1:5446/postgres"
+)
 RABBITMQ = os.environ.get("INBOX_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS = os.environ.get("INBOX_TEST_NATS", "nats://127.0.0.1:4222")
 KAFKA = os.environ.get("INBOX_TEST_KAFKA", "127.0.0.1:9092")  # bootstrap servers

@@ -16,7 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class WorkerProcess:
     def __init__(
-        self, app: str, env: dict[str, str], log: Path, *, processes: int = 1, threads: int = 4
+        self,
+        app: str,
+        env: dict[str, str],
+        log: Path,
+        *,
+        processes: int = 1,
+        threads: int = 4,
+        options: tuple[str, ...] = (),
     ) -> None:
         self.log = log
         command = [
@@ -28,6 +35,7 @@ class WorkerProcess:
             str(processes),
             "--threads",
             str(threads),
+            *options,
         ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(

@@ -82,6 +82,7 @@ PUBLIC = {
         "HandBackRequested",
         "HandedBack",
         "LoadOutputs",
+        "LookUpClaim",
         "INBOX_ERROR",
         "Op",
         "Poisoned",

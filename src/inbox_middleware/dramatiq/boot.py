@@ -24,6 +24,7 @@ from sqlalchemy import Engine
 
 from ..exceptions import ConfigurationError
 from ..logs import EXIT_STATUS, refuse_start
+from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience
 
 if TYPE_CHECKING:
     from ..storage import Inbox
@@ -44,15 +45,28 @@ class WorkerBootError(ConfigurationError, MiddlewareError):
     database settings are wrong."""
 
 
-def check_database(inbox: Inbox | None, async_inbox: AsyncInbox | None, threads: int) -> None:
-    """Refuse to start a worker whose database would break the guarantee: unreachable,
-    tables missing or out of date, ``synchronous_commit`` off."""
-    try:
+def check_database(
+    inbox: Inbox | None,
+    async_inbox: AsyncInbox | None,
+    threads: int,
+    patience: float = DEFAULT_STARTUP_PATIENCE,
+) -> None:
+    """Refuse to start a worker whose database would break the guarantee: tables missing
+    or out of date, ``synchronous_commit`` off, unreachable. A transient outage and a
+    missing or older schema are waited out first, for ``patience`` seconds (see
+    `inbox_middleware.storage.startup`); the worker consumes nothing meanwhile."""
+
+    def check() -> None:
         if inbox is not None:
             inbox.check()
-            _check_pool(inbox.engine, threads)
         if async_inbox is not None:
             asyncio.run(_check_async(async_inbox))
+
+    try:
+        StartupPatience(patience, log=logger).run(check)
+        if inbox is not None:
+            _check_pool(inbox.engine, threads)
+        if async_inbox is not None:
             _check_pool(async_inbox.engine.sync_engine, threads)
     except Exception as exc:
         refuse_boot(_boot_error(exc))  # the dramatiq command: one line, exit status 3

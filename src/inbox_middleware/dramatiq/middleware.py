@@ -71,6 +71,7 @@ from ..outputs import Output
 from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
 from .boot import QuietSkips, WorkerBootError, check_database
@@ -144,7 +145,10 @@ class InboxMiddleware(dramatiq.Middleware):
         comes back; None uses the backoff of hand-backs (Retries' min and max backoff).
       canonical_form: a default `CanonicalForm` for hashing payloads.
       check_database: verify the database, the schema and its settings when a worker
-        boots; a worker that cannot reach the database refuses to start.
+        boots, before it consumes; a worker whose database is not fit refuses to start.
+      startup_patience: seconds a booting worker waits out a database that does not
+        answer yet, or a schema not migrated yet, before it refuses to start (0: refuse
+        at once); a configuration error refuses at once.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         The producer's trace joins through `StampTraceContext`.
@@ -186,6 +190,7 @@ class InboxMiddleware(dramatiq.Middleware):
         check_database: bool = True,
         tracing: Any = False,
         hand_back_patience: float = 60.0,
+        startup_patience: float = DEFAULT_STARTUP_PATIENCE,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
@@ -216,6 +221,7 @@ class InboxMiddleware(dramatiq.Middleware):
         if hand_back_patience < 0:
             raise ConfigurationError("hand_back_patience must be zero or more seconds")
         self.hand_back_patience = hand_back_patience
+        self.startup_patience = validate_patience(startup_patience)
         self.retries: Retries | None = None
         self.backoffs: dict[str, HandBackDelays] = {}
         self._actors: dict[str, InboxActor] = {}
@@ -535,7 +541,7 @@ class InboxMiddleware(dramatiq.Middleware):
         self.tracing.warn_if_inert()
         if not (self.check_database and self._actors):
             return
-        check_database(self.inbox, self.async_inbox, worker.worker_threads)
+        check_database(self.inbox, self.async_inbox, worker.worker_threads, self.startup_patience)
 
     def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         # asyncpg connections belong to Dramatiq's event loop; close them on it while it

@@ -23,11 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import faults, logs
 from ..consumption import HandBackDelays
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, DatabaseUnavailable
 from ..identity import MAX_NAME_LENGTH, validate_name
 from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
 from ..tracing import tracing_for
 from .boot import refuse_start, watch_supervisor
 from .brokers import adapter_for
@@ -35,6 +36,7 @@ from .brokers.nats import NatsAdapter
 from .consumer import UNSET, InboxConsumer, _Unset
 from .guard import Found, find, refusals
 from .middleware import InboxMiddlewareFactory
+from .outcome import HandedBack
 from .payload import CanonicalForm
 from .processing import Subscription
 from .testbroker import guard_test_broker, guarded
@@ -68,6 +70,10 @@ class FastStreamInbox:
         TERM). Redis and Kafka have none.
       canonical_form: a `CanonicalForm` used to hash payloads instead of the body.
       check_database: check the schema and ``synchronous_commit`` at start-up.
+      startup_patience: seconds the start-up check of a guarded broker waits out a
+        database that does not answer yet, or a schema not migrated yet, before the app
+        refuses to start (0: refuse at once); nothing is consumed meanwhile. A
+        configuration error refuses at once.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         It nests under the span of FastStream's `TelemetryMiddleware` when that middleware
@@ -93,6 +99,7 @@ class FastStreamInbox:
         dead_letter: str | None = "{source}.dead-letter",
         canonical_form: CanonicalForm | None = None,
         check_database: bool = True,
+        startup_patience: float = DEFAULT_STARTUP_PATIENCE,
         tracing: Any = False,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
@@ -110,7 +117,8 @@ class FastStreamInbox:
         self.dead_letter = dead_letter
         self.canonical_form = canonical_form
         self.check_database = check_database
-        # Delays of the messages held back while the start-up check fails.
+        self.startup_patience = validate_patience(startup_patience)
+        # Delays of the messages of a refused subscriber, held back.
         self.backoff = HandBackDelays(*self.policy.retry_backoff)
         self.tracing = tracing_for(tracing)
         self.middleware = InboxMiddlewareFactory(self)
@@ -122,6 +130,10 @@ class FastStreamInbox:
             weakref.WeakKeyDictionary()
         )
         self._refused: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # Subscriptions whose start-up check has not passed yet (the database's trouble):
+        # their messages are handed back through them, each with its own delays.
+        self._waiting: weakref.WeakKeyDictionary[Any, Subscription] = weakref.WeakKeyDictionary()
+        self._warned = False
         self._lock = asyncio.Lock()
         self._database_checked = False
 
@@ -185,7 +197,8 @@ class FastStreamInbox:
             for subscriber in broker.subscribers:  # type: ignore[attr-defined]
                 self._watch(broker, subscriber)  # those of routers included since
             try:
-                await self.check(broker)
+                async with self._lock:
+                    await self._check(broker, patience=self.startup_patience)
             except Exception as exc:
                 refuse_start(exc)  # under faststream run, uvicorn, ...: one block, exit 3
                 raise
@@ -238,10 +251,11 @@ class FastStreamInbox:
         async with self._lock:
             await self._check(broker)
 
-    async def _check(self, broker: Any, only: Any = None) -> None:
+    async def _check(self, broker: Any, only: Any = None, patience: float = 0.0) -> None:
         """The check; with ``only`` (a subscriber starting on a running broker), raise for
         that subscriber's refusal alone (another refused one, declared and never started,
-        does not stop it)."""
+        does not stop it). The database's trouble is waited out for ``patience`` seconds
+        (`inbox_middleware.storage.startup`); refusals are not."""
         logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)
@@ -249,7 +263,7 @@ class FastStreamInbox:
         for f in found:
             if f.consumer is None or f.adapter is None or id(f.subscriber) in refused:
                 continue
-            subscription = self._subscription(f)
+            subscription = self._waiting.get(f.subscriber) or self._subscription(f)
             if problem := _settings_refusal(subscription):
                 refused[id(f.subscriber)] = problem
             else:
@@ -261,7 +275,13 @@ class FastStreamInbox:
         if stopping:
             raise ConfigurationError(_report(found, stopping))
         if self.check_database and not self._database_checked:
-            await self.storage.check()
+            try:
+                await StartupPatience(patience, log=logger).run_async(self.storage.check)
+            except Exception:
+                for f in found:
+                    if id(f.subscriber) in subscriptions:
+                        self._waiting[f.subscriber] = subscriptions[id(f.subscriber)]
+                raise
             self._database_checked = True
         # Only what this check sees first: a subscriber added later checks them all again.
         known = {id(f.subscriber) for f in found if f.subscriber in self._subscriptions}
@@ -275,6 +295,7 @@ class FastStreamInbox:
                 continue  # a known one keeps its subscription, and its hand-back delays
             self._subscriptions[f.subscriber] = subscriptions.get(id(f.subscriber))
             self._refused.pop(f.subscriber, None)
+            self._waiting.pop(f.subscriber, None)
         for subscription in fresh.values():
             logger.info(
                 "inbox consumer %s protects %s (quarantine %s, dead letters %s)",
@@ -308,7 +329,8 @@ class FastStreamInbox:
             return self._subscriptions[subscriber]
         if subscriber not in self._refused:
             # A guarded broker under a test broker: its fakes come after the check.
-            log = logger.debug if guarded(self, broker) else logger.warning
+            log = logger.debug if guarded(self, broker) or self._warned else logger.warning
+            self._warned = True  # once: every message runs this until the check passes
             log(
                 "the inbox start-up check did not run before this broker started; running it "
                 "now. Wrap the broker with inbox.guard(broker) so that a subscriber the inbox "
@@ -322,9 +344,37 @@ class FastStreamInbox:
             raise ConfigurationError(self._refused[subscriber])
         return self._subscriptions.get(subscriber)
 
-    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None:
+    def _not_checked(self, broker: Any, subscriber: Any) -> Subscription | None:
+        """The subscription of an inbox subscriber whose start-up check failed before it
+        could say (its messages are still handed back through the core), or None."""
+        try:
+            for f in find(broker, self):
+                if f.subscriber is not subscriber or f.problem is not None:
+                    continue
+                if f.consumer is None or f.adapter is None:
+                    return None
+                subscription = self._subscription(f)
+                if _settings_refusal(subscription) is not None:
+                    return None
+                self._waiting[subscriber] = subscription
+                return subscription
+        except Exception:  # the message is still handed back, the way a refusal is
+            logger.debug("no subscription to hand a message back through", exc_info=True)
+        return None
+
+    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> Any:
         """Hand back a message the inbox cannot settle yet (its subscriber is refused, or
-        the start-up check failed), so it is not lost meanwhile."""
+        the start-up check failed), so it is not lost meanwhile. Ends as the settlement
+        of a consumed message does (raises `HandedBack`)."""
+        waiting = self._waiting.get(subscriber)
+        if waiting is None and not isinstance(error, ConfigurationError):
+            waiting = self._not_checked(broker, subscriber)
+        if waiting is not None and not waiting.adapter.batch:
+            # Through the core, as every hand-back: counted as one, with this message's
+            # own delays (a crash count would otherwise take the redelivery for a crash).
+            held = DatabaseUnavailable(f"the inbox start-up check has not passed: {error}")
+            held.__cause__ = error
+            return await waiting.hold(message, held)
         delay = self.backoff.next(("check", id(subscriber)))
         logger.log(
             logging.CRITICAL if isinstance(error, ConfigurationError) else logging.WARNING,
@@ -333,6 +383,7 @@ class FastStreamInbox:
             error,
         )
         await adapter_for(broker, subscriber).retry_later(message, delay)
+        raise HandedBack(f"{type(error).__name__}: {error}", logged=True) from error
 
 
 def _settings_refusal(subscription: Subscription) -> str | None:

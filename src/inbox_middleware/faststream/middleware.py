@@ -14,7 +14,7 @@ from faststream.message import SourceType
 
 from .. import direct, logs
 from .context import current_attempt
-from .outcome import HandedBack, QuietTold
+from .outcome import QuietTold
 
 if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
@@ -31,7 +31,7 @@ class Subscriptions(Protocol):
 
     async def subscription_for(self, subscriber: Any, broker: Any) -> Subscription | None: ...
 
-    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> None: ...
+    async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> Any: ...
 
 
 class RoutingMiddleware(BaseMiddleware):
@@ -63,9 +63,9 @@ class RoutingMiddleware(BaseMiddleware):
         try:
             subscription = await self.inbox.subscription_for(subscriber, broker)
         except Exception as exc:
-            # Refused, or the start-up check failed: the message waits with the broker.
-            await self.inbox.hold(broker, subscriber, msg, exc)
-            raise HandedBack(f"{type(exc).__name__}: {exc}", logged=True) from exc
+            # Refused, or the start-up check failed: the message waits with the broker
+            # (handed back: this raises, as the settlement of any message does).
+            return await self.inbox.hold(broker, subscriber, msg, exc)
         if subscription is None:
             return await call_next(msg)
         return await subscription.consume(call_next, msg, self.finish)

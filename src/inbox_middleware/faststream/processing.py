@@ -209,6 +209,19 @@ class Subscription:
             finish.append(partial(self._after_publish, message, item, arrival))
             return self.adapter.response(output)
 
+    async def hold(self, message: Any, error: Exception) -> Any:
+        """Hand ``message`` back, through the core, because the start-up check has not
+        passed (run at the first message, without ``guard``); ends as `_tell` does."""
+        (item,) = self.adapter.items(message)
+        arrival = replace(self.arrival(message, item), held=error)
+        perform = partial(self._perform, _no_handler, message, item)
+        try:
+            settlement = await drive_async(settle_steps(arrival, self.policy), perform)
+        except Exception as exc:  # the inbox's own bug: the message stays with the broker
+            logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
+            settlement = core.HandedBack(exc, counted=False)
+        return await self._tell(message, item, arrival, settlement)
+
     async def _after_publish(
         self, message: Any, item: Item, arrival: Arrival, error: BaseException | None
     ) -> None:
@@ -242,9 +255,17 @@ class Subscription:
             "source": self.adapter.source,
         }
         try:
-            return Arrival(self.delivery(item), **common)
+            claim = self.delivery(item)
         except (IdentityError, PayloadNotHashable) as exc:
             return Arrival(None, exc, **common)
+        earlier = None
+        identity = claim.identity
+        if item.earlier_id is not None and (identity.producer, identity.message_id) == (
+            item.broker_id
+        ):
+            # Named by the broker: an earlier version's worker named it differently.
+            earlier = replace(claim, identity=MessageIdentity(*item.earlier_id))
+        return Arrival(claim, earlier_form=earlier, stored_at=item.stored_at, **common)
 
     def delivery(self, item: Item) -> Delivery:
         try:

@@ -26,6 +26,7 @@ from ..consumption import (
     CountHandBack,
     CountRedelivery,
     LoadOutputs,
+    LookUpClaim,
     Op,
     RecordPoison,
     RedeliveryCount,
@@ -170,8 +171,8 @@ class Executor:
         of its own (never the failed attempt's)."""
         faults.at("record", _message_id(op))
         match op:
-            case CountRedelivery(delivery=delivery, counted=counted):
-                count = self.recorder.count_redelivery(conn, delivery, counted=counted is not None)
+            case CountRedelivery(delivery=delivery):
+                count = self.recorder.count_redelivery(conn, delivery)
                 extra = self._unrecorded.get(delivery.key, 0)
                 if not extra:
                     return count
@@ -183,6 +184,8 @@ class Executor:
             case CountHandBack(delivery=delivery):
                 self.recorder.count_hand_back(conn, delivery, "handed back")
                 return None
+            case LookUpClaim(delivery=delivery):
+                return self.statements.stored_claim(conn, delivery)
             case LoadOutputs(delivery=delivery):
                 return self.outputs.load(conn, delivery)
             case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):

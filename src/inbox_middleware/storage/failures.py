@@ -129,9 +129,6 @@ class FailureRecorder:
                 "last_failure_at": func.now(),
             },
         ).returning(attempts.c.redeliveries, attempts.c.attempts, attempts.c.hand_backs)
-        self._redelivery_known = select(
-            attempts.c.redeliveries, attempts.c.attempts, attempts.c.hand_backs
-        ).where(*(attempts.c[name] == bindparam(name) for name in key))
 
         hand_back = insert(attempts).values(
             **{name: bindparam(name) for name in key},
@@ -157,14 +154,12 @@ class FailureRecorder:
         """Whether ``delivery``'s processing committed (a redelivery of it is a duplicate)."""
         return conn.execute(self._claimed, self._key(delivery)).first() is not None
 
-    def count_redelivery(
-        self, conn: Connection, delivery: Delivery, *, counted: bool = False
-    ) -> RedeliveryCount:
-        """Count one broker redelivery of ``delivery`` (only read the counts when the
-        broker ``counted`` it itself); say whether its processing committed already."""
+    def count_redelivery(self, conn: Connection, delivery: Delivery) -> RedeliveryCount:
+        """Count one broker redelivery of ``delivery`` that reached the database (with
+        the failures and hand-backs counted so far); say whether its processing committed
+        already."""
         params = self._key(delivery) | {"error": "redelivered"}
-        statement = self._redelivery_known if counted else self._redelivery
-        row = conn.execute(statement, params).first()
+        row = conn.execute(self._redelivery, params).first()
         redeliveries, failures, hand_backs = (int(v) for v in row) if row else (0, 0, 0)
         return RedeliveryCount(redeliveries, failures, hand_backs, self.claimed(conn, delivery))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     CursorResult,
     DateTime,
     Dialect,
@@ -327,6 +328,13 @@ class ClaimStatements:
             "produced_at": delivery.identity.produced_at,
             "received_at": delivery.received_at,
         }
+
+    def stored_claim(self, conn: Connection, delivery: Delivery) -> StoredClaim | None:
+        """The claim held for ``delivery``'s key, read without claiming, or None."""
+        row = conn.execute(self.look_up, self._key(delivery)).first()
+        if row is None:
+            return None
+        return StoredClaim(row[0], row[1], row[2], row[3])
 
     def _key(self, delivery: Delivery) -> dict[str, Any]:
         return dict(zip(self._key_names, delivery.key, strict=True))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, ClassVar
 
 from faststream.response import Response
@@ -37,6 +38,11 @@ class Item:
     broker_id: tuple[str, str] | None = None
     """(producer name, id) the broker keeps stable across redeliveries, if it has one."""
     content_type: str | None = None
+    earlier_id: tuple[str, str] | None = None
+    """The form ``broker_id`` had before it told a re-created stream or topic apart (see
+    `BrokerAdapter.earlier_broker_id`)."""
+    stored_at: datetime | None = None
+    """When the broker stored the message (the time in ``broker_id``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,17 +107,31 @@ class BrokerAdapter:
 
     def items(self, message: Any) -> list[Item]:
         """The messages in ``message``: one, or each of a batch, in order."""
+        raw = message.raw_message
         return [
             Item(
                 bytes(message.body),
                 message.headers,
-                self.broker_id(message.raw_message),
+                self.broker_id(raw),
                 message.content_type,
+                self.earlier_broker_id(raw),
+                self.stored_at(raw),
             )
         ]
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
         """What the broker keeps stable across redeliveries of ``raw``, if anything."""
+        return None
+
+    def earlier_broker_id(self, raw: Any) -> tuple[str, str] | None:
+        """The id earlier versions gave ``raw`` (a sequence number or offset alone, which
+        restarts when the stream or topic is re-created), when `broker_id` has changed
+        form since: a claim an earlier worker made under it, after the message was stored,
+        is this message's (a rolling deploy). None when the form never changed."""
+        return None
+
+    def stored_at(self, raw: Any) -> datetime | None:
+        """When the broker stored ``raw``, if it says."""
         return None
 
     def deliveries(self, message: Any) -> int | None:

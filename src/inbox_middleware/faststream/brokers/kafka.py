@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka.errors import IllegalStateError, KafkaError
@@ -176,7 +177,8 @@ class KafkaAdapter(BrokerAdapter):
             Item(
                 bytes(record.value or b""),
                 headers,
-                self.broker_id(record),
+                # A batch is claimed whole, by its items' ids: kept in the earlier form.
+                self.earlier_broker_id(record),
                 headers.get("content-type"),
             )
             for record, headers in zip(message.raw_message, message.batch_headers, strict=True)
@@ -208,8 +210,19 @@ class KafkaAdapter(BrokerAdapter):
             message.committed = AckStatus.NACKED
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
-        # topic, partition and offset name one record for good.
+        # Topic, partition and offset name one record while the topic lives; a topic
+        # deleted and created again restarts its offsets, so the record's timestamp joins
+        # them (the same on every read of the record).
+        return (f"kafka:{raw.topic}", f"{raw.partition}:{raw.offset}@{raw.timestamp}")
+
+    def earlier_broker_id(self, raw: Any) -> tuple[str, str] | None:
         return (f"kafka:{raw.topic}", f"{raw.partition}:{raw.offset}")
+
+    def stored_at(self, raw: Any) -> datetime | None:
+        stamp = getattr(raw, "timestamp", None)
+        if not isinstance(stamp, int) or stamp < 0:
+            return None
+        return datetime.fromtimestamp(stamp / 1000, UTC)
 
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         raise NotImplementedError("Kafka has no dead-letter path; the inbox publishes one")

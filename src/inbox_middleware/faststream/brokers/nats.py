@@ -9,6 +9,7 @@ when no stream captures those subjects yet.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .base import BrokerAdapter, Item, Peer, text_headers
@@ -116,19 +117,33 @@ class NatsAdapter(BrokerAdapter):
             Item(
                 bytes(raw.data),
                 raw.headers or {},
-                self.broker_id(raw),
+                # A batch is claimed whole, by its items' ids: kept in the earlier form.
+                self.earlier_broker_id(raw) or self.broker_id(raw),
                 (raw.headers or {}).get("content-type"),
             )
             for raw in message.raw_message
         ]
 
     def broker_id(self, raw: Any) -> tuple[str, str] | None:
-        # The publisher's deduplication id when it set one, else the stream sequence;
-        # both stay the same on every redelivery.
+        # The publisher's deduplication id when it set one, else the stream sequence with
+        # the time the stream stored the message: both stay the same on every redelivery,
+        # and a stream deleted and created again, whose sequences restart at 1, stores its
+        # messages at other times.
         metadata = raw.metadata
         if msg_id := (raw.headers or {}).get("Nats-Msg-Id"):
             return (f"nats-msg-id:{metadata.stream}", str(msg_id))
+        stored = _microseconds(metadata.timestamp)
+        return (f"nats-stream:{metadata.stream}", f"{metadata.sequence.stream}@{stored}")
+
+    def earlier_broker_id(self, raw: Any) -> tuple[str, str] | None:
+        metadata = raw.metadata
+        if (raw.headers or {}).get("Nats-Msg-Id"):
+            return None  # that form never changed
         return (f"nats-stream:{metadata.stream}", str(metadata.sequence.stream))
+
+    def stored_at(self, raw: Any) -> datetime | None:
+        stored = getattr(getattr(raw, "metadata", None), "timestamp", None)
+        return stored if isinstance(stored, datetime) else None
 
     def deliveries(self, message: Any) -> int | None:
         # JetStream counts every delivery, those after a hand-back included.
@@ -156,3 +171,11 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if index >= len(have) or (token not in ("*", have[index])):
             return False
     return len(want) == len(have)
+
+
+def _microseconds(stored: datetime) -> int:
+    """The stored time as whole microseconds since the epoch (exact, unlike a float)."""
+    return (stored - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
