@@ -13,6 +13,7 @@ INBOX_TEST_ARRIVALS       file that gets one line per delivery: "<time> <pid> <i
 INBOX_TEST_SLEEP          seconds the actor body sleeps after its writes
 INBOX_TEST_LOCK_TIMEOUT   the inbox's lock_timeout in seconds
 INBOX_TEST_SCHEMA         the schema of the inbox tables (default: public)
+INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ broker.add_middleware(
         engine,
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
+        count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
     )
 )
 dramatiq.set_broker(broker)

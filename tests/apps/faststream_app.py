@@ -18,6 +18,7 @@ INBOX_TEST_ACK_POLICY     an AckPolicy value for the subscriber (to test the gua
 INBOX_TEST_INBOX_SCHEMA   the schema of the inbox tables (one never migrated: the start-up
                           check refuses to start)
 INBOX_TEST_REDIS_LIST     "1": Redis only, read a list instead of a stream (refused)
+INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 """
 
 from __future__ import annotations
@@ -100,7 +101,13 @@ engine = async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
 naming = (
     InboxSchema(schema=ENV["INBOX_TEST_INBOX_SCHEMA"]) if "INBOX_TEST_INBOX_SCHEMA" in ENV else None
 )
-inbox = FastStreamInbox(engine, naming=naming, lock_timeout=30, retry_backoff=(0.1, 1.0))
+inbox = FastStreamInbox(
+    engine,
+    naming=naming,
+    lock_timeout=30,
+    retry_backoff=(0.1, 1.0),
+    count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
+)
 broker = _broker([CrashPoints, inbox.middleware])
 app = FastStream(inbox.guard(broker))
 app.after_shutdown(engine.dispose)

@@ -59,10 +59,12 @@ from ..outputs import Output
 from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
 from .boot import QuietSkips, WorkerBootError, check_database
 from .context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
+from .counts import count_flusher
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
 
@@ -122,6 +124,8 @@ class InboxMiddleware(dramatiq.Middleware):
         The producer's trace joins through `StampTraceContext`.
       hand_back_patience: seconds a hand-back keeps trying to enqueue the message again
         while the broker is unreachable, before it leaves the message to Retries.
+      count_interval: seconds between two writes of the worker's settlement counts to
+        ``inbox_counts`` (what ``inbox-middleware status`` shows); None: not written.
       policy: the consumer settings (`ConsumerPolicy`: missing identities, permanent
         errors, redeliveries, retention, shadow mode, outputs, direct sends), documented
         there once. Here ``max_attempts`` defaults to None: Dramatiq's Retries bounds
@@ -158,6 +162,7 @@ class InboxMiddleware(dramatiq.Middleware):
         check_database: bool = True,
         tracing: Any = False,
         hand_back_patience: float = 60.0,
+        count_interval: float | None = DEFAULT_COUNT_INTERVAL,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
@@ -195,6 +200,8 @@ class InboxMiddleware(dramatiq.Middleware):
         self._pending = threading.local()
         self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
+        self.count_interval = check_interval(count_interval)
+        self._counts: CountFlusher | None = None
 
     if not TYPE_CHECKING:  # hidden from mypy, which would accept any attribute then
 
@@ -429,7 +436,14 @@ class InboxMiddleware(dramatiq.Middleware):
             return
         check_database(self.inbox, self.async_inbox, worker.worker_threads)
 
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if self._actors and self._counts is None:
+            self._counts = count_flusher(self.inbox, self.async_inbox, self.count_interval)
+
     def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        counts, self._counts = self._counts, None
+        if counts is not None:  # its last flush, while the event loop still runs
+            counts.stop()
         # asyncpg connections belong to Dramatiq's event loop; close them on it while it
         # still runs (AsyncIO stops it in its own after_worker_shutdown, which runs after
         # this one when AsyncIO was added first, as usual).
