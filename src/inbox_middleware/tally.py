@@ -185,11 +185,12 @@ class _Flushes:
     def failed(self, error: Exception) -> None:
         if not self._failing:  # once per outage: the next flush retries
             self._failing = True
+            cause = getattr(error, "orig", None) or error  # the driver's, without the SQL
             logger.warning(
                 "could not write the inbox's settlement counts (%s: %s); retrying every "
-                "%.0fs, nothing is lost meanwhile",
-                type(error).__name__,
-                error,
+                "%gs, nothing is lost meanwhile",
+                type(cause).__name__,
+                (str(cause).strip().splitlines() or [""])[0],
                 self.interval,
             )
 
