@@ -211,12 +211,16 @@ class CountFlusher(_Flushes):
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_engine(cls, engine: Engine, naming: InboxSchema, interval: float) -> CountFlusher:
+    def for_engine(
+        cls, engine: Engine, naming: InboxSchema, interval: float, source: Tally = tally
+    ) -> CountFlusher:
+        """A flusher writing through a sync `Engine`."""
+
         def write(worker: str, since: datetime, counts: Counts) -> None:
             with engine.begin() as conn:
                 flush_counts(conn, naming, worker, since, counts)
 
-        return cls(write, interval)
+        return cls(write, interval, source)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -265,14 +269,16 @@ class AsyncCountFlusher(_Flushes):
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_engine(cls, engine: Any, naming: InboxSchema, interval: float) -> AsyncCountFlusher:
+    def for_engine(
+        cls, engine: Any, naming: InboxSchema, interval: float, source: Tally = tally
+    ) -> AsyncCountFlusher:
         """A flusher writing through an `AsyncEngine`."""
 
         async def write(worker: str, since: datetime, counts: Counts) -> None:
             async with engine.begin() as conn:
                 await flush_counts_async(conn, naming, worker, since, counts)
 
-        return cls(write, interval)
+        return cls(write, interval, source)
 
     def start(self) -> None:
         """Start the task on the running loop (again, if a previous loop's task ended)."""

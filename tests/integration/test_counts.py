@@ -11,6 +11,7 @@ counts remain.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,10 +28,13 @@ from inbox_middleware.faststream import identity_headers
 from inbox_middleware.retention import purge
 from inbox_middleware.storage import InboxSchema
 from inbox_middleware.storage.counts import flush_counts
+from inbox_middleware.tally import CountFlusher, Tally
 
 from ..support import services
+from ..support.engines import sync_engine
 from ..support.faststream_brokers import Harness, eventually
 from ..support.faststream_worker import FastStreamWorker
+from ..support.proxy import Proxy
 from ..support.workers import WorkerProcess, wait_for
 
 INTERVAL = "0.5"  # seconds between two flushes: the test waits a few of them
@@ -227,3 +231,39 @@ def test_counts__purge_deletes_the_rows_of_workers_gone_longer_than_its_window(
         }
     kept = {("gone", "shipping")} if consumer else set()
     assert left == {("live", "billing"), ("live", "shipping")} | kept
+
+
+# -- a database outage ---------------------------------------------------------------------------
+
+
+def test_counts__a_database_outage_is_logged_once_and_loses_no_count(
+    pg_engine: Any, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker's flusher that reaches PostgreSQL through a proxy we can break
+    proxy = Proxy(services.postgres_address())
+    engine = sync_engine(services.via_port(pg_url, proxy.port), pool_pre_ping=True)
+    counts = Tally()
+    flusher = CountFlusher.for_engine(engine, InboxSchema(), 60.0, source=counts)
+    caplog.set_level(logging.INFO, logger="inbox_middleware")
+    try:
+        counts.count("billing", "duplicate")
+        flusher.flush()
+        # When the database is unreachable for three flushes while counts grow
+        proxy.down()
+        proxy.cut()
+        for _ in range(3):
+            counts.count("billing", "duplicate")
+            counts.count("billing", "no_identity")
+            flusher.flush()
+        # Then the outage is logged once, and the first flush after it writes everything
+        proxy.up()
+        flusher.flush()
+    finally:
+        engine.dispose()
+        proxy.close()
+    assert list(count_rows(pg_engine).values()) == [{"duplicate": 4, "no_identity": 3}]
+    lines = [r.getMessage() for r in caplog.records]
+    failed = [line for line in lines if "could not write the inbox's settlement counts" in line]
+    assert len(failed) == 1, lines
+    assert "[SQL" not in failed[0]
+    assert sum("written again" in line for line in lines) == 1
