@@ -2,7 +2,8 @@
 
 The adapters call `report` once per delivery, with the settlement the consumption core
 chose; the claim's own decisions (claimed, duplicate, conflict) are logged where they
-are made, in the executors.
+are made, in the executors. Every settlement is counted here too, in memory (`tally`),
+for the ``inbox_counts`` rows ``inbox-middleware status`` reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .consumption import (
 )
 from .exceptions import IdentityError, PayloadNotHashable
 from .instruments import metrics
+from .tally import outcome_of, tally
 
 __all__ = ["report"]
 
@@ -36,6 +38,7 @@ def report(
     """Log and count ``settlement`` of ``arrival`` for ``consumer``; ``where`` names the
     dead-letter path (``the dead-letter queue``, ``orders.dead-letter``), ``message`` the
     broker's id of the message (for a message without a usable identity of its own)."""
+    tally.count(consumer, outcome_of(settlement))  # in memory; flushed to inbox_counts
     if type(settlement) is Duplicate or (
         type(settlement) is Processed
         and settlement.verdict is not None

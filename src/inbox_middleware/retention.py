@@ -35,6 +35,7 @@ from .instruments import metrics
 from .poison import EXPIRED_REDELIVERY
 from .policy import ExpiredPolicy
 from .protocol import Delivery
+from .storage.counts import purge_counts
 from .storage.retention import (
     all_policy_rows,
     consumers_with_rows,
@@ -306,7 +307,8 @@ def purge(
     """Delete claims processed more than ``older_than`` ago, batch by batch; return how many.
 
     Call `check_window` first. Failure counts and stored outputs older than the window go
-    too (an output is written in its claim's transaction, so it is as old as its claim).
+    too (an output is written in its claim's transaction, so it is as old as its claim),
+    and the settlement counts of workers that have not written them for that long.
     """
     if batch_size <= 0:
         raise ConfigurationError("batch_size must be positive")
@@ -326,7 +328,13 @@ def purge(
     with engine.begin() as conn:
         conn.execute(statements.failures, params)
         conn.execute(statements.outputs, params)
+        # the settlement counts of workers not heard from for the whole window
+        conn.execute(purge_counts(naming, engine.dialect.name), _count_params(params))
     return total
+
+
+def _count_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {"seconds": params["seconds"], "consumer": params["consumer"]}
 
 
 def purgeable(

@@ -7,8 +7,12 @@ policies. The rest, on a PostgreSQL table too big to count on demand (above
 `EXACT_BELOW_BYTES`), comes from the catalog: row counts from ``pg_class.reltuples``,
 per-consumer totals from ``pg_stats``' most common values; the oldest claim is found
 through ``pg_stats``' histogram of ``processed_at`` (the first bucket that holds a row,
-read through the BRIN index). Duplicates are never written to the database, so their
-counts come from the metrics endpoint when one is given.
+read through the BRIN index). Duplicates and messages without identity leave no row of
+their own: each worker counts every settlement in memory and writes its cumulative counts
+to ``inbox_counts`` every few seconds (`inbox_middleware.tally`), so their totals since
+each worker started are read from there, approximate (a SIGKILLed worker loses its last
+interval); per-producer duplicates and shadow-mode counts come from the metrics endpoint
+when one is given.
 
 `snapshot` gathers everything ``inbox-middleware status`` shows, as JSON-ready data in
 the shape of `SCHEMA`; `table_gauges` the subset the metrics endpoint exports.
@@ -25,6 +29,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from .storage.counts import CountTotals, count_totals
 from .storage.inspection import (
     EXACT_BELOW_BYTES,
     OutboxBacklog,
@@ -43,6 +48,7 @@ from .storage.inspection import (
     table_sizes,
 )
 from .storage.tables import ALL_CONSUMERS, TABLES, InboxSchema
+from .tally import OUTCOMES
 
 __all__ = [
     "EXACT_BELOW_BYTES",
@@ -153,6 +159,7 @@ def snapshot(
         repairs=pending_repairs(conn, naming),
         retention=retention_windows(conn, naming),
         counters=counters,
+        counted=count_totals(conn, naming, now - window),
     )
     if facts.estimated:
         facts.consumer_totals, facts.share = estimated_consumer_totals(
@@ -165,6 +172,7 @@ def snapshot(
     pairs = set(consumer_pairs(conn, naming)) | set(facts.recent) | set(facts.conflicts)
     names = {c for c, _ in pairs} | {r.consumer for r in facts.repairs}
     names |= {name for name in facts.retention if name != ALL_CONSUMERS}
+    names |= {name for name, _ in facts.counted.counts}
     if counters:
         pairs |= {(k[0], k[1]) for k in counters.get("messages", {})}
         names |= {k[0] for k in counters.get("messages", {})}
@@ -193,6 +201,13 @@ def snapshot(
         ],
         "outbox": _outbox(now, outbox),
         "oldest_unprocessed": _oldest_unprocessed(now, facts.repairs, outbox),
+        "counted": {
+            "approximate": True,
+            "workers": facts.counted.workers,
+            "live_workers": facts.counted.live_workers,
+            "since": _iso(facts.counted.since),
+            "updated_at": _iso(facts.counted.updated_at),
+        },
         "metrics": {"source": metrics_source, "error": metrics_error},
     }
 
@@ -209,6 +224,7 @@ class _Facts:
     repairs: list[PendingRepairs]
     retention: dict[str, tuple[int, str]]
     counters: Mapping[str, Mapping[tuple[str, ...], float]] | None
+    counted: CountTotals
     totals: dict[tuple[str, str], int] = field(default_factory=dict)
     consumer_totals: dict[str, int] = field(default_factory=dict)
     share: int | None = None
@@ -268,6 +284,7 @@ class _Facts:
             "awaiting_recovery": sum(r.awaiting_recovery for r in mine.values()),
             "oldest_unprocessed_at": _iso(min(waiting, default=None)),
             "retention": self.horizon(name),
+            "counted": {o: self.counted.counts.get((name, o), 0) for o in OUTCOMES},
             "producers": producers,
         }
 
@@ -396,6 +413,7 @@ SCHEMA: dict[str, Any] = {
                         "oldest_poison_pending_at": _TIME,
                         "awaiting_recovery": _COUNT,
                         "oldest_unprocessed_at": _TIME,
+                        "counted": _object(dict.fromkeys(OUTCOMES, _COUNT)),
                         "retention": {
                             "oneOf": [
                                 {"type": "null"},
@@ -462,6 +480,15 @@ SCHEMA: dict[str, Any] = {
                     ),
                 ]
             },
+            "counted": _object(
+                {
+                    "approximate": {"const": True},
+                    "workers": _COUNT,
+                    "live_workers": _COUNT,
+                    "since": _TIME,
+                    "updated_at": _TIME,
+                }
+            ),
             "metrics": _object(
                 {"source": {"type": ["string", "null"]}, "error": {"type": ["string", "null"]}}
             ),

@@ -18,6 +18,7 @@ INBOX_TEST_REDIS_URL      Redis for the group barriers (GroupCallbacks) and the 
                           (Results) of either broker
 INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: the
                           library's)
+INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ broker.add_middleware(
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
         **_patience,
+        count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
     )
 )
 dramatiq.set_broker(broker)

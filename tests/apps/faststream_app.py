@@ -24,6 +24,7 @@ INBOX_TEST_UNGUARDED      "1": the broker is not wrapped with inbox.guard (the s
                           check runs at the first message)
 INBOX_TEST_REDELIVERY_LIMIT  the consumers' redelivery_limit (default: the library's)
 INBOX_TEST_RETRY_BACKOFF  "first,limit": the hand-back backoff in seconds (default 0.1,1.0)
+INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 """
 
 from __future__ import annotations
@@ -113,7 +114,12 @@ if "INBOX_TEST_REDELIVERY_LIMIT" in ENV:
     settings["redelivery_limit"] = int(ENV["INBOX_TEST_REDELIVERY_LIMIT"])
 first, limit = (float(s) for s in ENV.get("INBOX_TEST_RETRY_BACKOFF", "0.1,1.0").split(","))
 inbox = FastStreamInbox(
-    engine, naming=naming, lock_timeout=30, retry_backoff=(first, limit), **settings
+    engine,
+    naming=naming,
+    lock_timeout=30,
+    retry_backoff=(first, limit),
+    count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
+    **settings,
 )
 broker = _broker([CrashPoints, inbox.middleware])
 app = FastStream(broker if ENV.get("INBOX_TEST_UNGUARDED") == "1" else inbox.guard(broker))

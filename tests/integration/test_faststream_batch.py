@@ -19,6 +19,7 @@ from inbox_middleware.faststream import (
 from inbox_middleware.faststream.payload import delivery, headers_identity
 from inbox_middleware.protocol import Decision
 from inbox_middleware.storage import Inbox
+from inbox_middleware.tally import tally
 
 from ..apps.domain import apply_credit_async, effects
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
@@ -74,6 +75,7 @@ async def test_faststream_batch__one_claim_first_seen_to_the_handler_each_settle
     # Given o-2 processed before, and o-3 processed before with another amount
     claim_directly(pg_engine, *order("o-2", 20))
     claim_directly(pg_engine, *order("o-3", 30))
+    before = tally.totals()
     calls: list[tuple[list[dict[str, Any]], list[tuple[Decision | None, str | None]]]] = []
 
     @h.subscribe(inbox.consumer("billing"), batch=True)
@@ -134,6 +136,13 @@ async def test_faststream_batch__one_claim_first_seen_to_the_handler_each_settle
     assert json.loads(body) == {"account": 7, "delta": 5}
     assert seen.outcomes == ["processed"]
     assert await h.leftover() == 0
+    # ... and each message counted for inbox_counts, as a single delivery's settlement is
+    counted = {
+        outcome: count - before.get((consumer, outcome), 0)
+        for (consumer, outcome), count in tally.totals().items()
+        if consumer == "billing" and count != before.get((consumer, outcome), 0)
+    }
+    assert counted == {"processed": 2, "duplicate": 2, "quarantined": 1, "no_identity": 1}
 
 
 async def test_faststream_batch__failure_hands_back_the_batch_then_applies_each_once(

@@ -174,20 +174,24 @@ def test_status__table_names_the_figures_and_what_is_missing(pg_url, seeded):
 
 
 def test_status__says_plainly_which_figures_need_the_metrics(pg_url, seeded):
-    # Given no metrics endpoint, then the figures the database does not hold say so in
-    # their cells (not a bare "-"), and the note names each and how to get them
+    # Given no metrics endpoint and no worker count rows yet, then a consumer's
+    # duplicates and no-identity cells read the (approximate) count rows, the figures only
+    # the metrics hold say so in their cells (not a bare "-"), and the note names each
     shown = cli(pg_url, "status")
-    billing = next(line for line in shown.splitlines() if seeded["billing"] in line)
-    assert "needs metrics" in billing
-    waiting = [line for line in shown.splitlines() if seeded["billing"] in line][-1]
-    assert "needs metrics" in waiting  # the "no identity" column
+    rows = [line for line in shown.splitlines() if seeded["billing"] in line]
+    assert "≈0" in rows[0]  # the consumer's duplicates, from the count rows
+    producers = [line for line in shown.splitlines() if "needs metrics" in line]
+    assert producers  # duplicates by producer and shadow counts
+    assert "≈0" in rows[1]  # the "no identity" column
+    assert "none written yet" in shown
     note = " ".join(shown.split())
     assert (
-        "duplicates, shadow-processed and no-identity counts are never written to the "
-        "database: they come from the workers' metrics (Prometheus, with "
-        "PROMETHEUS_MULTIPROC_DIR set for the workers and `inbox-middleware metrics serve` "
-        "over it); pass --metrics-url to show them"
+        "≈ marks counts the workers wrote to the database every few seconds, totals since "
+        "each worker started (a worker killed with SIGKILL loses its last few seconds); "
+        "duplicates by producer, shadow-processed counts, rates within the window and "
+        "latencies need the workers' metrics"
     ) in note
+    assert "pass --metrics-url to show them" in note
 
 
 def test_status__reads_duplicates_from_the_metrics_endpoint(pg_url, seeded):

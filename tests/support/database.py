@@ -109,6 +109,7 @@ def truncate(engine_url: str) -> None:
                 "inbox_poison",
                 "inbox_retention",
                 "inbox_outputs",
+                "inbox_counts",
                 *domain.TABLES,
             ]
         )

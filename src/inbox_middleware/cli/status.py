@@ -220,12 +220,16 @@ _NEEDS_METRICS = "needs metrics"
 def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
-    # Duplicates, shadow-mode and no-identity counts live only in the workers' metrics:
-    # without an endpoint, their cells say so rather than a bare "-".
+    # Per-producer duplicates and shadow-mode counts live only in the workers' metrics:
+    # without an endpoint, their cells say so rather than a bare "-". A consumer's
+    # duplicates and messages without identity come from the workers' count rows then
+    # (≈: approximate, totals since each worker started).
     unread = data["metrics"]["source"] is None
 
-    def _m(value: int | None) -> str:
-        return _NEEDS_METRICS if unread and value is None else _n(value)
+    def _m(value: int | None, counted: int | None = None) -> str:
+        if unread and value is None:
+            return _NEEDS_METRICS if counted is None else f"≈{counted:,}"
+        return _n(value)
 
     out = console()
     window = _age(data["window_seconds"])
@@ -248,7 +252,7 @@ def _print_status(data: dict[str, Any]) -> None:
             _n(consumer["recent_claims"]),
             f"{consumer['claims_per_second']:.2f}",
             when(consumer["last_processed_at"]),
-            _m(consumer["duplicates"]),
+            _m(consumer["duplicates"], consumer["counted"]["duplicate"]),
             _n(consumer["conflicts"]),
             "",
         )
@@ -285,13 +289,14 @@ def _print_status(data: dict[str, Any]) -> None:
             _n(consumer["poison_pending"]),
             _n(consumer["awaiting_recovery"]),
             when(consumer["oldest_unprocessed_at"]),
-            _m(consumer["missing_identity"]),
+            _m(consumer["missing_identity"], _no_identity(consumer["counted"])),
             "-"
             if retention is None
             else f"{_age(retention['minimum_seconds'])} ({retention['recorded_for']})",
         )
     out.print(waiting)
 
+    _print_counted(out, data)
     outbox = data["outbox"]
     out.print(
         f"[bold]outbox[/bold]: {outbox['pending']:,} pending (oldest "
@@ -315,15 +320,62 @@ def _print_status(data: dict[str, Any]) -> None:
     metrics = data["metrics"]
     if metrics["source"] is None:
         notes.append(
-            "duplicates, shadow-processed and no-identity counts are never written to the "
-            "database: they come from the workers' metrics (Prometheus, with "
+            "≈ marks counts the workers wrote to the database every few seconds, totals "
+            "since each worker started (a worker killed with SIGKILL loses its last few "
+            "seconds); duplicates by producer, shadow-processed counts, rates within the "
+            "window and latencies need the workers' metrics (Prometheus, with "
             "PROMETHEUS_MULTIPROC_DIR set for the workers and `inbox-middleware metrics "
-            "serve` over it); pass --metrics-url to show them"
+            "serve` over it): pass --metrics-url to show them"
         )
     elif metrics["error"]:
         notes.append(f"the metrics endpoint could not be read: {metrics['error']}")
     for note in notes:
         out.print(f"[dim]{note}[/dim]")
+
+
+_COUNTED = {
+    "processed": "processed",
+    "duplicate": "duplicates",
+    "quarantined": "quarantined",
+    "no_identity": "no identity",
+    "unprotected": "unprotected",
+    "dead_lettered": "dead-lettered",
+    "poisoned": "poisoned",
+    "failed": "failed",
+    "handed_back": "handed back",
+}
+
+
+def _no_identity(counted: dict[str, int]) -> int:
+    """Messages without a usable identity: dead-lettered, or processed by policy."""
+    return counted["no_identity"] + counted["unprotected"]
+
+
+def _print_counted(out: Any, data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    counted = data["counted"]
+    if not counted["workers"]:
+        out.print(
+            "[bold]settlements counted by the workers[/bold]: none written yet (workers "
+            "write them every few seconds; count_interval=None turns it off)"
+        )
+        return
+    table = Table(
+        title=f"settlements counted by the workers, approximate: since {when(counted['since'])}"
+        f", last written {when(counted['updated_at'])}, {counted['workers']:,} worker "
+        f"process{'' if counted['workers'] == 1 else 'es'} ({counted['live_workers']:,} "
+        "wrote within the last "
+        f"{_age(data['window_seconds'])})",
+        title_justify="left",
+    )
+    table.add_column("consumer")
+    for label in _COUNTED.values():
+        table.add_column(label, justify="right")
+    for consumer in data["consumers"]:
+        mine = consumer["counted"]
+        table.add_row(consumer["consumer"], *(f"≈{mine[key]:,}" for key in _COUNTED))
+    out.print(table)
 
 
 def _print_explanation(data: dict[str, Any]) -> None:

@@ -72,10 +72,12 @@ from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySett
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
+from ..tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
 from .boot import QuietSkips, WorkerBootError, check_database
 from .context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
+from .counts import count_flusher
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
 from .routing import QuarantinePublisher, publisher_for
 
@@ -154,6 +156,8 @@ class InboxMiddleware(dramatiq.Middleware):
         The producer's trace joins through `StampTraceContext`.
       hand_back_patience: seconds a hand-back keeps trying to enqueue the message again
         while the broker is unreachable, before it leaves the message to Retries.
+      count_interval: seconds between two writes of the worker's settlement counts to
+        ``inbox_counts`` (what ``inbox-middleware status`` shows); None: not written.
       policy: the consumer settings (`ConsumerPolicy`: missing identities, permanent
         errors, redeliveries, retention, shadow mode, outputs, direct sends), documented
         there once. Here ``max_attempts`` defaults to None: Dramatiq's Retries bounds
@@ -191,6 +195,7 @@ class InboxMiddleware(dramatiq.Middleware):
         tracing: Any = False,
         hand_back_patience: float = 60.0,
         startup_patience: float = DEFAULT_STARTUP_PATIENCE,
+        count_interval: float | None = DEFAULT_COUNT_INTERVAL,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
@@ -232,6 +237,8 @@ class InboxMiddleware(dramatiq.Middleware):
         self._requeue = threading.local()  # a failed message Retries must enqueue again
         self._quiet = QuietSkips()
         self.tracing = tracing_for(tracing)
+        self.count_interval = check_interval(count_interval)
+        self._counts: CountFlusher | None = None
 
     if not TYPE_CHECKING:  # hidden from mypy, which would accept any attribute then
 
@@ -543,7 +550,14 @@ class InboxMiddleware(dramatiq.Middleware):
             return
         check_database(self.inbox, self.async_inbox, worker.worker_threads, self.startup_patience)
 
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if self._actors and self._counts is None:
+            self._counts = count_flusher(self.inbox, self.async_inbox, self.count_interval)
+
     def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        counts, self._counts = self._counts, None
+        if counts is not None:  # its last flush, while the event loop still runs
+            counts.stop()
         # asyncpg connections belong to Dramatiq's event loop; close them on it while it
         # still runs (AsyncIO stops it in its own after_worker_shutdown, which runs after
         # this one when AsyncIO was added first, as usual).

@@ -28,6 +28,7 @@ from ..exceptions import (
 )
 from ..instruments import metrics
 from ..protocol import Decision, Delivery, Verdict
+from ..tally import tally
 from .brokers import Item
 from .context import BatchItem
 from .outcome import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
@@ -104,6 +105,7 @@ async def _consume(
 
     outcome = None
     reject: InboxError | None = None
+    gone = "dead_lettered"  # what a rejected batch's messages are counted as
     try:
         if claims:
             outcome = await sub.storage.process_batch([c for _, c in claims], body)
@@ -112,11 +114,15 @@ async def _consume(
     except Exception as exc:
         reject = await _failed(sub, claims, exc)
         if reject is None:
+            transient = isinstance(exc, TransientError | SchemaError)
+            _count(sub, "handed_back" if transient else "failed", len(items))
             return await _tell_batch(sub, trace, message, key, error=exc)
+        gone = "poisoned"
     try:
         if reject is not None:
             for index, item in enumerate(items):
                 await _dead_letter(sub, message, item, index, reject)
+            _count(sub, gone, len(items))
         else:
             verdicts = outcome.verdicts if outcome is not None else ()
             for (index, claim), verdict in zip(claims, verdicts, strict=True):
@@ -124,12 +130,30 @@ async def _consume(
                     await _quarantine(sub, items[index], claim, verdict)
             for index, error in rejected.items():
                 await _dead_letter(sub, message, items[index], index, error)
+            for verdict in verdicts:
+                _count(sub, _COUNTED[verdict.decision] if not verdict.shadow else "processed")
+            _count(sub, "no_identity", len(rejected))
     except Exception as exc:
+        _count(sub, "handed_back", len(items))
         return await _tell_batch(sub, trace, message, key, error=exc)
     if outcome is None or reject is not None:
         return await _tell_batch(sub, trace, message, key)
     ran = any(verdict.runs_handler for verdict in outcome.verdicts)
     return await _tell_batch(sub, trace, message, key, result=outcome.result, ran=ran)
+
+
+_COUNTED = {
+    Decision.FIRST: "processed",
+    Decision.DUPLICATE: "duplicate",
+    Decision.CONFLICT: "quarantined",
+}
+
+
+def _count(sub: BatchSubscription, outcome: str, times: int = 1) -> None:
+    """Count a batch's messages for ``inbox_counts``, as `outcomes.report` counts one
+    delivery's settlement (see `inbox_middleware.tally`)."""
+    for _ in range(times):
+        tally.count(sub.consumer.name, outcome)
 
 
 async def _failed(

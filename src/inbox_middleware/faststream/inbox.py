@@ -29,6 +29,7 @@ from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
+from ..tally import DEFAULT_COUNT_INTERVAL, AsyncCountFlusher, check_interval
 from ..tracing import tracing_for
 from .boot import refuse_start, watch_supervisor
 from .brokers import adapter_for
@@ -78,6 +79,9 @@ class FastStreamInbox:
         global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
         It nests under the span of FastStream's `TelemetryMiddleware` when that middleware
         comes before ``inbox.middleware``, else under the producer's context in the headers.
+      count_interval: seconds between two writes of the process's settlement counts to
+        ``inbox_counts`` (what ``inbox-middleware status`` shows), from when the start-up
+        check runs until the guarded broker stops; None: not written.
       policy: the consumer settings (`ConsumerPolicy`: missing identities, attempts,
         redeliveries, retention, shadow mode, the hand-back backoff, outputs, direct
         publishes), documented there once.
@@ -101,6 +105,7 @@ class FastStreamInbox:
         check_database: bool = True,
         startup_patience: float = DEFAULT_STARTUP_PATIENCE,
         tracing: Any = False,
+        count_interval: float | None = DEFAULT_COUNT_INTERVAL,
         policy: ConsumerPolicy | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
@@ -121,6 +126,9 @@ class FastStreamInbox:
         # Delays of the messages of a refused subscriber, held back.
         self.backoff = HandBackDelays(*self.policy.retry_backoff)
         self.tracing = tracing_for(tracing)
+        self.counts: AsyncCountFlusher | None = None
+        if (interval := check_interval(count_interval)) is not None:
+            self.counts = AsyncCountFlusher.for_engine(engine, self.storage.naming, interval)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
         # Verdicts by subscriber object, forgotten with it: FastStream keeps a broker's
@@ -206,6 +214,16 @@ class FastStreamInbox:
 
         setattr(guarded_start, _MARK, self)
         broker.start = guarded_start  # type: ignore[attr-defined]
+        stop = broker.stop  # type: ignore[attr-defined]
+
+        async def guarded_stop(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await stop(*args, **kwargs)
+            finally:
+                if self.counts:  # the last flush, once the subscribers stopped
+                    await self.counts.stop()
+
+        broker.stop = guarded_stop  # type: ignore[attr-defined]
         declare = broker.subscriber  # type: ignore[attr-defined]
 
         def subscriber(*args: Any, **kwargs: Any) -> Any:
@@ -296,6 +314,8 @@ class FastStreamInbox:
             self._subscriptions[f.subscriber] = subscriptions.get(id(f.subscriber))
             self._refused.pop(f.subscriber, None)
             self._waiting.pop(f.subscriber, None)
+        if self.counts and subscriptions:
+            self.counts.start()
         for subscription in fresh.values():
             logger.info(
                 "inbox consumer %s protects %s (quarantine %s, dead letters %s)",

@@ -98,6 +98,7 @@ def _tables(naming: InboxSchema) -> dict[str, Table]:
         "inbox_poison": t.poison,
         "inbox_retention": t.retention,
         "inbox_outputs": t.outputs,
+        "inbox_counts": t.counts,
     }
 
 

@@ -39,6 +39,7 @@ TABLES = (
     "inbox_poison",
     "inbox_retention",
     "inbox_outputs",
+    "inbox_counts",
 )
 """Every table the library owns, without prefix."""
 
@@ -225,6 +226,16 @@ class InboxTables:
             Column("content_type", Text),
             Column("headers", _JSON, nullable=False),
             Column("created_at", _TIMESTAMP, nullable=False),
+        )
+        self.counts = Table(
+            name("inbox_counts"),
+            self.metadata,
+            Column("worker", Text, primary_key=True),
+            Column("consumer_name", Text, primary_key=True),
+            Column("outcome", Text, primary_key=True),
+            Column("count", BigInteger, nullable=False),
+            Column("since", _TIMESTAMP, nullable=False),
+            Column("updated_at", _TIMESTAMP, nullable=False),
         )
         self.version = Table(
             name("inbox_schema_version"),
