@@ -40,8 +40,9 @@ class Boom(Exception):
     pass
 
 
-def script(raised: BaseException | None, attempts: int = 1) -> Any:
-    """A ``perform`` whose handler raises ``raised``; the failure count is ``attempts``."""
+def script(raised: BaseException | None, attempts: int = 1, redeliveries: int = 0) -> Any:
+    """A ``perform`` whose handler raises ``raised``; the failure count is ``attempts``, the
+    redeliveries the database counted ``redeliveries``."""
 
     def perform(op: Op) -> Any:
         match op:
@@ -52,7 +53,9 @@ def script(raised: BaseException | None, attempts: int = 1) -> Any:
             case CountFailure():
                 return attempts
             case CountRedelivery():
-                return SimpleNamespace(redeliveries=0, failures=0, hand_backs=0, claimed=False)
+                return SimpleNamespace(
+                    redeliveries=redeliveries, failures=0, hand_backs=0, claimed=False
+                )
             case RecordPoison(reason=reason, attempts=count):
                 return SimpleNamespace(id=12, attempts=count, reason=reason)
             case Publish():
@@ -119,10 +122,11 @@ def test_outputs_failed__kept_as_poison_when_the_attempts_run_out() -> None:
 
 
 def test_redelivery_limit__a_crash_loop_is_poison_that_no_attempt_failed() -> None:
-    # Given a message the broker delivered 12 times, each ending with a dead worker
+    # Given a message the broker delivered 12 times, each ending with a dead worker (each
+    # redelivery reached the database, which counted 11)
     crashed = Arrival(DELIVERY, deliveries=12, redelivered=True)
     rules = ConsumerPolicy(max_attempts=None, redelivery_limit=10)
-    settlement = drive(settle_steps(crashed, rules), script(None))
+    settlement = drive(settle_steps(crashed, rules), script(None, redeliveries=11))
     # Then it is poison, and no exception failed it: no on_failure, no on_retry_exhausted
     assert isinstance(settlement, Poisoned)
     assert (settlement.reason, settlement.failure, settlement.exhausted) == (
