@@ -103,7 +103,7 @@ async def test_faststream_kafka_example__guard_accepts_it_and_it_applies_once(
 async def test_faststream_nats_example__guard_accepts_it_and_it_applies_once(
     pg_async_engine, pg_engine
 ):
-    snippet = load("nats")
+    snippet = load("nats_jetstream")
     subject = Harness("nats", []).source
     stream = f"S{subject}".upper()
     _, broker = snippet.build(pg_async_engine, services.NATS, subject, stream)
