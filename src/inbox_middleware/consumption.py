@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Generator, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeVar
@@ -56,6 +56,10 @@ __all__ = [
     "REDELIVERY_LIMIT",
     "RETRIES_EXHAUSTED",
     "Arrival",
+    "BatchArrival",
+    "BatchProcessed",
+    "BatchRejected",
+    "BatchSettlement",
     "CountFailure",
     "CountHandBack",
     "CountRedelivery",
@@ -67,6 +71,7 @@ __all__ = [
     "Op",
     "Poisoned",
     "Process",
+    "ProcessBatch",
     "Processed",
     "Publish",
     "Quarantined",
@@ -85,6 +90,7 @@ __all__ = [
     "outputs_failed_steps",
     "reason_code",
     "rejection_details",
+    "settle_batch_steps",
     "settle_steps",
 ]
 
@@ -248,6 +254,16 @@ class Publish:
 
     route: Route
     details: dict[str, Any]
+    item: int | None = None
+    """The batch item it concerns (its index in the batch); None: the whole message."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessBatch:
+    """Claim every delivery of a batch, run the handler on the first-seen ones and
+    commit, in one transaction; answer the storage `BatchOutcome` (one verdict each)."""
+
+    deliveries: tuple[Delivery, ...]
 
 
 Op = (
@@ -259,6 +275,7 @@ Op = (
     | RecordPoison
     | LoadOutputs
     | Publish
+    | ProcessBatch
 )
 
 
@@ -607,9 +624,9 @@ def _failed(
     try:
         attempts: int = yield CountFailure(delivery, error)
         if code is None:
-            exhausted = _last(arrival, rules, attempts, exc)
+            exhausted = _last(rules, attempts, exc, arrival.gives_up)
             if exhausted:
-                code = RETRIES_EXHAUSTED if not isinstance(exc, InboxError) else INBOX_ERROR
+                code = _exhausted(exc)
         if code is None:
             return HandedBack(exc, counted=True, delay=_requested_delay(exc))
         record = yield RecordPoison(delivery, code, error, attempts)
@@ -624,12 +641,23 @@ def _failed(
     return (yield from _dead_letter(poisoned, delivery))
 
 
-def _last(arrival: Arrival, rules: Rules, attempts: int, exc: BaseException) -> bool:
+def _last(
+    rules: Rules,
+    attempts: int,
+    exc: BaseException,
+    gives_up: Callable[[BaseException], bool] | None = None,
+) -> bool:
     """Whether this failed attempt was the last one allowed: by ``max_attempts``, or by
-    the framework's own retry budget."""
+    the framework's own retry budget (``gives_up``). The one place that says so, for a
+    message, its outputs and a batch alike."""
     if rules.max_attempts is not None and attempts >= rules.max_attempts:
         return True
-    return arrival.gives_up is not None and arrival.gives_up(exc)
+    return gives_up is not None and gives_up(exc)
+
+
+def _exhausted(exc: BaseException) -> str:
+    """The reason code of a message whose attempts ran out with ``exc``."""
+    return INBOX_ERROR if isinstance(exc, InboxError) else RETRIES_EXHAUSTED
 
 
 def outputs_failed_steps(
@@ -647,7 +675,7 @@ def outputs_failed_steps(
     error = describe(exc)
     try:
         attempts: int = yield CountFailure(delivery, error)
-        if not _last(arrival, rules, attempts, exc):
+        if not _last(rules, attempts, exc, arrival.gives_up):
             return HandedBack(exc, counted=True)
         record = yield RecordPoison(delivery, OUTPUTS_UNDELIVERABLE, error, attempts)
     except Exception as trouble:
@@ -655,6 +683,139 @@ def outputs_failed_steps(
         return HandedBack(exc, counted=False)
     poisoned = Poisoned(OUTPUTS_UNDELIVERABLE, record, error, exc, exhausted=True)
     return (yield from _dead_letter(poisoned, delivery))
+
+
+# -- batches --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchArrival:
+    """A batch subscriber's messages as the adapter read them, to be claimed, handled and
+    committed as a whole."""
+
+    deliveries: tuple[tuple[int, Delivery], ...]
+    """The items with a usable identity, each with its index in the batch."""
+    problems: tuple[tuple[int, InboxError], ...] = ()
+    """The items without one, with why: dead-lettered one by one after the commit."""
+    size: int = 0
+    """How many items the batch has (those without an identity included)."""
+    declared_consumer: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchProcessed:
+    """The batch committed (or nothing in it had an identity): its conflicts were
+    quarantined and its items without an identity dead-lettered (``dead_lettered``); ack."""
+
+    result: Any
+    verdicts: tuple[Verdict, ...]
+    dead_lettered: tuple[int, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        """Whether the handler ran (something in the batch was first seen)."""
+        return any(verdict.runs_handler for verdict in self.verdicts)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRejected:
+    """The batch failed for good (``reason``: a reason code, or ``handler_rejected`` and
+    ``unfit`` when nothing was recorded): each item kept as poison (``records``, when its
+    attempts ran out or the failure is permanent) and dead-lettered; ack."""
+
+    reason: str
+    error: InboxError
+    records: tuple[Any, ...]
+    dead_lettered: tuple[int, ...]
+    failure: BaseException | None = None
+
+
+BatchSettlement = BatchProcessed | BatchRejected | HandedBack
+
+
+def settle_batch_steps(batch: BatchArrival, rules: Rules) -> Generator[Op, Any, BatchSettlement]:
+    """Decide one batch; yields the operations to perform, returns its settlement.
+
+    A batch is one attempt for each of its messages: a failure counts against each, the
+    batch's last attempt is the last of the message closest to ``max_attempts``, and a
+    permanent failure (``permanent_errors``, the handler's own commit) keeps each as
+    poison at once, as for one message. The redelivery limit and the retention window
+    apply to one message at a time only (see the limits page).
+    """
+    claims = [claim for _, claim in batch.deliveries]
+    everything = tuple(range(batch.size))
+    outcome = None
+    if claims:
+        try:
+            outcome = yield ProcessBatch(tuple(claims))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            failed = yield from _batch_failed(batch, rules, exc)
+            if isinstance(failed, HandedBack):
+                return failed
+            return (yield from _batch_dead_letter(batch, failed, everything))
+    verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
+    try:
+        for (index, claim), verdict in zip(batch.deliveries, verdicts, strict=True):
+            if verdict.decision is Decision.CONFLICT and not verdict.shadow:
+                yield Publish(Route.QUARANTINE, conflict_details(claim, verdict), index)
+    except Exception as exc:
+        return HandedBack(exc, counted=False)
+    result = outcome.result if outcome is not None else None
+    processed = BatchProcessed(result, verdicts, tuple(index for index, _ in batch.problems))
+    return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered))
+
+
+def _batch_failed(
+    batch: BatchArrival, rules: Rules, exc: Exception
+) -> Generator[Op, Any, BatchRejected | HandedBack]:
+    """The batch rolled back with ``exc``: hand it back, or count it against each of its
+    messages, or keep each as poison."""
+    if isinstance(exc, RejectRequested):
+        return BatchRejected(HANDLER_REJECTED, InboxError(str(exc)), (), ())
+    if isinstance(exc, Unfit):
+        return BatchRejected("unfit", exc, (), ())
+    if isinstance(exc, TransientError | SchemaError):
+        return HandedBack(exc, counted=False)
+    code = reason_code(exc, rules.permanent_errors)
+    error = describe(exc)
+    try:
+        counts: list[int] = []
+        for _, claim in batch.deliveries:
+            counts.append((yield CountFailure(claim, error)))
+        if code is None and not _last(rules, max(counts), exc):
+            return HandedBack(exc, counted=True)
+        code = code or _exhausted(exc)
+        records = []
+        for (_, claim), attempts in zip(batch.deliveries, counts, strict=True):
+            records.append((yield RecordPoison(claim, code, error, attempts)))
+    except Exception:
+        # Not recorded (the database may be down): nothing may be dropped, so the batch
+        # is handed back whatever kind of failure this was, counted against nothing.
+        return HandedBack(exc, counted=False)
+    why = InboxError(
+        f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
+    )
+    return BatchRejected(code, why, tuple(records), (), exc)
+
+
+def _batch_dead_letter(
+    batch: BatchArrival, settlement: BatchProcessed | BatchRejected, indexes: tuple[int, ...]
+) -> Generator[Op, Any, BatchSettlement]:
+    """Publish each of ``indexes`` to the dead-letter destination, then settle."""
+    problems = dict(batch.problems)
+    try:
+        for index in indexes:
+            error = settlement.error if isinstance(settlement, BatchRejected) else problems[index]
+            details = rejection_details(error, batch.declared_consumer, batch.source)
+            yield Publish(Route.DEAD_LETTER, details, index)
+    except Exception as exc:
+        return HandedBack(exc, counted=False)
+    if isinstance(settlement, BatchRejected):
+        return replace(settlement, dead_lettered=indexes)
+    return settlement
 
 
 def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:

@@ -71,6 +71,12 @@ PUBLIC = {
     },
     "inbox_middleware.consumption": {
         "Arrival",
+        "BatchArrival",
+        "BatchProcessed",
+        "BatchRejected",
+        "BatchSettlement",
+        "ProcessBatch",
+        "settle_batch_steps",
         "CountFailure",
         "CountHandBack",
         "CountRedelivery",
