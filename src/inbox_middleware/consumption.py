@@ -77,6 +77,7 @@ __all__ = [
     "Quarantined",
     "RecordPoison",
     "RejectRequested",
+    "RetryBudget",
     "Route",
     "Rules",
     "RunUnprotected",
@@ -130,6 +131,26 @@ class Rules(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class RetryBudget:
+    """The framework's own retry budget as the message carries it (Dramatiq's Retries:
+    the ``retries`` made so far, the ``max_retries`` allowed, the user's ``retry_when``).
+    No retrying middleware at all is a budget of none: ``RetryBudget(0, 0)``."""
+
+    retries: int
+    max_retries: int | None
+    retry_when: Callable[[int, BaseException], bool] | None = None
+    """When given, decides alone whether to retry (after ``retries`` retries, this error)."""
+
+    def ends_with(self, exc: BaseException) -> bool:
+        """Whether the framework gives up after this failure."""
+        if isinstance(exc, HandBackRequested) and exc.cause is not None:
+            exc = exc.cause  # the framework's own Retry, judged as itself
+        if self.retry_when is not None:
+            return not self.retry_when(self.retries, exc)
+        return self.max_retries is not None and self.retries >= self.max_retries
+
+
+@dataclass(frozen=True, slots=True)
 class Arrival:
     """One delivery as the adapter read it from the framework's message."""
 
@@ -143,9 +164,9 @@ class Arrival:
     """The broker says an earlier delivery ended without an outcome (or was handed back)."""
     repair_marker: str | None = None
     """``poison:12`` or ``quarantine:7`` on a redriven or accepted message."""
-    gives_up: Callable[[BaseException], bool] | None = None
-    """Whether the framework's own retry budget ends with this failure (Dramatiq's
-    Retries): the inbox records poison then, so no message dies without a record."""
+    retry_budget: RetryBudget | None = None
+    """The framework's own retry budget (Dramatiq's Retries), when it has one: the inbox
+    records poison when a failure ends it, so no message dies without a record."""
     interrupts: tuple[type[BaseException], ...] = ()
     """Framework interruptions that are failures of the attempt (Dramatiq's time limit)."""
     shutdowns: tuple[type[BaseException], ...] = ()
@@ -624,7 +645,7 @@ def _failed(
     try:
         attempts: int = yield CountFailure(delivery, error)
         if code is None:
-            exhausted = _last(rules, attempts, exc, arrival.gives_up)
+            exhausted = _last(rules, attempts, exc, arrival.retry_budget)
             if exhausted:
                 code = _exhausted(exc)
         if code is None:
@@ -642,17 +663,14 @@ def _failed(
 
 
 def _last(
-    rules: Rules,
-    attempts: int,
-    exc: BaseException,
-    gives_up: Callable[[BaseException], bool] | None = None,
+    rules: Rules, attempts: int, exc: BaseException, budget: RetryBudget | None = None
 ) -> bool:
     """Whether this failed attempt was the last one allowed: by ``max_attempts``, or by
-    the framework's own retry budget (``gives_up``). The one place that says so, for a
-    message, its outputs and a batch alike."""
+    the framework's own retry budget. The one place that says so, for a message, its
+    outputs and a batch alike."""
     if rules.max_attempts is not None and attempts >= rules.max_attempts:
         return True
-    return gives_up is not None and gives_up(exc)
+    return budget is not None and budget.ends_with(exc)
 
 
 def _exhausted(exc: BaseException) -> str:
@@ -675,7 +693,7 @@ def outputs_failed_steps(
     error = describe(exc)
     try:
         attempts: int = yield CountFailure(delivery, error)
-        if not _last(rules, attempts, exc, arrival.gives_up):
+        if not _last(rules, attempts, exc, arrival.retry_budget):
             return HandedBack(exc, counted=True)
         record = yield RecordPoison(delivery, OUTPUTS_UNDELIVERABLE, error, attempts)
     except Exception as trouble:

@@ -38,6 +38,7 @@ from inbox_middleware.consumption import (
     RecordPoison,
     RedeliveryCount,
     RejectRequested,
+    RetryBudget,
     Route,
     RunUnprotected,
     Unfit,
@@ -486,7 +487,7 @@ ROWS: dict[str, Row] = {
         expect={"reason": INBOX_ERROR},
     ),
     "the framework's retries end with this failure: poisoned, retries_exhausted": Row(
-        {"gives_up": lambda exc: True},
+        {"retry_budget": RetryBudget(0, 0)},
         {Process: [Boom()], CountFailure: [1], RecordPoison: [POISON], Publish: [None]},
         ["Process", "CountFailure", "RecordPoison", "Publish"],
         Poisoned,
@@ -685,7 +686,7 @@ OUTPUT_ROWS: dict[str, Row] = {
         expect={"reason": OUTPUTS_UNDELIVERABLE},
     ),
     "the framework gives up: poisoned, outputs_undeliverable": Row(
-        {"gives_up": lambda exc: True},
+        {"retry_budget": RetryBudget(0, 0)},
         {CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]},
         ["CountFailure", "RecordPoison", "Publish"],
         Poisoned,
@@ -726,3 +727,39 @@ def test_core__every_arrow_has_a_row() -> None:
         "CountFailure",
         "CountHandBack",
     }
+
+
+# -- the framework's retry budget: "is this the last attempt?" --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "raised", "last"),
+    [
+        (RetryBudget(retries=0, max_retries=0), Boom(), True),  # no Retries middleware
+        (RetryBudget(retries=2, max_retries=3), Boom(), False),
+        (RetryBudget(retries=3, max_retries=3), Boom(), True),
+        (RetryBudget(retries=99, max_retries=None), Boom(), False),
+        # retry_when decides alone when given, with the count and the handler's error
+        (RetryBudget(5, 3, retry_when=lambda count, exc: count < 9), Boom(), False),
+        (RetryBudget(0, 3, retry_when=lambda count, exc: isinstance(exc, Boom)), KeyError(), True),
+        # a Retry the handler raised is judged as itself, not as the core's wrapper
+        (
+            RetryBudget(0, 3, retry_when=lambda count, exc: isinstance(exc, Boom)),
+            HandBackRequested(cause=Boom()),
+            False,
+        ),
+    ],
+)
+def test_core__the_frameworks_retry_budget_says_whether_this_attempt_was_the_last(
+    budget: RetryBudget, raised: BaseException, last: bool
+) -> None:
+    script = Script(
+        {Process: [raised], CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]}
+    )
+    settled = run(
+        arrival(retry_budget=budget), script, replace(ConsumerPolicy(), max_attempts=None)
+    )
+    assert type(settled) is (Poisoned if last else HandedBack), settled
+    if last:
+        assert isinstance(settled, Poisoned)
+        assert settled.reason == RETRIES_EXHAUSTED and settled.exhausted

@@ -76,6 +76,7 @@ PUBLIC = {
         "BatchRejected",
         "BatchSettlement",
         "ProcessBatch",
+        "RetryBudget",
         "settle_batch_steps",
         "CountFailure",
         "CountHandBack",

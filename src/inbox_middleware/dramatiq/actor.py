@@ -41,6 +41,7 @@ from ..consumption import (
     Processed,
     Publish,
     RejectRequested,
+    RetryBudget,
     Route,
     RunUnprotected,
     drive,
@@ -109,9 +110,9 @@ class ActorHost(Protocol):
 
     def settle(self, bound: InboxActor, pending: Pending, settlement: Settlement) -> Any: ...
 
-    def gives_up(
-        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy, exc: BaseException
-    ) -> bool: ...
+    def retry_budget(
+        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy
+    ) -> RetryBudget: ...
 
     def quarantine(
         self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]
@@ -189,7 +190,7 @@ class InboxActor:
             # RabbitMQ quorum queues count deliveries (QuorumRabbitmqBroker reads them)
             "deliveries": getattr(message, DELIVERIES, None),
             "repair_marker": message.options.get(OPTION_REPAIR),
-            "gives_up": functools.partial(self.middleware.gives_up, self.actor, message),
+            "retry_budget": self.middleware.retry_budget(self.actor, message),
             "interrupts": (TimeLimitExceeded,),
             "shutdowns": (Shutdown,),
             # Dramatiq retries a failure as a new message: only a delivery that ended

@@ -62,6 +62,7 @@ from ..consumption import (
     Poisoned,
     Processed,
     Quarantined,
+    RetryBudget,
     Settlement,
 )
 from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
@@ -206,7 +207,7 @@ class InboxMiddleware(dramatiq.Middleware):
             self.async_inbox = AsyncInbox(async_engine, **storage)
         if self.inbox is None and self.async_inbox is None:
             raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
-        # Dramatiq's Retries bounds the attempts (see gives_up), unless one is set here.
+        # Dramatiq's Retries bounds the attempts (see retry_budget), unless one is set here.
         self.policy = (policy or ConsumerPolicy(max_attempts=None)).override(**settings)
         self.quarantine_queue = quarantine_queue
         self.quarantine_publisher = quarantine_publisher
@@ -501,23 +502,17 @@ class InboxMiddleware(dramatiq.Middleware):
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker
 
-    def gives_up(
-        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy, exc: BaseException
-    ) -> bool:
-        """Will Dramatiq's Retries give up after this failure?"""
+    def retry_budget(self, actor: dramatiq.Actor[Any, Any], message: MessageProxy) -> RetryBudget:
+        """Dramatiq's Retries' budget for ``message``, as Retries reads it (the consumption
+        core decides whether a failure ends it)."""
         retries = self.retries
         if retries is None:
-            return True
-        if isinstance(exc, HandBackRequested) and exc.cause is not None:
-            exc = exc.cause
-        count = message.options.get("retries", 0)
+            return RetryBudget(0, 0)  # nothing retries: every failure is the last
         retry_when = actor.options.get("retry_when", retries.retry_when)
-        if retry_when is not None:
-            return not retry_when(count, exc)
         limit = message.options.get(
             "max_retries", actor.options.get("max_retries", retries.max_retries)
         )
-        return limit is not None and count >= limit
+        return RetryBudget(message.options.get("retries", 0), limit, retry_when)
 
     def quarantine(self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]) -> None:
         """Publish a conflicting message to its actor's quarantine queue, with ``details``."""
