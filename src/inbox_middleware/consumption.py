@@ -19,6 +19,12 @@ tells the broker, in one ``match``::
                    │  or out of attempts ──> RecordPoison ──────────────> Poisoned
                    └─ otherwise ──> CountFailure ────────────────────────> HandedBack
 
+Where the adapter sends the stored output itself before the ack (``sends_outputs``:
+Dramatiq's pipeline steps and callbacks), a processed or duplicate delivery with an output
+yields `SendOutputs` before it settles; a failure there is `outputs_failed_steps`'s (the
+claim stays: handed back and counted, poison ``outputs_undeliverable`` when the attempts
+run out). A batch subscriber's messages are settled as a whole by `settle_batch_steps`.
+
 Settlement is total: an exception from any operation (the database at any step, a
 publish, the inbox's own bug) is decided here, never passed to the framework. An error
 the inbox cannot even record is a hand-back: the message stays with the broker.
@@ -81,6 +87,7 @@ __all__ = [
     "Route",
     "Rules",
     "RunUnprotected",
+    "SendOutputs",
     "Settlement",
     "Unfit",
     "conflict_details",
@@ -177,6 +184,10 @@ class Arrival:
     keeps_outputs: bool = False
     """Whether something downstream consumes the handler's result (publishers, a reply,
     a pipeline step): it is then stored with the claim, and a duplicate loads it."""
+    sends_outputs: bool = False
+    """Whether the adapter sends the stored output itself before the ack (Dramatiq's
+    pipeline step and ``on_success``): the core then yields `SendOutputs` and decides what
+    its failure means. Otherwise the framework publishes the settlement's output."""
     declared_consumer: str | None = None
     """The consumer the message was delivered to, known from the declaration even when
     the message has no usable identity (a dead letter names it)."""
@@ -269,6 +280,15 @@ class LoadOutputs:
 
 
 @dataclass(frozen=True, slots=True)
+class SendOutputs:
+    """Send what follows the committed ``delivery`` (its stored ``output``), before the
+    ack: a pipeline step, a callback. Raise when it could not be sent."""
+
+    delivery: Delivery
+    output: Output
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """Publish the message, confirmed, to its quarantine or dead-letter destination with
     ``details`` (what the repair tools read). Raise when the broker did not take it."""
@@ -297,6 +317,7 @@ Op = (
     | LoadOutputs
     | Publish
     | ProcessBatch
+    | SendOutputs
 )
 
 
@@ -500,7 +521,8 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         # nothing).
         recovered: str | None = outcome.recovered
         age = too_old[0] if too_old else None
-        return Processed(outcome.result, verdict, recovered, outcome.attempts, age)
+        processed = Processed(outcome.result, verdict, recovered, outcome.attempts, age)
+        return (yield from _send_outputs(arrival, rules, processed, outcome.result))
     if verdict.decision is Decision.DUPLICATE:
         if not arrival.keeps_outputs:
             return Duplicate(verdict)
@@ -508,7 +530,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
             output = yield LoadOutputs(delivery)
         except Exception as exc:
             return (yield from _hand_back(exc, delivery))
-        return Duplicate(verdict, output)
+        return (yield from _send_outputs(arrival, rules, Duplicate(verdict, output), output))
     assert verdict.quarantine is not None
     details = conflict_details(delivery, verdict)
     try:
@@ -519,6 +541,21 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     except Exception as exc:
         return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
+
+
+def _send_outputs(
+    arrival: Arrival, rules: Rules, settlement: Processed | Duplicate, output: Any
+) -> Generator[Op, Any, Settlement]:
+    """Where the adapter sends the stored output before the ack, send it; a failure is
+    decided by `outputs_failed_steps` (the claim stays, so the redelivery sends again)."""
+    if not arrival.sends_outputs or not isinstance(output, Output):
+        return settlement
+    assert arrival.delivery is not None
+    try:
+        yield SendOutputs(arrival.delivery, output)
+    except Exception as exc:
+        return (yield from outputs_failed_steps(arrival, rules, exc))
+    return settlement
 
 
 def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:

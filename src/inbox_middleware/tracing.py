@@ -219,6 +219,8 @@ class _Trace:
             return None
         if kind == "Publish":
             name, span_kind = f"inbox.publish {op.route.value}", self.tracing._kinds.PRODUCER
+        elif kind == "SendOutputs":
+            name, span_kind = "inbox.publish outputs", self.tracing._kinds.PRODUCER
         else:
             name, span_kind = f"inbox.record {_RECORDS.get(kind, kind)}", None
         delivery = getattr(op, "delivery", None)

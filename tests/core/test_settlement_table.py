@@ -41,6 +41,7 @@ from inbox_middleware.consumption import (
     RetryBudget,
     Route,
     RunUnprotected,
+    SendOutputs,
     Unfit,
     drive,
     outputs_failed_steps,
@@ -763,3 +764,77 @@ def test_core__the_frameworks_retry_budget_says_whether_this_attempt_was_the_las
     if last:
         assert isinstance(settled, Poisoned)
         assert settled.reason == RETRIES_EXHAUSTED and settled.exhausted
+
+
+# -- outputs the adapter sends before the ack (Dramatiq: pipeline steps, on_success) ----------
+
+SENT = {"keeps_outputs": True, "sends_outputs": True}
+
+SEND_ROWS: dict[str, Row] = {
+    "first seen: the stored outputs sent, then processed": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [None]},
+        ["Process", "SendOutputs"],
+        Processed,
+        expect={"result": OUTPUT},
+    ),
+    "a duplicate: the stored outputs loaded and sent again": Row(
+        SENT,
+        {Process: [DUPLICATE], LoadOutputs: [OUTPUT], SendOutputs: [None]},
+        ["Process", "LoadOutputs", "SendOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT},
+    ),
+    "a duplicate of a claim that stored nothing: nothing to send": Row(
+        SENT,
+        {Process: [DUPLICATE], LoadOutputs: [None]},
+        ["Process", "LoadOutputs"],
+        Duplicate,
+    ),
+    "the send failed with attempts left: handed back, counted (the claim stays)": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [ConnectionError("refused")], CountFailure: [1]},
+        ["Process", "SendOutputs", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 10},
+        expect={"counted": True},
+    ),
+    "the send failed on the last attempt: poisoned, outputs_undeliverable": Row(
+        SENT,
+        {
+            Process: [DUPLICATE],
+            LoadOutputs: [OUTPUT],
+            SendOutputs: [ConnectionError("refused")],
+            CountFailure: [10],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "LoadOutputs", "SendOutputs", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": OUTPUTS_UNDELIVERABLE, "exhausted": True},
+    ),
+    "the send failed for transient trouble: handed back, uncounted": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [TransientError()], CountHandBack: [None]},
+        ["Process", "SendOutputs", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the adapter publishes the result itself (FastStream): nothing sent here": Row(
+        {"keeps_outputs": True},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"result": OUTPUT},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SEND_ROWS))
+def test_core__outputs_sent_before_the_ack(name: str) -> None:
+    row = SEND_ROWS[name]
+    script = Script(row.answers, result=OUTPUT)
+    _check(row, script, run(arrival(**row.arrival), script, _settings(row)))
+    sent = [op for op in script.performed if isinstance(op, SendOutputs)]
+    assert all(op.output == OUTPUT and op.delivery == delivery() for op in sent)

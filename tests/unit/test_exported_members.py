@@ -77,6 +77,7 @@ PUBLIC = {
         "BatchSettlement",
         "ProcessBatch",
         "RetryBudget",
+        "SendOutputs",
         "settle_batch_steps",
         "CountFailure",
         "CountHandBack",

@@ -32,7 +32,6 @@ from sqlalchemy.orm import Session
 from .. import faults
 from ..consumption import (
     Arrival,
-    Duplicate,
     HandBackRequested,
     HandedBack,
     Op,
@@ -44,8 +43,8 @@ from ..consumption import (
     RetryBudget,
     Route,
     RunUnprotected,
+    SendOutputs,
     drive,
-    outputs_failed_steps,
     settle_steps,
 )
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
@@ -197,6 +196,7 @@ class InboxActor:
             # without an outcome comes back redelivered.
             "outcomes_redeliver": False,
             "keeps_outputs": self.keeps_outputs(message),
+            "sends_outputs": True,  # pipeline steps and on_success, before the ack
             "declared_consumer": self.consumer,
             "source": message.queue_name,
         }
@@ -274,7 +274,7 @@ class InboxActor:
         """Send what follows the committed ``delivery``: its pipeline step and its
         ``on_success`` callback, each with an identity derived from the delivery's (the
         callback exactly as the first delivery stored it). Runs before the ack; the
-        consumption core decides what a failure here means (`outputs_failed_steps`)."""
+        consumption core decides what a failure here means (`SendOutputs`)."""
         broker = self.actor.broker
         with self.middleware.continuing():
             target = message.options.get("pipe_target")
@@ -355,36 +355,13 @@ class InboxActor:
                 steps = trace.steps(settle_steps(pending.arrival, self.policy))
                 perform = functools.partial(self.perform, pending, args, kwargs)
                 settlement = drive(steps, perform)
-                settlement = self._outputs(pending, settlement, perform)
+                if isinstance(settlement, Processed) and settlement.verdict is None:
+                    self.unprotected_callback(pending.message, settlement.result)
             except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer)
                 settlement = HandedBack(exc, counted=True)
             trace.settled(settlement)
             return self.middleware.settle(self, pending, settlement)
-
-    def _outputs(
-        self, pending: Pending, settlement: Settlement, perform: Callable[[Op], Any]
-    ) -> Settlement:
-        """Send the outputs of a committed delivery (or of its duplicate); when that
-        fails, the consumption core decides what follows."""
-        assert pending.arrival is not None
-        match settlement:
-            case Processed(result=Output() as output) | Duplicate(output=Output() as output):
-                delivery = pending.arrival.delivery
-                assert delivery is not None
-                try:
-                    self.replay(pending.message, delivery, output)
-                except Exception as exc:
-                    logger.warning(
-                        "inbox consumer %s could not send the outputs of %s: %s",
-                        self.consumer,
-                        pending.message.message_id,
-                        exc,
-                    )
-                    return drive(outputs_failed_steps(pending.arrival, self.policy, exc), perform)
-            case Processed(result=result, verdict=None):
-                self.unprotected_callback(pending.message, result)
-        return settlement
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
@@ -426,6 +403,17 @@ class InboxActor:
             case Publish(route=Route.QUARANTINE, details=details):
                 faults.at("quarantine_publish", details.get("message_id"))
                 return self.middleware.quarantine(self, pending.message, details)
+            case SendOutputs(delivery=delivery, output=output):
+                try:
+                    return self.replay(pending.message, delivery, output)
+                except Exception as exc:
+                    logger.warning(
+                        "inbox consumer %s could not send the outputs of %s: %s",
+                        self.consumer,
+                        pending.message.message_id,
+                        exc,
+                    )
+                    raise
             case Publish():
                 # Dramatiq's dead-letter path is the broker's own: the message is failed
                 # when the middleware settles it.
