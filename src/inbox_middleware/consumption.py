@@ -228,13 +228,16 @@ class RedeliveryCount:
 @dataclass(frozen=True, slots=True)
 class Process:
     """Claim, run the handler (first seen) and commit, in one transaction; answer the
-    storage `Outcome`. ``expired`` runs after the claim and before the handler."""
+    storage `Outcome`."""
 
     delivery: Delivery
-    before_handler: Callable[[Verdict], None]
     repair_marker: str | None
     keeps_outputs: bool = False
     """Store the handler's result with the claim (see `Arrival.keeps_outputs`)."""
+    refuse_first_seen: PermanentError | None = None
+    """Raised, after the claim and instead of the handler, when the claim is first seen
+    (an expired redelivery the policy rejects): rolled back, then decided like any
+    permanent failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,25 +496,18 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
     if poisoned is not None:
         return (yield from _dead_letter(poisoned, delivery))
 
-    too_old: list[timedelta] = []
-
-    def before_handler(verdict: Verdict) -> None:
-        if verdict.decision is Decision.FIRST:
-            age = expired(delivery, rules.retention_window)
-            if age is None:
-                return
-            too_old.append(age)
-            if rules.expired_redelivery == "reject" and not delivery.shadow:
-                raise PermanentError(
-                    EXPIRED_REDELIVERY,
-                    f"a message produced {age} ago, beyond the {rules.retention_window} "
-                    "retention window: its claim may have been purged",
-                )
-
-    try:
-        outcome = yield Process(
-            delivery, before_handler, arrival.repair_marker, arrival.keeps_outputs
+    # Older than the retention window: if its claim turns out first seen, the claim of an
+    # earlier delivery may have been purged, so "first seen" cannot be trusted.
+    age = expired(delivery, rules.retention_window)
+    refusal = None
+    if age is not None and rules.expired_redelivery == "reject" and not delivery.shadow:
+        refusal = PermanentError(
+            EXPIRED_REDELIVERY,
+            f"a message produced {age} ago, beyond the {rules.retention_window} "
+            "retention window: its claim may have been purged",
         )
+    try:
+        outcome = yield Process(delivery, arrival.repair_marker, arrival.keeps_outputs, refusal)
     except BaseException as exc:
         return (yield from _failed(arrival, delivery, rules, exc))
     verdict: Verdict = outcome.verdict
@@ -520,8 +516,8 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         # own repair and marked it recovered in the same transaction (a stray marker is
         # nothing).
         recovered: str | None = outcome.recovered
-        age = too_old[0] if too_old else None
-        processed = Processed(outcome.result, verdict, recovered, outcome.attempts, age)
+        old = age if verdict.decision is Decision.FIRST else None
+        processed = Processed(outcome.result, verdict, recovered, outcome.attempts, old)
         return (yield from _send_outputs(arrival, rules, processed, outcome.result))
     if verdict.decision is Decision.DUPLICATE:
         if not arrival.keeps_outputs:

@@ -26,7 +26,7 @@ from inbox_middleware.consumption import (
 )
 from inbox_middleware.identity import MessageIdentity, PayloadHash
 from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Delivery, Verdict
+from inbox_middleware.protocol import Decision, Delivery, Verdict
 from inbox_middleware.storage import Outcome
 
 __all__ = ["Poison", "Script", "delivery", "run", "run_async"]
@@ -73,11 +73,11 @@ class Script:
         if isinstance(answer, BaseException):
             raise answer
         if isinstance(op, Process) and isinstance(answer, Outcome):
-            op.before_handler(answer.verdict)
+            _refuse(op, answer.verdict)
             self.raised[-1] = False
             return answer
         if isinstance(op, Process) and isinstance(answer, Verdict):
-            op.before_handler(answer)  # storage calls it after the claim, in the transaction
+            _refuse(op, answer)  # as storage does, after the claim, in the transaction
             result = self.result if answer.runs_handler else None
             self.raised[-1] = False
             return Outcome(answer, result, self.attempts)
@@ -87,6 +87,11 @@ class Script:
     @property
     def names(self) -> list[str]:
         return [type(op).__name__ for op in self.performed]
+
+
+def _refuse(op: Process, verdict: Verdict) -> None:
+    if op.refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+        raise op.refuse_first_seen
 
 
 def run(arrival: Arrival, script: Script, policy: ConsumerPolicy | None = None) -> Settlement:

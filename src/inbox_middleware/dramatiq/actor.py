@@ -379,21 +379,24 @@ class InboxActor:
         message_id = op.delivery.identity.message_id if isinstance(op, Process) else None
         match op:
             case Process(
-                delivery=delivery, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+                delivery=delivery,
+                repair_marker=marker,
+                keeps_outputs=keeps,
+                refuse_first_seen=refusal,
             ):
                 faults.at("before_claim", message_id)
                 keep = delivery if keeps else None
                 if self.is_async:
                     body = self._async_body(pending, args, kwargs, keep)
                     work = self._async_inbox.process(
-                        delivery, body, before_handler=before, repair_marker=marker
+                        delivery, body, repair_marker=marker, refuse_first_seen=refusal
                     )
                     return self._on_loop(work)
                 return self._inbox.process(
                     delivery,
                     self._body(pending, args, kwargs, keep),
-                    before_handler=before,
                     repair_marker=marker,
+                    refuse_first_seen=refusal,
                 )
             case RunUnprotected():
                 if self.is_async:

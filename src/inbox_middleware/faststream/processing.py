@@ -270,12 +270,12 @@ class Subscription:
         """Perform one operation of the consumption core for this message."""
         match op:
             case Process(
-                delivery=claim, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+                delivery=claim, repair_marker=marker, keeps_outputs=keeps, refuse_first_seen=refusal
             ):
                 faults.at("before_claim", claim.identity.message_id)
                 body = self.body(call_next, message, keep=claim if keeps else None)
                 return await self.storage.process(
-                    claim, body, before_handler=before, repair_marker=marker
+                    claim, body, repair_marker=marker, refuse_first_seen=refusal
                 )
             case RunUnprotected():
                 return await self.storage.transaction(self.body(call_next, message))

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from .. import faults, tracing
 from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
-from ..protocol import Delivery, Verdict
+from ..protocol import Decision, Delivery, Verdict
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,
@@ -94,16 +94,19 @@ class AsyncInbox(Executor):
         *,
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
+        refuse_first_seen: BaseException | None = None,
     ) -> Outcome[R]:
         """Claim ``delivery`` and, when it is first seen, await ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then. See
-        `Inbox.process` for ``before_handler`` and ``repair_marker``."""
+        `Inbox.process` for ``before_handler``, ``repair_marker`` and ``refuse_first_seen``."""
 
         recovered: list[str | None] = [None]
 
         async def body(session: AsyncSession, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+                raise refuse_first_seen
             recovered[0] = None
             if not verdict.runs_handler:
                 return None

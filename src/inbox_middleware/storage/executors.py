@@ -43,7 +43,7 @@ from ..consumption import (
 from ..exceptions import (
     ConfigurationError,
 )
-from ..protocol import Delivery, Verdict
+from ..protocol import Decision, Delivery, Verdict
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,
@@ -128,11 +128,14 @@ class Inbox(Executor):
         *,
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
+        refuse_first_seen: BaseException | None = None,
     ) -> Outcome[R]:
         """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then.
 
         ``before_handler`` sees the verdict first (and may raise to refuse the message);
+        ``refuse_first_seen`` is raised instead of running the handler when the claim is
+        first seen (the consumption core's refusal of an expired redelivery);
         ``repair_marker`` names the poison or quarantine row a first-seen message repairs,
         marked recovered in the same transaction."""
 
@@ -141,6 +144,8 @@ class Inbox(Executor):
         def body(session: Session, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+                raise refuse_first_seen
             recovered[0] = None
             if not verdict.runs_handler:
                 return None
