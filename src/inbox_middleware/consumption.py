@@ -52,7 +52,7 @@ from .exceptions import (
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
-from .protocol import Decision, Delivery, QuarantineRecord, Verdict
+from .protocol import Decision, Delivery, QuarantineRecord, ReasonCode, Verdict
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -60,7 +60,9 @@ __all__ = [
     "HANDLER_TRANSACTION",
     "INBOX_ERROR",
     "REDELIVERY_LIMIT",
+    "REMEMBERED_MESSAGES",
     "RETRIES_EXHAUSTED",
+    "UNIDENTIFIED_KEY_BYTES",
     "Arrival",
     "BatchArrival",
     "BatchProcessed",
@@ -102,13 +104,13 @@ __all__ = [
     "settle_steps",
 ]
 
-# Reason codes the library itself records.
-RETRIES_EXHAUSTED = "retries_exhausted"
-REDELIVERY_LIMIT = "redelivery_limit"
-EXPIRED_REDELIVERY = "expired_redelivery"
-HANDLER_REJECTED = "handler_rejected"
-HANDLER_TRANSACTION = "handler_transaction"
-INBOX_ERROR = "inbox_error"
+# The reason codes the core records, by their older names (see `ReasonCode`).
+RETRIES_EXHAUSTED = ReasonCode.RETRIES_EXHAUSTED
+REDELIVERY_LIMIT = ReasonCode.REDELIVERY_LIMIT
+EXPIRED_REDELIVERY = ReasonCode.EXPIRED_REDELIVERY
+HANDLER_REJECTED = ReasonCode.HANDLER_REJECTED
+HANDLER_TRANSACTION = ReasonCode.HANDLER_TRANSACTION
+INBOX_ERROR = ReasonCode.INBOX_ERROR
 
 _ERROR_TEXT = 2000  # longest error text kept
 
@@ -578,7 +580,7 @@ def conflict_details(delivery: Delivery, verdict: Verdict) -> dict[str, Any]:
     assert verdict.stored is not None
     assert verdict.quarantine is not None
     return {
-        "reason": "identity_conflict",
+        "reason": ReasonCode.IDENTITY_CONFLICT,
         "consumer": delivery.consumer,
         "producer": delivery.identity.producer,
         "tenant": delivery.identity.tenant,
@@ -917,6 +919,15 @@ async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awai
             answer, error = None, exc
 
 
+REMEMBERED_MESSAGES = 10_000
+"""How many messages a process remembers per-message hand-back state for (their delays,
+the hand-backs it could not record): the oldest are forgotten first."""
+
+UNIDENTIFIED_KEY_BYTES = 64
+"""The leading bytes of a body that key the hand-back delays of a message (or a batch)
+without a usable identity."""
+
+
 @dataclass(slots=True)
 class HandBackDelays:
     """Delays before a hand-back: doubling per hand-back of the same message from
@@ -924,7 +935,7 @@ class HandBackDelays:
 
     first: float
     limit: float
-    memory: int = 10_000
+    memory: int = REMEMBERED_MESSAGES
     _counts: dict[Hashable, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

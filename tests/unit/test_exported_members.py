@@ -78,6 +78,8 @@ PUBLIC = {
         "ProcessBatch",
         "RetryBudget",
         "SendOutputs",
+        "REMEMBERED_MESSAGES",
+        "UNIDENTIFIED_KEY_BYTES",
         "settle_batch_steps",
         "CountFailure",
         "CountHandBack",

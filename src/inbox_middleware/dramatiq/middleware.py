@@ -96,6 +96,11 @@ __all__ = [
 
 logger = logging.getLogger("inbox_middleware.dramatiq")
 
+# Waits between tries to enqueue a handed-back message again while its broker is out:
+# from a tenth of a second, doubling, at most five seconds apart.
+_REENQUEUE_FIRST_WAIT = 0.1
+_REENQUEUE_MAX_WAIT = 5.0
+
 # The longest a hand-back waits, whatever Retries' max_backoff (days, by default) says.
 _HAND_BACK_LIMIT = 300.0
 
@@ -480,7 +485,9 @@ class InboxMiddleware(dramatiq.Middleware):
         then acknowledge a message that nothing holds any more."""
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(self.hand_back_patience),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=5),
+            wait=tenacity.wait_exponential(
+                multiplier=_REENQUEUE_FIRST_WAIT, max=_REENQUEUE_MAX_WAIT
+            ),
             before_sleep=lambda state: logger.warning(
                 "could not hand message %s back (%s); trying again",
                 message.message_id,

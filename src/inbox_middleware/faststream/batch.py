@@ -98,7 +98,10 @@ async def _consume(
         except (IdentityError, PayloadNotHashable) as exc:
             metrics.missing_identity(sub.consumer.name, core.identity_reason(exc), "rejected")
             rejected[index] = exc
-    key = ("batch", claims[0][1].key if claims else bytes(items[0].body[:64]))
+    key = (
+        "batch",
+        claims[0][1].key if claims else bytes(items[0].body[: core.UNIDENTIFIED_KEY_BYTES]),
+    )
     arrival = BatchArrival(
         tuple(claims),
         tuple(rejected.items()),

@@ -382,7 +382,9 @@ class Subscription:
         with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
         self._report(message, item, arrival, settlement)
         claim = arrival.delivery
-        key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
+        key: Hashable = (
+            claim.key if claim else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
+        )
         name = self.consumer.name
         match settlement:
             case Processed(result=result):

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from .. import faults, tracing
 from ..consumption import (
+    REMEMBERED_MESSAGES,
     CountFailure,
     CountHandBack,
     CountRedelivery,
@@ -415,7 +416,7 @@ _TRANSACTION_CONTROL = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _IN_FAILED_TRANSACTION = "25P02"
-_UNRECORDED_MEMORY = 10_000
+_UNRECORDED_MEMORY = REMEMBERED_MESSAGES
 
 
 def _message_id(op: Op) -> str | None:
