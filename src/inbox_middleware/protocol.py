@@ -1,5 +1,28 @@
 """The claim protocol as pure decisions: no SQL, no I/O, no framework.
 
+The one telling of the story every adapter follows (the storage executors, Dramatiq's
+middleware and FastStream's processing link here). One attempt, in one transaction::
+
+    adapter                          PostgreSQL                    broker
+    -------                          ----------                    ------
+    identity, payload hash
+    BEGIN (READ COMMITTED)
+    INSERT claim ──────────────────> row (first seen) or conflict
+      first seen ──> handler(session), its writes in the same transaction
+      duplicate ───> (the stored hash matches) nothing runs
+      conflict ────> quarantine row
+    COMMIT ────────────────────────> durable
+    outputs sent (a reply, a pipeline step), when something consumes them
+    ack ──────────────────────────────────────────────────────────> settled
+    (killed before the ack: the message comes back, and is then a duplicate)
+
+    any exception ──> ROLLBACK (the claim goes with it) ──> retried at once (serialization
+                      failure, deadlock), or the consumption core decides: never an ack
+
+What follows the COMMIT (ack, quarantine, dead letter, hand-back) is decided by the
+consumption core (`inbox_middleware.consumption`), and each adapter tells its broker in
+one place.
+
 A delivery is claimed by inserting its key. The primary key serializes concurrent
 claims; nothing here reads before it writes::
 

@@ -2,18 +2,9 @@
 
 The middleware wraps the function of every actor declared with ``inbox_consumer``
 (`actor.InboxActor`). The worker acknowledges a message only after the actor call
-returns, so the order is fixed::
-
-    worker thread                    PostgreSQL                 broker
-    -------------                    ----------                 ------
-    before_process_message:
-      read identity, hash args
-    actor call:
-      BEGIN; INSERT claim ───────────> row (first) or conflict
-      actor body (current_session)
-      COMMIT ────────────────────────> durable
-    return ─────────────────────────────────────────────────────> ack
-    (a crash before this line leaves the message unacked: redelivered, then a duplicate)
+returns, so the transaction drawn in `inbox_middleware.protocol` (BEGIN, claim, the actor's
+body with `current_session`, COMMIT) runs inside the actor call and the ack follows it;
+``before_process_message`` reads the identity and hashes the arguments first.
 
 Every delivery ends in one settlement of the consumption core, and `settle` tells
 Dramatiq what it means, in one place: return the result (processed; where something

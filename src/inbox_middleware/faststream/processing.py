@@ -4,21 +4,12 @@
 core with this subscriber's I/O (`_perform`: the claim's transaction, the bookkeeping,
 the quarantine and dead-letter publishes), and tells the broker the settlement in one
 place (`_tell`), before FastStream's acknowledgement middleware gets to the message; that
-middleware then finds it settled and does nothing, whatever the subscriber's ack policy::
-
-    inbox middleware                 PostgreSQL                    broker
-    ----------------                 ----------                    ------
-    headers -> identity, body -> hash
-    BEGIN; INSERT claim ───────────> row (first) or conflict
-    handler(body, session)
-    COMMIT ────────────────────────> durable
-    ack ──────────────────────────────────────────────────────────> settled
-    (killed before this line: the message comes back, and is then a duplicate)
-
-    duplicate ─────── COMMIT (nothing) ─────── ack, the handler skipped
-    conflict ──────── COMMIT quarantine row ── publish to <source>.quarantine, ack
-    no/bad identity ─ nothing written ──────── publish to <source>.dead-letter, ack
-    failure ───────── ROLLBACK ─────────────── wait (bounded backoff), hand back (nack)
+middleware then finds it settled and does nothing, whatever the subscriber's ack policy.
+The transaction and the ack follow the story drawn in `inbox_middleware.protocol`; what
+the settlements mean here: a duplicate is acked with the handler skipped; a conflict is
+published to ``<source>.quarantine`` (its row committed), then acked; a message without a
+usable identity is published to ``<source>.dead-letter``, then acked; a failure waits a
+bounded backoff, then is handed back (nacked).
 
 While the handler runs, every settling method of the message is refused (``ack()``,
 ``nack()``, ``reject()``, NATS's ``ack_sync()``, a Redis entry's ``delete()``, and those of

@@ -3,14 +3,10 @@
 `Inbox` drives a synchronous `Engine` (psycopg, sqlite3); `AsyncInbox` (in `.aio`, which
 needs SQLAlchemy's asyncio extra) an `AsyncEngine` (asyncpg). Both feed the same
 `protocol.claim_steps` machine with the same `ClaimStatements`, and decide retries with
-the same `base.Attempts`; they differ only in whether a call is awaited. One attempt is::
-
-    BEGIN (READ COMMITTED)
-    claim ── FIRST ────────> handler(session) ──> COMMIT ──> return: caller may ack
-          ├─ DUPLICATE ────────────────────────> COMMIT ──> return: caller acks
-          └─ CONFLICT ──> quarantine row ──────> COMMIT ──> return: caller routes, acks
-    any exception ──> ROLLBACK (claim gone with it) ──> retry now (serialization
-                      failure, deadlock) or raise: the message must not be acked
+the same `base.Attempts`; they differ only in whether a call is awaited. One attempt is
+the transaction drawn in `inbox_middleware.protocol`: `process` returns after the COMMIT
+(only then may the caller ack), and raises after the ROLLBACK (the message must not be
+acked), once the serialization failures and deadlocks it retries at once are spent.
 
 An interruption that is not an `Exception` (a time limit, a task cancellation) can land
 in the middle of a driver call; the connection is then invalidated, never reused.
