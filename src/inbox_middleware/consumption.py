@@ -42,7 +42,6 @@ from typing import Any, Literal, Protocol, TypeVar
 from .exceptions import (
     DatabaseUnavailable,
     HandlerTransactionError,
-    IdentityError,
     InboxError,
     MissingIdentity,
     PayloadNotHashable,
@@ -953,7 +952,3 @@ class HandBackDelays:
 
     def forget(self, key: Hashable) -> None:
         self._counts.pop(key, None)
-
-
-def is_identity_problem(exc: BaseException) -> bool:
-    return isinstance(exc, IdentityError | PayloadNotHashable)

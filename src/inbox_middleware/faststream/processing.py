@@ -105,16 +105,7 @@ from .payload import CanonicalForm, delivery, headers_identity
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
 
-__all__ = [
-    "CONFLICT_HEADER",
-    "REJECTED_HEADER",
-    "REPAIR_HEADER",
-    "HandBackDelays",
-    "HandedBack",
-    "Skipped",
-    "Subscription",
-    "Unfit",
-]
+__all__ = ["Subscription"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
 
