@@ -75,6 +75,7 @@ __all__ = [
     "HandBackRequested",
     "HandedBack",
     "LoadOutputs",
+    "Observer",
     "Op",
     "Poisoned",
     "Process",
@@ -114,6 +115,7 @@ INBOX_ERROR = ReasonCode.INBOX_ERROR
 _ERROR_TEXT = 2000  # longest error text kept
 
 S = TypeVar("S")
+T = TypeVar("T")
 
 
 class Rules(Protocol):
@@ -886,8 +888,23 @@ def _requested_delay(exc: BaseException) -> float | None:
 # -- drivers ----------------------------------------------------------------------------------
 
 
-def drive(steps: Generator[Op, Any, S], perform: Callable[[Op], Any]) -> S:
-    """Run ``steps`` to its end, performing each operation with ``perform``."""
+class Observer(Protocol):
+    """Watches the steps a trampoline drives (tracing does): told before an operation is
+    performed, after it (with its answer, or its error), and of the steps' result. What
+    ``started`` returns is handed back to ``ended``. An observer never changes an
+    outcome: it must not raise."""
+
+    def started(self, op: Any) -> Any: ...
+    def ended(self, op: Any, started: Any, answer: Any, error: BaseException | None) -> None: ...
+    def finished(self, result: Any) -> None: ...
+
+
+def drive(
+    steps: Generator[T, Any, S], perform: Callable[[T], Any], observer: Observer | None = None
+) -> S:
+    """Run ``steps`` to its end, performing each operation with ``perform``: the one
+    trampoline of the library (the core's settlements, the claim protocol's statements).
+    An operation's exception is thrown into ``steps``, which decide what it means."""
     answer: Any = None
     error: BaseException | None = None
     while True:
@@ -895,14 +912,23 @@ def drive(steps: Generator[Op, Any, S], perform: Callable[[Op], Any]) -> S:
             op = steps.send(answer) if error is None else steps.throw(error)
         except StopIteration as done:
             result: S = done.value
+            if observer is not None:
+                observer.finished(result)
             return result
+        started = observer.started(op) if observer is not None else None
         try:
             answer, error = perform(op), None
         except BaseException as exc:
             answer, error = None, exc
+        if observer is not None:
+            observer.ended(op, started, answer, error)
 
 
-async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awaitable[Any]]) -> S:
+async def drive_async(
+    steps: Generator[T, Any, S],
+    perform: Callable[[T], Awaitable[Any]],
+    observer: Observer | None = None,
+) -> S:
     """`drive` for operations that are awaited."""
     answer: Any = None
     error: BaseException | None = None
@@ -911,11 +937,16 @@ async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awai
             op = steps.send(answer) if error is None else steps.throw(error)
         except StopIteration as done:
             result: S = done.value
+            if observer is not None:
+                observer.finished(result)
             return result
+        started = observer.started(op) if observer is not None else None
         try:
             answer, error = await perform(op), None
         except BaseException as exc:
             answer, error = None, exc
+        if observer is not None:
+            observer.ended(op, started, answer, error)
 
 
 REMEMBERED_MESSAGES = 10_000

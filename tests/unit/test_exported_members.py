@@ -77,6 +77,7 @@ PUBLIC = {
         "BatchSettlement",
         "ProcessBatch",
         "RetryBudget",
+        "Observer",
         "SendOutputs",
         "REMEMBERED_MESSAGES",
         "UNIDENTIFIED_KEY_BYTES",

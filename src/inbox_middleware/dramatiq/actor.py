@@ -352,9 +352,9 @@ class InboxActor:
         carrier = pending.message.options.get(TRACE_OPTION)
         with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
             try:
-                steps = trace.steps(settle_steps(pending.arrival, self.policy))
+                steps = settle_steps(pending.arrival, self.policy)
                 perform = functools.partial(self.perform, pending, args, kwargs)
-                settlement = drive(steps, perform)
+                settlement = drive(steps, perform, trace.observer)
                 if isinstance(settlement, Processed) and settlement.verdict is None:
                     self.unprotected_callback(pending.message, settlement.result)
             except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries

@@ -175,9 +175,9 @@ class Subscription:
         with self.tracing.delivery(self.consumer.name, item.headers) as trace:
             try:
                 arrival = self.arrival(message, item)
-                steps = trace.steps(settle_steps(arrival, self.policy))
+                steps = settle_steps(arrival, self.policy)
                 perform = partial(self._perform, call_next, message, item)
-                settlement = await drive_async(steps, perform)
+                settlement = await drive_async(steps, perform, trace.observer)
             except Exception as exc:  # the inbox's own bug: the message stays with the broker
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
                 settlement = core.HandedBack(exc, counted=False)

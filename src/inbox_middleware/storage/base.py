@@ -27,9 +27,11 @@ from ..consumption import (
     CountHandBack,
     CountRedelivery,
     LoadOutputs,
+    Observer,
     Op,
     RecordPoison,
     RedeliveryCount,
+    drive,
 )
 from ..exceptions import (
     ClaimInProgress,
@@ -254,7 +256,7 @@ class Executor:
         conn.info.pop(ABORTED, None)
         attempts.clock = perf_counter()
         with tracing.claim(attempts.number) as traced:
-            verdict = _drive(traced.steps(attempts.steps()), conn, self.statements)
+            verdict = _drive(attempts.steps(), conn, self.statements, traced.observer)
         attempts.claim_took()
         attempts.bind(session, verdict)
         enter_handler(session, conn)
@@ -387,21 +389,23 @@ def any_first_seen(verdicts: Sequence[Verdict]) -> bool:
     return any(verdict.runs_handler for verdict in verdicts)
 
 
-def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
+def _drive(
+    steps: Generator[Step, Any, V],
+    conn: Connection,
+    statements: ClaimStatements,
+    observer: Observer | None,
+) -> V:
+    """Perform the claim protocol's steps on ``conn``, through the one trampoline."""
     dbapi, direct = driver_path(conn, statements)
-    try:
-        step = next(steps)
-        while True:
-            statement, params = statements.statement(step)
-            compiled = direct.get(type(step))
-            if compiled is not None:
-                answer = on_driver(conn, dbapi, compiled, step, params)
-            else:
-                answer = statements.result(step, conn.execute(statement, params))
-            step = steps.send(answer)
-    except StopIteration as done:
-        verdict: V = done.value
-        return verdict
+
+    def perform(step: Step) -> Any:
+        statement, params = statements.statement(step)
+        compiled = direct.get(type(step))
+        if compiled is not None:
+            return on_driver(conn, dbapi, compiled, step, params)
+        return statements.result(step, conn.execute(statement, params))
+
+    return drive(steps, perform, observer)
 
 
 ABORTED = "inbox_middleware.aborted"
