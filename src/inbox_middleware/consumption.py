@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Generator, Hashable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .exceptions import (
     DatabaseUnavailable,
@@ -51,6 +51,7 @@ from .exceptions import (
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
+from .policy import ConsumerPolicy
 from .protocol import Decision, Delivery, QuarantineRecord, ReasonCode, Verdict
 
 __all__ = [
@@ -118,23 +119,8 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 
-class Rules(Protocol):
-    """The consumer settings the core reads (`policy.ConsumerPolicy` has them all)."""
-
-    @property
-    def missing_identity(self) -> Literal["reject", "process", "broker_id"]: ...
-    @property
-    def permanent_errors(self) -> tuple[type[BaseException], ...]: ...
-    @property
-    def max_attempts(self) -> int | None: ...
-    @property
-    def redelivery_limit(self) -> int | None: ...
-    @property
-    def retention_window(self) -> timedelta | None: ...
-    @property
-    def expired_redelivery(self) -> Literal["reject", "process"]: ...
-    @property
-    def shadow(self) -> bool: ...
+Rules = ConsumerPolicy
+"""The consumer settings the core reads: the policy itself (an older name)."""
 
 
 # -- what arrives -------------------------------------------------------------------------
@@ -487,7 +473,7 @@ def _transient(exc: BaseException, arrival: Arrival) -> bool:
     return bool(arrival.shutdowns) and isinstance(exc, arrival.shutdowns)
 
 
-def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     """Decide one delivery; yields the operations to perform, returns its settlement."""
     delivery = arrival.delivery
     if delivery is None:
@@ -543,7 +529,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
 
 
 def _send_outputs(
-    arrival: Arrival, rules: Rules, settlement: Processed | Duplicate, output: Any
+    arrival: Arrival, rules: ConsumerPolicy, settlement: Processed | Duplicate, output: Any
 ) -> Generator[Op, Any, Settlement]:
     """Where the adapter sends the stored output before the ack, send it; a failure is
     decided by `outputs_failed_steps` (the claim stays, so the redelivery sends again)."""
@@ -557,7 +543,7 @@ def _send_outputs(
     return settlement
 
 
-def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+def _without_identity(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     problem = arrival.problem
     assert problem is not None
     if rules.shadow or (
@@ -636,7 +622,7 @@ def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, S
 
 
 def _limit_redeliveries(
-    arrival: Arrival, delivery: Delivery, rules: Rules
+    arrival: Arrival, delivery: Delivery, rules: ConsumerPolicy
 ) -> Generator[Op, Any, Poisoned | None]:
     """Bound crash loops: a message the broker keeps redelivering with no outcome (its
     worker killed, out of memory) is kept as poison after ``redelivery_limit``.
@@ -663,7 +649,7 @@ def _limit_redeliveries(
 
 
 def _failed(
-    arrival: Arrival, delivery: Delivery, rules: Rules, exc: BaseException
+    arrival: Arrival, delivery: Delivery, rules: ConsumerPolicy, exc: BaseException
 ) -> Generator[Op, Any, Settlement]:
     """The attempt rolled back with ``exc``: hand back, or count, or keep as poison."""
     if not isinstance(exc, Exception) and not isinstance(
@@ -699,7 +685,7 @@ def _failed(
 
 
 def _last(
-    rules: Rules, attempts: int, exc: BaseException, budget: RetryBudget | None = None
+    rules: ConsumerPolicy, attempts: int, exc: BaseException, budget: RetryBudget | None = None
 ) -> bool:
     """Whether this failed attempt was the last one allowed: by ``max_attempts``, or by
     the framework's own retry budget. The one place that says so, for a message, its
@@ -715,7 +701,7 @@ def _exhausted(exc: BaseException) -> str:
 
 
 def outputs_failed_steps(
-    arrival: Arrival, rules: Rules, exc: BaseException
+    arrival: Arrival, rules: ConsumerPolicy, exc: BaseException
 ) -> Generator[Op, Any, Settlement]:
     """The delivery committed, but publishing its outputs failed with ``exc``: the claim
     (and the stored outputs) stay, the message is handed back, and its redelivery is a
@@ -788,7 +774,9 @@ class BatchRejected:
 BatchSettlement = BatchProcessed | BatchRejected | HandedBack
 
 
-def settle_batch_steps(batch: BatchArrival, rules: Rules) -> Generator[Op, Any, BatchSettlement]:
+def settle_batch_steps(
+    batch: BatchArrival, rules: ConsumerPolicy
+) -> Generator[Op, Any, BatchSettlement]:
     """Decide one batch; yields the operations to perform, returns its settlement.
 
     A batch is one attempt for each of its messages: a failure counts against each, the
@@ -823,7 +811,7 @@ def settle_batch_steps(batch: BatchArrival, rules: Rules) -> Generator[Op, Any, 
 
 
 def _batch_failed(
-    batch: BatchArrival, rules: Rules, exc: Exception
+    batch: BatchArrival, rules: ConsumerPolicy, exc: Exception
 ) -> Generator[Op, Any, BatchRejected | HandedBack]:
     """The batch rolled back with ``exc``: hand it back, or count it against each of its
     messages, or keep each as poison."""
