@@ -217,7 +217,7 @@ class RedeliveryCount:
 @dataclass(frozen=True, slots=True)
 class Process:
     """Claim, run the handler (first seen) and commit, in one transaction; answer the
-    storage `Outcome`."""
+    storage `Committed`."""
 
     delivery: Delivery
     repair_marker: str | None
@@ -294,7 +294,7 @@ class Publish:
 @dataclass(frozen=True, slots=True)
 class ProcessBatch:
     """Claim every delivery of a batch, run the handler on the first-seen ones and
-    commit, in one transaction; answer the storage `BatchOutcome` (one verdict each)."""
+    commit, in one transaction; answer the storage `BatchCommitted` (one verdict each)."""
 
     deliveries: tuple[Delivery, ...]
 

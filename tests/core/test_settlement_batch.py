@@ -44,7 +44,7 @@ from inbox_middleware.exceptions import (
 from inbox_middleware.identity import MessageIdentity, PayloadHash
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
-from inbox_middleware.storage.base import BatchOutcome
+from inbox_middleware.storage.base import BatchCommitted
 
 from .script import Poison, Script
 
@@ -94,8 +94,8 @@ class Row:
     expect: dict[str, Any] = field(default_factory=dict)
 
 
-def outcome(*verdicts: Verdict) -> BatchOutcome[Any]:
-    return BatchOutcome(verdicts, "batch result")
+def outcome(*verdicts: Verdict) -> BatchCommitted[Any]:
+    return BatchCommitted(verdicts, "batch result")
 
 
 ROWS: dict[str, Row] = {
@@ -108,7 +108,7 @@ ROWS: dict[str, Row] = {
     ),
     "all duplicates: committed, the handler skipped": Row(
         batch(),
-        {ProcessBatch: [BatchOutcome((DUPLICATE, DUPLICATE))]},
+        {ProcessBatch: [BatchCommitted((DUPLICATE, DUPLICATE))]},
         ["ProcessBatch"],
         BatchProcessed,
         expect={"ran": False},

@@ -61,7 +61,7 @@ from inbox_middleware.exceptions import (
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
-from inbox_middleware.storage import Outcome
+from inbox_middleware.storage import Committed
 
 from .script import Poison, Script, delivery, run, run_async
 
@@ -279,14 +279,14 @@ ROWS: dict[str, Row] = {
     ),
     "first seen, a redriven poison message storage marked recovered: recovered": Row(
         {"repair_marker": "poison:12:op-1"},
-        {Process: [Outcome(FIRST, "handler result", 1, "poison")]},
+        {Process: [Committed(FIRST, "handler result", 1, "poison")]},
         ["Process"],
         Processed,
         expect={"recovered": "poison"},
     ),
     "first seen, an accepted quarantined message storage marked recovered: recovered": Row(
         {"repair_marker": "quarantine:7:op-2"},
-        {Process: [Outcome(FIRST, "handler result", 1, "quarantine")]},
+        {Process: [Committed(FIRST, "handler result", 1, "quarantine")]},
         ["Process"],
         Processed,
         expect={"recovered": "quarantine"},

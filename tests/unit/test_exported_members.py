@@ -192,6 +192,7 @@ PUBLIC = {
         "Effect",
         "Hold",
         "Outcomes",
+        "Wave",
         "Rollback",
         "RolledBackByCheck",
         "ScenarioResult",

@@ -437,11 +437,11 @@ class InboxActor:
         claim and the body answers the `Output`."""
 
         def body(session: Session) -> Any:
-            with _instructions(session, pending, self.consumer, self.policy) as outcome:
-                outcome.result = self.target(*args, **kwargs)
-            if keep is None or outcome.result is SKIPPED:
-                return outcome.result
-            output = self._output(pending, keep, outcome.result)
+            with _instructions(session, pending, self.consumer, self.policy) as ran:
+                ran.result = self.target(*args, **kwargs)
+            if keep is None or ran.result is SKIPPED:
+                return ran.result
+            output = self._output(pending, keep, ran.result)
             self._storage.keep_output(session, keep, output)
             return output
 
@@ -466,11 +466,11 @@ class InboxActor:
         keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            with _instructions(session, pending, self.consumer, self.policy) as outcome:
-                outcome.result = await self.target(*args, **kwargs)
-            if keep is None or outcome.result is SKIPPED:
-                return outcome.result
-            output = self._output(pending, keep, outcome.result)
+            with _instructions(session, pending, self.consumer, self.policy) as ran:
+                ran.result = await self.target(*args, **kwargs)
+            if keep is None or ran.result is SKIPPED:
+                return ran.result
+            output = self._output(pending, keep, ran.result)
             self._storage.keep_output(session.sync_session, keep, output)
             return output
 
@@ -502,24 +502,24 @@ class InboxActor:
         return loop_thread.run_coroutine(work)
 
 
-class _Outcome:
+class _Result:
     result: Any = None
 
 
 @contextlib.contextmanager
 def _instructions(
     session: Session | AsyncSession, pending: Pending | None, consumer: str, policy: ConsumerPolicy
-) -> Iterator[_Outcome]:
+) -> Iterator[_Result]:
     """Run the actor's body with its session, and turn Dramatiq's own instructions into
     the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
     ``message.fail()`` a rejection."""
-    outcome = _Outcome()
+    ran = _Result()
     session.info[CONSUMER_INFO] = (consumer, policy.direct_publish)
     token = session_var.set(session)
     try:
-        yield outcome
+        yield ran
     except SkipMessage:
-        outcome.result = SKIPPED
+        ran.result = SKIPPED
         return
     except dramatiq.Retry as exc:
         raise _hand_back(exc) from exc

@@ -90,20 +90,20 @@ async def consume_batch(sub: BatchSubscription, call_next: CallNext, message: An
 async def _consume(
     sub: BatchSubscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
 ) -> Any:
-    claims: list[tuple[int, Delivery]] = []
+    deliveries: list[tuple[int, Delivery]] = []
     rejected: dict[int, InboxError] = {}
     for index, item in enumerate(items):
         try:
-            claims.append((index, sub.delivery(item)))
+            deliveries.append((index, sub.delivery(item)))
         except (IdentityError, PayloadNotHashable) as exc:
             metrics.missing_identity(sub.consumer.name, core.identity_reason(exc), "rejected")
             rejected[index] = exc
     key = (
         "batch",
-        claims[0][1].key if claims else bytes(items[0].body[: core.UNIDENTIFIED_KEY_BYTES]),
+        deliveries[0][1].key if deliveries else bytes(items[0].body[: core.UNIDENTIFIED_KEY_BYTES]),
     )
     arrival = BatchArrival(
-        tuple(claims),
+        tuple(deliveries),
         tuple(rejected.items()),
         len(items),
         declared_consumer=sub.consumer.name,
@@ -111,10 +111,10 @@ async def _consume(
     )
 
     async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
-        decided = {index: verdict for (index, _), verdict in zip(claims, verdicts, strict=True)}
-        first = [index for index, _ in claims if decided[index].runs_handler]
+        decided = {index: verdict for (index, _), verdict in zip(deliveries, verdicts, strict=True)}
+        first = [index for index, _ in deliveries if decided[index].runs_handler]
         view = await _view(message, first)
-        seen = _batch_items(items, claims, decided, rejected)
+        seen = _batch_items(items, deliveries, decided, rejected)
         return await sub.body(call_next, view, seen, original=message)(session)
 
     async def perform(op: Op) -> Any:
@@ -226,11 +226,11 @@ async def _settled(
 
 def _batch_items(
     items: list[Item],
-    claims: list[tuple[int, Delivery]],
+    deliveries: list[tuple[int, Delivery]],
     decided: dict[int, Verdict],
     rejected: dict[int, InboxError],
 ) -> tuple[BatchItem, ...]:
-    identities = {index: claim.identity for index, claim in claims}
+    identities = {index: delivery.identity for index, delivery in deliveries}
     return tuple(
         BatchItem(
             index,

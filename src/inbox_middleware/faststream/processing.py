@@ -100,7 +100,8 @@ from .outcome import (
     Skipped,
     message_id_of,
 )
-from .payload import CanonicalForm, delivery, headers_identity
+from .payload import CanonicalForm, headers_identity
+from .payload import delivery as read_delivery
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
@@ -236,7 +237,7 @@ class Subscription:
                 raise
             metrics.missing_identity(self.consumer.name, "missing", "broker_id")
             identity = MessageIdentity(*item.broker_id)
-        claim = delivery(
+        read = read_delivery(
             consumer=self.consumer.name,
             identity=identity,
             body=item.body,
@@ -246,18 +247,21 @@ class Subscription:
             canonical=self.canonical_form,
             content_type=item.content_type,
         )
-        return replace(claim, shadow=True) if self.policy.shadow else claim
+        return replace(read, shadow=True) if self.policy.shadow else read
 
     async def _perform(self, call_next: CallNext, message: Any, item: Item, op: Op) -> Any:
         """Perform one operation of the consumption core for this message."""
         match op:
             case Process(
-                delivery=claim, repair_marker=marker, keeps_outputs=keeps, refuse_first_seen=refusal
+                delivery=delivery,
+                repair_marker=marker,
+                keeps_outputs=keeps,
+                refuse_first_seen=refusal,
             ):
-                faults.at("before_claim", claim.identity.message_id)
-                body = self.body(call_next, message, keep=claim if keeps else None)
+                faults.at("before_claim", delivery.identity.message_id)
+                body = self.body(call_next, message, keep=delivery if keeps else None)
                 return await self.storage.process(
-                    claim, body, repair_marker=marker, refuse_first_seen=refusal
+                    delivery, body, repair_marker=marker, refuse_first_seen=refusal
                 )
             case RunUnprotected():
                 return await self.storage.transaction(self.body(call_next, message))
@@ -319,15 +323,15 @@ class Subscription:
 
         return body
 
-    def encode(self, result: Any, claim: Delivery) -> Output:
+    def encode(self, result: Any, delivery: Delivery) -> Output:
         """``result`` as FastStream would publish it: the body its codec encodes, with the
         content type and the headers of a returned `Response`, and an identity derived
-        from ``claim`` (unless the handler gave one), so an inbox downstream deduplicates
+        from ``delivery`` (unless the handler gave one), so an inbox downstream deduplicates
         the copy a duplicate publishes."""
         response = ensure_response(result)
         headers = _text_headers(response.headers)
         if MESSAGE_ID not in headers:
-            derived = derived_identity(claim, "result")
+            derived = derived_identity(delivery, "result")
             headers |= {PRODUCER: derived.producer, MESSAGE_ID: derived.message_id}
             if derived.tenant:
                 headers[TENANT] = derived.tenant
@@ -363,9 +367,9 @@ class Subscription:
         """Tell the broker what ``settlement`` means: the one place that does (a settlement
         with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
         self._report(message, item, arrival, settlement)
-        claim = arrival.delivery
+        delivery = arrival.delivery
         key: Hashable = (
-            claim.key if claim else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
+            delivery.key if delivery else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
         )
         name = self.consumer.name
         match settlement:

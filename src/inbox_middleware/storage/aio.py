@@ -25,9 +25,9 @@ from .base import (
     DEFAULT_SERIALIZATION_RETRIES,
     Attempts,
     BatchAttempts,
-    BatchOutcome,
+    BatchCommitted,
+    Committed,
     Executor,
-    Outcome,
     SingleAttempts,
     any_first_seen,
     database_settings,
@@ -95,7 +95,7 @@ class AsyncInbox(Executor):
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
         refuse_first_seen: BaseException | None = None,
-    ) -> Outcome[R]:
+    ) -> Committed[R]:
         """Claim ``delivery`` and, when it is first seen, await ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then. See
         `Inbox.process` for ``before_handler``, ``repair_marker`` and ``refuse_first_seen``."""
@@ -123,13 +123,13 @@ class AsyncInbox(Executor):
 
         attempts = SingleAttempts(delivery, self.serialization_retries)
         verdict, result, number = await self._run(attempts, body)
-        return Outcome(verdict, result, number, recovered[0])
+        return Committed(verdict, result, number, recovered[0])
 
     async def process_batch(
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[R]],
-    ) -> BatchOutcome[R]:
+    ) -> BatchCommitted[R]:
         """See `Inbox.process_batch`."""
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
@@ -137,7 +137,7 @@ class AsyncInbox(Executor):
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = await self._run(attempts, body)
-        return BatchOutcome(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number)
 
     async def _run(
         self,

@@ -59,7 +59,9 @@ __all__ = [
     "SHADOW_KEY",
     "Attempts",
     "BatchAttempts",
+    "BatchCommitted",
     "BatchOutcome",
+    "Committed",
     "DatabaseSettings",
     "Executor",
     "Outcome",
@@ -107,8 +109,9 @@ def shadow_verdict(session: Session) -> Verdict | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome(Generic[R]):
-    """How a delivery was settled. Only after `process` returns may the caller ack."""
+class Committed(Generic[R]):
+    """What a delivery's transaction committed: the claim's verdict, the handler's result,
+    the transaction attempts it took. Only after `process` returns it may the caller ack."""
 
     verdict: Verdict
     result: R | None = None
@@ -122,9 +125,9 @@ class Outcome(Generic[R]):
 
 
 @dataclass(frozen=True, slots=True)
-class BatchOutcome(Generic[R]):
-    """How a batch was settled: one verdict per delivery, in the batch's order. Only after
-    `process_batch` returns may the caller ack."""
+class BatchCommitted(Generic[R]):
+    """What a batch's transaction committed: one verdict per delivery, in the batch's
+    order. Only after `process_batch` returns it may the caller ack."""
 
     verdicts: tuple[Verdict, ...]
     result: R | None = None
@@ -133,6 +136,12 @@ class BatchOutcome(Generic[R]):
     @property
     def decisions(self) -> tuple[Decision, ...]:
         return tuple(verdict.decision for verdict in self.verdicts)
+
+
+Outcome = Committed
+"""The older name of `Committed`."""
+BatchOutcome = BatchCommitted
+"""The older name of `BatchCommitted`."""
 
 
 class Executor:

@@ -46,7 +46,9 @@ from .base import (
     DEFAULT_SERIALIZATION_RETRIES,
     Attempts,
     BatchAttempts,
+    BatchCommitted,
     BatchOutcome,
+    Committed,
     Executor,
     Outcome,
     SingleAttempts,
@@ -68,7 +70,9 @@ from .tables import InboxSchema
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_SERIALIZATION_RETRIES",
+    "BatchCommitted",
     "BatchOutcome",
+    "Committed",
     "Inbox",
     "Outcome",
     "current_delivery",
@@ -125,7 +129,7 @@ class Inbox(Executor):
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
         refuse_first_seen: BaseException | None = None,
-    ) -> Outcome[R]:
+    ) -> Committed[R]:
         """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then.
 
@@ -156,13 +160,13 @@ class Inbox(Executor):
         verdict, result, number = self._run(
             SingleAttempts(delivery, self.serialization_retries), body
         )
-        return Outcome(verdict, result, number, recovered[0])
+        return Committed(verdict, result, number, recovered[0])
 
     def process_batch(
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[Session, tuple[Verdict, ...]], R],
-    ) -> BatchOutcome[R]:
+    ) -> BatchCommitted[R]:
         """Claim every delivery of a batch in one statement and, when at least one is first
         seen, run ``handler`` with every verdict (in the batch's order); commit once.
         Raises when the attempt rolled back: ack none of the batch then."""
@@ -172,7 +176,7 @@ class Inbox(Executor):
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = self._run(attempts, body)
-        return BatchOutcome(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number)
 
     def _run(
         self, attempts: Attempts[V], body: Callable[[Session, V], R | None]
