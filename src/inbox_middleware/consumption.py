@@ -93,6 +93,7 @@ __all__ = [
     "SendOutputs",
     "Settlement",
     "Unfit",
+    "backoff_delay",
     "conflict_details",
     "describe",
     "drive",
@@ -937,6 +938,16 @@ async def drive_async(
             observer.ended(op, started, answer, error)
 
 
+def backoff_delay(first: float, limit: float, failures: int, factor: float = 2.0) -> float:
+    """The library's one backoff formula: seconds to wait after the ``failures``-th
+    failure in a row (1 for the first), from ``first``, ``factor`` times more each time,
+    at most ``limit``. The hand-back delays keep their count per message in the process;
+    the outbox its stored attempt count; a hand-back re-enqueued during a broker outage
+    its tries."""
+    exponent = min(max(failures - 1, 0), 64)  # beyond this the limit applies anyway
+    return float(min(limit, first * factor**exponent))
+
+
 REMEMBERED_MESSAGES = 10_000
 """How many messages a process remembers per-message hand-back state for (their delays,
 the hand-backs it could not record): the oldest are forgotten first."""
@@ -967,7 +978,7 @@ class HandBackDelays:
         self._counts[key] = count  # most recent last
         while len(self._counts) > self.memory:
             del self._counts[next(iter(self._counts))]
-        return float(min(self.limit, self.first * 2 ** min(count - 1, 32)))
+        return backoff_delay(self.first, self.limit, count)
 
     def forget(self, key: Hashable) -> None:
         self._counts.pop(key, None)

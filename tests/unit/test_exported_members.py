@@ -79,6 +79,7 @@ PUBLIC = {
         "RetryBudget",
         "Observer",
         "SendOutputs",
+        "backoff_delay",
         "REMEMBERED_MESSAGES",
         "UNIDENTIFIED_KEY_BYTES",
         "settle_batch_steps",

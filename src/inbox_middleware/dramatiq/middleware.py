@@ -55,6 +55,7 @@ from ..consumption import (
     Quarantined,
     RetryBudget,
     Settlement,
+    backoff_delay,
 )
 from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
 from ..identity import MAX_NAME_LENGTH, validate_name
@@ -476,8 +477,8 @@ class InboxMiddleware(dramatiq.Middleware):
         then acknowledge a message that nothing holds any more."""
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(self.hand_back_patience),
-            wait=tenacity.wait_exponential(
-                multiplier=_REENQUEUE_FIRST_WAIT, max=_REENQUEUE_MAX_WAIT
+            wait=lambda state: backoff_delay(
+                _REENQUEUE_FIRST_WAIT, _REENQUEUE_MAX_WAIT, state.attempt_number
             ),
             before_sleep=lambda state: logger.warning(
                 "could not hand message %s back (%s); trying again",
