@@ -13,6 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inbox_middleware.consumption import (
     HANDLER_REJECTED,
@@ -330,3 +332,49 @@ def test_core_batch__the_process_is_going_down_the_core_lets_it() -> None:
     script = Script({ProcessBatch: [KeyboardInterrupt()]})
     with pytest.raises(KeyboardInterrupt):
         drive(settle_batch_steps(batch(), ConsumerPolicy()), script)
+
+
+# -- every script of answers ends in exactly one batch settlement ----------------------------
+
+_FAILURES = [Boom("no"), DatabaseUnavailable(), KeyError("k"), RejectRequested(), Unfit("no")]
+_VERDICTS = st.sampled_from([FIRST, DUPLICATE, CONFLICT, SHADOW_CONFLICT])
+
+
+@st.composite
+def batch_scripts(draw: st.DrawFn) -> tuple[BatchArrival, dict[type, list[Any]], ConsumerPolicy]:
+    claimed = draw(st.integers(0, 3))
+    missing = tuple(range(claimed, claimed + draw(st.integers(0, 2))))
+    arrival = batch(claimed, missing)
+    verdicts = tuple(draw(_VERDICTS) for _ in range(claimed))
+    answers: dict[type, list[Any]] = {
+        ProcessBatch: [draw(st.sampled_from([outcome(*verdicts), *_FAILURES]))],
+        CountFailure: [draw(st.integers(1, 5) | st.just(DatabaseUnavailable()))],
+        RecordPoison: [draw(st.sampled_from([POISON, DatabaseUnavailable()]))],
+        Publish: [draw(st.sampled_from([CONFIRMED, ConnectionError("refused")]))],
+    }
+    policy = replace(
+        ConsumerPolicy(),
+        max_attempts=draw(st.none() | st.integers(1, 5)),
+        permanent_errors=draw(st.sampled_from([(), (KeyError,)])),
+    )
+    return arrival, answers, policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(drawn=batch_scripts())
+def test_core_batch__every_script_ends_in_one_settlement(
+    drawn: tuple[BatchArrival, dict[type, list[Any]], ConsumerPolicy],
+) -> None:
+    arrival, answers, policy = drawn
+    script = Script(answers)
+    settled = drive(settle_batch_steps(arrival, policy), script)
+    assert isinstance(settled, BatchProcessed | BatchRejected | HandedBack)
+    publishes = [op for op in script.performed if isinstance(op, Publish)]
+    if isinstance(settled, BatchRejected):
+        # every item of the batch went to the dead-letter destination, confirmed
+        assert settled.dead_lettered == tuple(range(arrival.size))
+        assert [p.item for p in publishes] == list(range(arrival.size))
+        assert not any(script.raised[-len(publishes) :])
+    if isinstance(settled, BatchProcessed):
+        assert settled.dead_lettered == tuple(index for index, _ in arrival.problems)
+        assert not any(script.raised)
