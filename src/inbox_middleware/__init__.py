@@ -29,7 +29,7 @@ from .exceptions import (
 )
 from .identity import MessageIdentity, PayloadHash
 from .protocol import Decision, Delivery
-from .storage import Inbox, InboxSchema, Outcome, current_delivery, migrate
+from .storage import Committed, Inbox, InboxSchema, Outcome, current_delivery, migrate
 from .storage.engines import engine_from_url
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncInbox",
     "ClaimInProgress",
+    "Committed",
     "ConfigurationError",
     "DatabaseUnavailable",
     "Decision",

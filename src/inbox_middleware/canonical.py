@@ -45,7 +45,8 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, time
 from decimal import Decimal
 from enum import Enum
@@ -56,7 +57,23 @@ import rfc8785
 
 from .exceptions import PayloadNotHashable
 
-__all__ = ["MAX_DECIMAL_LENGTH", "NotJSON", "canonical_json", "digest", "loads"]
+__all__ = ["MAX_DECIMAL_LENGTH", "CanonicalForm", "NotJSON", "canonical_json", "digest", "loads"]
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalForm:
+    """A user-supplied canonical form for a consumer's payloads.
+
+    ``function`` returns bytes, or a JSON value to canonicalise: for a Dramatiq actor it
+    receives the actor name and the bound arguments, for a FastStream subscriber the
+    body's bytes and the message headers (for example to drop a field that producers fill
+    in per send). ``scheme`` names the form; change it whenever the form changes, so a
+    stored hash is never compared with a hash of another form.
+    """
+
+    scheme: str
+    function: Callable[..., object]
+
 
 MAX_DECIMAL_LENGTH = 1000
 """Longest plain notation of a `Decimal`, in characters (``Decimal("1E+999999")`` would

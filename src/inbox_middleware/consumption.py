@@ -21,6 +21,12 @@ tells the broker, in one ``match``::
                    │  or out of attempts ──> RecordPoison ──────────────> Poisoned
                    └─ otherwise ──> CountFailure ────────────────────────> HandedBack
 
+Where the adapter sends the stored output itself before the ack (``sends_outputs``:
+Dramatiq's pipeline steps and callbacks), a processed or duplicate delivery with an output
+yields `SendOutputs` before it settles; a failure there is `outputs_failed_steps`'s (the
+claim stays: handed back and counted, poison ``outputs_undeliverable`` when the attempts
+run out). A batch subscriber's messages are settled as a whole by `settle_batch_steps`.
+
 Settlement is total: an exception from any operation (the database at any step, a
 publish, the inbox's own bug) is decided here, never passed to the framework. An error
 the inbox cannot even record is a hand-back: the message stays with the broker.
@@ -30,15 +36,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Generator, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .exceptions import (
     DatabaseUnavailable,
     HandlerTransactionError,
-    IdentityError,
     InboxError,
     MissingIdentity,
     PayloadNotHashable,
@@ -48,7 +53,8 @@ from .exceptions import (
     TransientError,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
-from .protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
+from .policy import ConsumerPolicy
+from .protocol import Decision, Delivery, QuarantineRecord, ReasonCode, StoredClaim, Verdict
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -56,8 +62,14 @@ __all__ = [
     "HANDLER_TRANSACTION",
     "INBOX_ERROR",
     "REDELIVERY_LIMIT",
+    "REMEMBERED_MESSAGES",
     "RETRIES_EXHAUSTED",
+    "UNIDENTIFIED_KEY_BYTES",
     "Arrival",
+    "BatchArrival",
+    "BatchProcessed",
+    "BatchRejected",
+    "BatchSettlement",
     "CountFailure",
     "CountHandBack",
     "CountRedelivery",
@@ -67,19 +79,24 @@ __all__ = [
     "HandedBack",
     "LoadOutputs",
     "LookUpClaim",
+    "Observer",
     "Op",
     "Poisoned",
     "Process",
+    "ProcessBatch",
     "Processed",
     "Publish",
     "Quarantined",
     "RecordPoison",
     "RejectRequested",
+    "RetryBudget",
     "Route",
     "Rules",
     "RunUnprotected",
+    "SendOutputs",
     "Settlement",
     "Unfit",
+    "backoff_delay",
     "conflict_details",
     "describe",
     "drive",
@@ -88,42 +105,49 @@ __all__ = [
     "outputs_failed_steps",
     "reason_code",
     "rejection_details",
+    "settle_batch_steps",
     "settle_steps",
 ]
 
-# Reason codes the library itself records.
-RETRIES_EXHAUSTED = "retries_exhausted"
-REDELIVERY_LIMIT = "redelivery_limit"
-EXPIRED_REDELIVERY = "expired_redelivery"
-HANDLER_REJECTED = "handler_rejected"
-HANDLER_TRANSACTION = "handler_transaction"
-INBOX_ERROR = "inbox_error"
+# The reason codes the core records, by their older names (see `ReasonCode`).
+RETRIES_EXHAUSTED = ReasonCode.RETRIES_EXHAUSTED
+REDELIVERY_LIMIT = ReasonCode.REDELIVERY_LIMIT
+EXPIRED_REDELIVERY = ReasonCode.EXPIRED_REDELIVERY
+HANDLER_REJECTED = ReasonCode.HANDLER_REJECTED
+HANDLER_TRANSACTION = ReasonCode.HANDLER_TRANSACTION
+INBOX_ERROR = ReasonCode.INBOX_ERROR
 
 _ERROR_TEXT = 2000  # longest error text kept
 
 S = TypeVar("S")
+T = TypeVar("T")
 
 
-class Rules(Protocol):
-    """The consumer settings the core reads (`policy.ConsumerPolicy` has them all)."""
-
-    @property
-    def missing_identity(self) -> Literal["reject", "process", "broker_id"]: ...
-    @property
-    def permanent_errors(self) -> tuple[type[BaseException], ...]: ...
-    @property
-    def max_attempts(self) -> int | None: ...
-    @property
-    def redelivery_limit(self) -> int | None: ...
-    @property
-    def retention_window(self) -> timedelta | None: ...
-    @property
-    def expired_redelivery(self) -> Literal["reject", "process"]: ...
-    @property
-    def shadow(self) -> bool: ...
+Rules = ConsumerPolicy
+"""The consumer settings the core reads: the policy itself (an older name)."""
 
 
 # -- what arrives -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudget:
+    """The framework's own retry budget as the message carries it (Dramatiq's Retries:
+    the ``retries`` made so far, the ``max_retries`` allowed, the user's ``retry_when``).
+    No retrying middleware at all is a budget of none: ``RetryBudget(0, 0)``."""
+
+    retries: int
+    max_retries: int | None
+    retry_when: Callable[[int, BaseException], bool] | None = None
+    """When given, decides alone whether to retry (after ``retries`` retries, this error)."""
+
+    def ends_with(self, exc: BaseException) -> bool:
+        """Whether the framework gives up after this failure."""
+        if isinstance(exc, HandBackRequested) and exc.cause is not None:
+            exc = exc.cause  # the framework's own Retry, judged as itself
+        if self.retry_when is not None:
+            return not self.retry_when(self.retries, exc)
+        return self.max_retries is not None and self.retries >= self.max_retries
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +164,9 @@ class Arrival:
     """The broker says an earlier delivery ended without an outcome (or was handed back)."""
     repair_marker: str | None = None
     """``poison:12`` or ``quarantine:7`` on a redriven or accepted message."""
-    gives_up: Callable[[BaseException], bool] | None = None
-    """Whether the framework's own retry budget ends with this failure (Dramatiq's
-    Retries): the inbox records poison then, so no message dies without a record."""
+    retry_budget: RetryBudget | None = None
+    """The framework's own retry budget (Dramatiq's Retries), when it has one: the inbox
+    records poison when a failure ends it, so no message dies without a record."""
     interrupts: tuple[type[BaseException], ...] = ()
     """Framework interruptions that are failures of the attempt (Dramatiq's time limit)."""
     shutdowns: tuple[type[BaseException], ...] = ()
@@ -153,6 +177,10 @@ class Arrival:
     keeps_outputs: bool = False
     """Whether something downstream consumes the handler's result (publishers, a reply,
     a pipeline step): it is then stored with the claim, and a duplicate loads it."""
+    sends_outputs: bool = False
+    """Whether the adapter sends the stored output itself before the ack (Dramatiq's
+    pipeline step and ``on_success``): the core then yields `SendOutputs` and decides what
+    its failure means. Otherwise the framework publishes the settlement's output."""
     declared_consumer: str | None = None
     """The consumer the message was delivered to, known from the declaration even when
     the message has no usable identity (a dead letter names it)."""
@@ -204,13 +232,16 @@ class RedeliveryCount:
 @dataclass(frozen=True, slots=True)
 class Process:
     """Claim, run the handler (first seen) and commit, in one transaction; answer the
-    storage `Outcome`. ``expired`` runs after the claim and before the handler."""
+    storage `Committed`."""
 
     delivery: Delivery
-    before_handler: Callable[[Verdict], None]
     repair_marker: str | None
     keeps_outputs: bool = False
     """Store the handler's result with the claim (see `Arrival.keeps_outputs`)."""
+    refuse_first_seen: PermanentError | None = None
+    """Raised, after the claim and instead of the handler, when the claim is first seen
+    (an expired redelivery the policy rejects): rolled back, then decided like any
+    permanent failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,12 +295,31 @@ class LookUpClaim:
 
 
 @dataclass(frozen=True, slots=True)
+class SendOutputs:
+    """Send what follows the committed ``delivery`` (its stored ``output``), before the
+    ack: a pipeline step, a callback. Raise when it could not be sent."""
+
+    delivery: Delivery
+    output: Output
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """Publish the message, confirmed, to its quarantine or dead-letter destination with
     ``details`` (what the repair tools read). Raise when the broker did not take it."""
 
     route: Route
     details: dict[str, Any]
+    item: int | None = None
+    """The batch item it concerns (its index in the batch); None: the whole message."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessBatch:
+    """Claim every delivery of a batch, run the handler on the first-seen ones and
+    commit, in one transaction; answer the storage `BatchCommitted` (one verdict each)."""
+
+    deliveries: tuple[Delivery, ...]
 
 
 Op = (
@@ -282,6 +332,8 @@ Op = (
     | LoadOutputs
     | LookUpClaim
     | Publish
+    | ProcessBatch
+    | SendOutputs
 )
 
 
@@ -445,7 +497,7 @@ def _transient(exc: BaseException, arrival: Arrival) -> bool:
     return bool(arrival.shutdowns) and isinstance(exc, arrival.shutdowns)
 
 
-def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     """Decide one delivery; yields the operations to perform, returns its settlement."""
     delivery = arrival.delivery
     if arrival.held is not None:
@@ -466,25 +518,18 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         if earlier is not None:
             return earlier
 
-    too_old: list[timedelta] = []
-
-    def before_handler(verdict: Verdict) -> None:
-        if verdict.decision is Decision.FIRST:
-            age = expired(delivery, rules.retention_window)
-            if age is None:
-                return
-            too_old.append(age)
-            if rules.expired_redelivery == "reject" and not delivery.shadow:
-                raise PermanentError(
-                    EXPIRED_REDELIVERY,
-                    f"a message produced {age} ago, beyond the {rules.retention_window} "
-                    "retention window: its claim may have been purged",
-                )
-
-    try:
-        outcome = yield Process(
-            delivery, before_handler, arrival.repair_marker, arrival.keeps_outputs
+    # Older than the retention window: if its claim turns out first seen, the claim of an
+    # earlier delivery may have been purged, so "first seen" cannot be trusted.
+    age = expired(delivery, rules.retention_window)
+    refusal = None
+    if age is not None and rules.expired_redelivery == "reject" and not delivery.shadow:
+        refusal = PermanentError(
+            EXPIRED_REDELIVERY,
+            f"a message produced {age} ago, beyond the {rules.retention_window} "
+            "retention window: its claim may have been purged",
         )
+    try:
+        outcome = yield Process(delivery, arrival.repair_marker, arrival.keeps_outputs, refusal)
     except BaseException as exc:
         return (yield from _failed(arrival, delivery, rules, exc))
     verdict: Verdict = outcome.verdict
@@ -493,8 +538,9 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
         # own repair and marked it recovered in the same transaction (a stray marker is
         # nothing).
         recovered: str | None = outcome.recovered
-        age = too_old[0] if too_old else None
-        return Processed(outcome.result, verdict, recovered, outcome.attempts, age)
+        old = age if verdict.decision is Decision.FIRST else None
+        processed = Processed(outcome.result, verdict, recovered, outcome.attempts, old)
+        return (yield from _send_outputs(arrival, rules, processed, outcome.result))
     if verdict.decision is Decision.DUPLICATE:
         if not arrival.keeps_outputs:
             return Duplicate(verdict)
@@ -502,7 +548,7 @@ def settle_steps(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlemen
             output = yield LoadOutputs(delivery)
         except Exception as exc:
             return (yield from _hand_back(exc, delivery))
-        return Duplicate(verdict, output)
+        return (yield from _send_outputs(arrival, rules, Duplicate(verdict, output), output))
     assert verdict.quarantine is not None
     details = conflict_details(delivery, verdict)
     try:
@@ -534,7 +580,22 @@ def _claimed_earlier(arrival: Arrival, earlier: Delivery) -> Generator[Op, Any, 
     return Duplicate(verdict, output)
 
 
-def _without_identity(arrival: Arrival, rules: Rules) -> Generator[Op, Any, Settlement]:
+def _send_outputs(
+    arrival: Arrival, rules: ConsumerPolicy, settlement: Processed | Duplicate, output: Any
+) -> Generator[Op, Any, Settlement]:
+    """Where the adapter sends the stored output before the ack, send it; a failure is
+    decided by `outputs_failed_steps` (the claim stays, so the redelivery sends again)."""
+    if not arrival.sends_outputs or not isinstance(output, Output):
+        return settlement
+    assert arrival.delivery is not None
+    try:
+        yield SendOutputs(arrival.delivery, output)
+    except Exception as exc:
+        return (yield from outputs_failed_steps(arrival, rules, exc))
+    return settlement
+
+
+def _without_identity(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     problem = arrival.problem
     assert problem is not None
     if rules.shadow or (
@@ -558,7 +619,7 @@ def conflict_details(delivery: Delivery, verdict: Verdict) -> dict[str, Any]:
     assert verdict.stored is not None
     assert verdict.quarantine is not None
     return {
-        "reason": "identity_conflict",
+        "reason": ReasonCode.IDENTITY_CONFLICT,
         "consumer": delivery.consumer,
         "producer": delivery.identity.producer,
         "tenant": delivery.identity.tenant,
@@ -613,7 +674,7 @@ def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, S
 
 
 def _limit_redeliveries(
-    arrival: Arrival, delivery: Delivery, rules: Rules
+    arrival: Arrival, delivery: Delivery, rules: ConsumerPolicy
 ) -> Generator[Op, Any, Poisoned | None]:
     """Bound crash loops: a message the broker keeps redelivering with no outcome (its
     worker killed, out of memory) is kept as poison after ``redelivery_limit``.
@@ -649,7 +710,7 @@ def _limit_redeliveries(
 
 
 def _failed(
-    arrival: Arrival, delivery: Delivery, rules: Rules, exc: BaseException
+    arrival: Arrival, delivery: Delivery, rules: ConsumerPolicy, exc: BaseException
 ) -> Generator[Op, Any, Settlement]:
     """The attempt rolled back with ``exc``: hand back, or count, or keep as poison."""
     if not isinstance(exc, Exception) and not isinstance(
@@ -667,9 +728,9 @@ def _failed(
     try:
         attempts: int = yield CountFailure(delivery, error)
         if code is None:
-            exhausted = _last(arrival, rules, attempts, exc)
+            exhausted = _last(rules, attempts, exc, arrival.retry_budget)
             if exhausted:
-                code = RETRIES_EXHAUSTED if not isinstance(exc, InboxError) else INBOX_ERROR
+                code = _exhausted(exc)
         if code is None:
             return HandedBack(exc, counted=True, delay=_requested_delay(exc))
         record = yield RecordPoison(delivery, code, error, attempts)
@@ -684,16 +745,24 @@ def _failed(
     return (yield from _dead_letter(poisoned, delivery))
 
 
-def _last(arrival: Arrival, rules: Rules, attempts: int, exc: BaseException) -> bool:
+def _last(
+    rules: ConsumerPolicy, attempts: int, exc: BaseException, budget: RetryBudget | None = None
+) -> bool:
     """Whether this failed attempt was the last one allowed: by ``max_attempts``, or by
-    the framework's own retry budget."""
+    the framework's own retry budget. The one place that says so, for a message, its
+    outputs and a batch alike."""
     if rules.max_attempts is not None and attempts >= rules.max_attempts:
         return True
-    return arrival.gives_up is not None and arrival.gives_up(exc)
+    return budget is not None and budget.ends_with(exc)
+
+
+def _exhausted(exc: BaseException) -> str:
+    """The reason code of a message whose attempts ran out with ``exc``."""
+    return INBOX_ERROR if isinstance(exc, InboxError) else RETRIES_EXHAUSTED
 
 
 def outputs_failed_steps(
-    arrival: Arrival, rules: Rules, exc: BaseException
+    arrival: Arrival, rules: ConsumerPolicy, exc: BaseException
 ) -> Generator[Op, Any, Settlement]:
     """The delivery committed, but publishing its outputs failed with ``exc``: the claim
     (and the stored outputs) stay, the message is handed back, and its redelivery is a
@@ -707,7 +776,7 @@ def outputs_failed_steps(
     error = describe(exc)
     try:
         attempts: int = yield CountFailure(delivery, error)
-        if not _last(arrival, rules, attempts, exc):
+        if not _last(rules, attempts, exc, arrival.retry_budget):
             return HandedBack(exc, counted=True)
         record = yield RecordPoison(delivery, OUTPUTS_UNDELIVERABLE, error, attempts)
     except Exception as trouble:
@@ -715,6 +784,141 @@ def outputs_failed_steps(
         return HandedBack(exc, counted=False)
     poisoned = Poisoned(OUTPUTS_UNDELIVERABLE, record, error, exc, exhausted=True)
     return (yield from _dead_letter(poisoned, delivery))
+
+
+# -- batches --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchArrival:
+    """A batch subscriber's messages as the adapter read them, to be claimed, handled and
+    committed as a whole."""
+
+    deliveries: tuple[tuple[int, Delivery], ...]
+    """The items with a usable identity, each with its index in the batch."""
+    problems: tuple[tuple[int, InboxError], ...] = ()
+    """The items without one, with why: dead-lettered one by one after the commit."""
+    size: int = 0
+    """How many items the batch has (those without an identity included)."""
+    declared_consumer: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchProcessed:
+    """The batch committed (or nothing in it had an identity): its conflicts were
+    quarantined and its items without an identity dead-lettered (``dead_lettered``); ack."""
+
+    result: Any
+    verdicts: tuple[Verdict, ...]
+    dead_lettered: tuple[int, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        """Whether the handler ran (something in the batch was first seen)."""
+        return any(verdict.runs_handler for verdict in self.verdicts)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRejected:
+    """The batch failed for good (``reason``: a reason code, or ``handler_rejected`` and
+    ``unfit`` when nothing was recorded): each item kept as poison (``records``, when its
+    attempts ran out or the failure is permanent) and dead-lettered; ack."""
+
+    reason: str
+    error: InboxError
+    records: tuple[Any, ...]
+    dead_lettered: tuple[int, ...]
+    failure: BaseException | None = None
+
+
+BatchSettlement = BatchProcessed | BatchRejected | HandedBack
+
+
+def settle_batch_steps(
+    batch: BatchArrival, rules: ConsumerPolicy
+) -> Generator[Op, Any, BatchSettlement]:
+    """Decide one batch; yields the operations to perform, returns its settlement.
+
+    A batch is one attempt for each of its messages: a failure counts against each, the
+    batch's last attempt is the last of the message closest to ``max_attempts``, and a
+    permanent failure (``permanent_errors``, the handler's own commit) keeps each as
+    poison at once, as for one message. The redelivery limit and the retention window
+    apply to one message at a time only (see the limits page).
+    """
+    claims = [claim for _, claim in batch.deliveries]
+    everything = tuple(range(batch.size))
+    outcome = None
+    if claims:
+        try:
+            outcome = yield ProcessBatch(tuple(claims))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            failed = yield from _batch_failed(batch, rules, exc)
+            if isinstance(failed, HandedBack):
+                return failed
+            return (yield from _batch_dead_letter(batch, failed, everything))
+    verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
+    try:
+        for (index, claim), verdict in zip(batch.deliveries, verdicts, strict=True):
+            if verdict.decision is Decision.CONFLICT and not verdict.shadow:
+                yield Publish(Route.QUARANTINE, conflict_details(claim, verdict), index)
+    except Exception as exc:
+        return HandedBack(exc, counted=False)
+    result = outcome.result if outcome is not None else None
+    processed = BatchProcessed(result, verdicts, tuple(index for index, _ in batch.problems))
+    return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered))
+
+
+def _batch_failed(
+    batch: BatchArrival, rules: ConsumerPolicy, exc: Exception
+) -> Generator[Op, Any, BatchRejected | HandedBack]:
+    """The batch rolled back with ``exc``: hand it back, or count it against each of its
+    messages, or keep each as poison."""
+    if isinstance(exc, RejectRequested):
+        return BatchRejected(HANDLER_REJECTED, InboxError(str(exc)), (), ())
+    if isinstance(exc, Unfit):
+        return BatchRejected("unfit", exc, (), ())
+    if isinstance(exc, TransientError | SchemaError):
+        return HandedBack(exc, counted=False)
+    code = reason_code(exc, rules.permanent_errors)
+    error = describe(exc)
+    try:
+        counts: list[int] = []
+        for _, claim in batch.deliveries:
+            counts.append((yield CountFailure(claim, error)))
+        if code is None and not _last(rules, max(counts), exc):
+            return HandedBack(exc, counted=True)
+        code = code or _exhausted(exc)
+        records = []
+        for (_, claim), attempts in zip(batch.deliveries, counts, strict=True):
+            records.append((yield RecordPoison(claim, code, error, attempts)))
+    except Exception:
+        # Not recorded (the database may be down): nothing may be dropped, so the batch
+        # is handed back whatever kind of failure this was, counted against nothing.
+        return HandedBack(exc, counted=False)
+    why = InboxError(
+        f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
+    )
+    return BatchRejected(code, why, tuple(records), (), exc)
+
+
+def _batch_dead_letter(
+    batch: BatchArrival, settlement: BatchProcessed | BatchRejected, indexes: tuple[int, ...]
+) -> Generator[Op, Any, BatchSettlement]:
+    """Publish each of ``indexes`` to the dead-letter destination, then settle."""
+    problems = dict(batch.problems)
+    try:
+        for index in indexes:
+            error = settlement.error if isinstance(settlement, BatchRejected) else problems[index]
+            details = rejection_details(error, batch.declared_consumer, batch.source)
+            yield Publish(Route.DEAD_LETTER, details, index)
+    except Exception as exc:
+        return HandedBack(exc, counted=False)
+    if isinstance(settlement, BatchRejected):
+        return replace(settlement, dead_lettered=indexes)
+    return settlement
 
 
 def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:
@@ -743,8 +947,23 @@ def _requested_delay(exc: BaseException) -> float | None:
 # -- drivers ----------------------------------------------------------------------------------
 
 
-def drive(steps: Generator[Op, Any, S], perform: Callable[[Op], Any]) -> S:
-    """Run ``steps`` to its end, performing each operation with ``perform``."""
+class Observer(Protocol):
+    """Watches the steps a trampoline drives (tracing does): told before an operation is
+    performed, after it (with its answer, or its error), and of the steps' result. What
+    ``started`` returns is handed back to ``ended``. An observer never changes an
+    outcome: it must not raise."""
+
+    def started(self, op: Any) -> Any: ...
+    def ended(self, op: Any, started: Any, answer: Any, error: BaseException | None) -> None: ...
+    def finished(self, result: Any) -> None: ...
+
+
+def drive(
+    steps: Generator[T, Any, S], perform: Callable[[T], Any], observer: Observer | None = None
+) -> S:
+    """Run ``steps`` to its end, performing each operation with ``perform``: the one
+    trampoline of the library (the core's settlements, the claim protocol's statements).
+    An operation's exception is thrown into ``steps``, which decide what it means."""
     answer: Any = None
     error: BaseException | None = None
     while True:
@@ -752,14 +971,23 @@ def drive(steps: Generator[Op, Any, S], perform: Callable[[Op], Any]) -> S:
             op = steps.send(answer) if error is None else steps.throw(error)
         except StopIteration as done:
             result: S = done.value
+            if observer is not None:
+                observer.finished(result)
             return result
+        started = observer.started(op) if observer is not None else None
         try:
             answer, error = perform(op), None
         except BaseException as exc:
             answer, error = None, exc
+        if observer is not None:
+            observer.ended(op, started, answer, error)
 
 
-async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awaitable[Any]]) -> S:
+async def drive_async(
+    steps: Generator[T, Any, S],
+    perform: Callable[[T], Awaitable[Any]],
+    observer: Observer | None = None,
+) -> S:
     """`drive` for operations that are awaited."""
     answer: Any = None
     error: BaseException | None = None
@@ -768,11 +996,35 @@ async def drive_async(steps: Generator[Op, Any, S], perform: Callable[[Op], Awai
             op = steps.send(answer) if error is None else steps.throw(error)
         except StopIteration as done:
             result: S = done.value
+            if observer is not None:
+                observer.finished(result)
             return result
+        started = observer.started(op) if observer is not None else None
         try:
             answer, error = await perform(op), None
         except BaseException as exc:
             answer, error = None, exc
+        if observer is not None:
+            observer.ended(op, started, answer, error)
+
+
+def backoff_delay(first: float, limit: float, failures: int, factor: float = 2.0) -> float:
+    """The library's one backoff formula: seconds to wait after the ``failures``-th
+    failure in a row (1 for the first), from ``first``, ``factor`` times more each time,
+    at most ``limit``. The hand-back delays keep their count per message in the process;
+    the outbox its stored attempt count; a hand-back re-enqueued during a broker outage
+    its tries."""
+    exponent = min(max(failures - 1, 0), 64)  # beyond this the limit applies anyway
+    return float(min(limit, first * factor**exponent))
+
+
+REMEMBERED_MESSAGES = 10_000
+"""How many messages a process remembers per-message hand-back state for (their delays,
+the hand-backs it could not record): the oldest are forgotten first."""
+
+UNIDENTIFIED_KEY_BYTES = 64
+"""The leading bytes of a body that key the hand-back delays of a message (or a batch)
+without a usable identity."""
 
 
 @dataclass(slots=True)
@@ -782,7 +1034,7 @@ class HandBackDelays:
 
     first: float
     limit: float
-    memory: int = 10_000
+    memory: int = REMEMBERED_MESSAGES
     _counts: dict[Hashable, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -796,11 +1048,7 @@ class HandBackDelays:
         self._counts[key] = count  # most recent last
         while len(self._counts) > self.memory:
             del self._counts[next(iter(self._counts))]
-        return float(min(self.limit, self.first * 2 ** min(count - 1, 32)))
+        return backoff_delay(self.first, self.limit, count)
 
     def forget(self, key: Hashable) -> None:
         self._counts.pop(key, None)
-
-
-def is_identity_problem(exc: BaseException) -> bool:
-    return isinstance(exc, IdentityError | PayloadNotHashable)

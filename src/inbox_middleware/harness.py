@@ -33,6 +33,7 @@ __all__ = [
     "RolledBackByCheck",
     "ScenarioResult",
     "Tally",
+    "Wave",
     "fresh",
     "intent_name",
     "refuse_sqlite",
@@ -163,7 +164,7 @@ class ScenarioResult:
 
 
 @dataclass
-class Outcomes:
+class Wave:
     """The outcomes of one wave of deliveries, as the framework reported them, and when
     each delivery began. Dramatiq's are told apart by message id; FastStream's by the
     intent's identity headers (``key`` None)."""
@@ -200,6 +201,10 @@ class Outcomes:
         return self.processed + self.skipped
 
 
+Outcomes = Wave
+"""The older name of `Wave`."""
+
+
 @dataclass
 class Tally:
     """The waves of one scenario, added up."""
@@ -209,7 +214,7 @@ class Tally:
     failures: list[str] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
 
-    def add(self, wave: Outcomes) -> None:
+    def add(self, wave: Wave) -> None:
         self.processed += wave.processed
         self.skipped += wave.skipped
         self.failures += wave.failures

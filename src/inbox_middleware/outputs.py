@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .exceptions import PermanentError
 from .identity import MessageIdentity
-from .protocol import Delivery
+from .protocol import Delivery, ReasonCode
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
@@ -31,9 +31,9 @@ __all__ = [
     "unstorable",
 ]
 
-RESULT_UNSTORABLE = "result_unstorable"
+RESULT_UNSTORABLE = ReasonCode.RESULT_UNSTORABLE
 """Reason code: the result is needed downstream but cannot be encoded, or is too large."""
-OUTPUTS_UNDELIVERABLE = "outputs_undeliverable"
+OUTPUTS_UNDELIVERABLE = ReasonCode.OUTPUTS_UNDELIVERABLE
 """Reason code: the stored outputs could not be published within the attempts allowed."""
 
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024

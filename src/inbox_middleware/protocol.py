@@ -1,5 +1,28 @@
 """The claim protocol as pure decisions: no SQL, no I/O, no framework.
 
+The one telling of the story every adapter follows (the storage executors, Dramatiq's
+middleware and FastStream's processing link here). One attempt, in one transaction::
+
+    adapter                          PostgreSQL                    broker
+    -------                          ----------                    ------
+    identity, payload hash
+    BEGIN (READ COMMITTED)
+    INSERT claim ──────────────────> row (first seen) or conflict
+      first seen ──> handler(session), its writes in the same transaction
+      duplicate ───> (the stored hash matches) nothing runs
+      conflict ────> quarantine row
+    COMMIT ────────────────────────> durable
+    outputs sent (a reply, a pipeline step), when something consumes them
+    ack ──────────────────────────────────────────────────────────> settled
+    (killed before the ack: the message comes back, and is then a duplicate)
+
+    any exception ──> ROLLBACK (the claim goes with it) ──> retried at once (serialization
+                      failure, deadlock), or the consumption core decides: never an ack
+
+What follows the COMMIT (ack, quarantine, dead letter, hand-back) is decided by the
+consumption core (`inbox_middleware.consumption`), and each adapter tells its broker in
+one place.
+
 A delivery is claimed by inserting its key. The primary key serializes concurrent
 claims; nothing here reads before it writes::
 
@@ -50,6 +73,7 @@ __all__ = [
     "LookUp",
     "LookUpBatch",
     "QuarantineRecord",
+    "ReasonCode",
     "RecordConflict",
     "Step",
     "StoredClaim",
@@ -62,6 +86,33 @@ __all__ = [
 # A claimed row can vanish between our conflicting INSERT and the hash lookup only if a
 # purge removed it in that instant; claiming again is then correct, but not forever.
 _MAX_VANISHED = 3
+
+
+class ReasonCode(StrEnum):
+    """Why the library itself kept a message as poison or quarantined it. The values are
+    stored (``inbox_poison.reason_code``, ``inbox_quarantine.reason_code``), used as metric
+    labels and as CLI filters: they never change. A permanent error of the user's own has
+    its own code (`PermanentError.reason_code`, or the type's name in
+    ``permanent_errors``)."""
+
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    """The attempts ran out (``max_attempts``, or the framework's retry budget)."""
+    REDELIVERY_LIMIT = "redelivery_limit"
+    """Redelivered without an outcome (its worker died) more than ``redelivery_limit``."""
+    EXPIRED_REDELIVERY = "expired_redelivery"
+    """First seen but older than the retention window, policy ``reject``."""
+    HANDLER_REJECTED = "handler_rejected"
+    """The handler rejected the message (``RejectMessage``, ``message.fail()``)."""
+    HANDLER_TRANSACTION = "handler_transaction"
+    """The handler ended the inbox's transaction itself, or settled the message itself."""
+    INBOX_ERROR = "inbox_error"
+    """The attempts ran out in the inbox's own path."""
+    OUTPUTS_UNDELIVERABLE = "outputs_undeliverable"
+    """The stored outputs could not be published within the attempts allowed."""
+    RESULT_UNSTORABLE = "result_unstorable"
+    """The handler's result cannot be encoded and stored with the claim."""
+    IDENTITY_CONFLICT = "identity_conflict"
+    """Same identity, another payload: quarantined."""
 
 
 class Decision(StrEnum):

@@ -214,7 +214,7 @@ def redrive(
     row = _decide(conn, naming, kind, row_id, "redriven", by=by, note=note, operation=operation)
     # A fresh start: the redriven message's earlier failures must not poison it again on
     # its first failure after the repair.
-    from .poison import FailureRecorder
+    from .storage.failures import FailureRecorder
 
     key = (row["consumer_name"], row["producer_name"], row["tenant"], row["message_id"])
     FailureRecorder(naming, conn.dialect.name).reset(conn, key)

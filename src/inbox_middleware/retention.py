@@ -32,9 +32,8 @@ from sqlalchemy import Connection, Engine
 
 from .exceptions import ConfigurationError, PermanentError
 from .instruments import metrics
-from .poison import EXPIRED_REDELIVERY
 from .policy import ExpiredPolicy
-from .protocol import Delivery
+from .protocol import Delivery, ReasonCode
 from .storage.counts import purge_counts
 from .storage.retention import (
     all_policy_rows,
@@ -370,7 +369,7 @@ def check_expired(
         "window: its claim may have been purged"
     )
     if policy == "reject":
-        raise PermanentError(EXPIRED_REDELIVERY, f"a message {text}")
+        raise PermanentError(ReasonCode.EXPIRED_REDELIVERY, f"a message {text}")
     logger.warning(
         "processing message %s of %s for %s although it was %s (expired_redelivery='process')",
         delivery.identity.message_id,

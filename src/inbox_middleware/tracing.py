@@ -31,12 +31,29 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from time import time_ns
-from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
-from .exceptions import ConfigurationError
+from .consumption import (
+    CountFailure,
+    CountHandBack,
+    CountRedelivery,
+    DeadLettered,
+    Duplicate,
+    HandedBack,
+    Poisoned,
+    Process,
+    Processed,
+    Publish,
+    Quarantined,
+    RecordPoison,
+    RunUnprotected,
+    SendOutputs,
+)
+from .exceptions import ClaimInProgress, ConfigurationError
+from .protocol import Claim, ClaimBatch
 
 if TYPE_CHECKING:
     from .consumption import Settlement
@@ -60,8 +77,6 @@ TRACE_OPTION = "inbox_trace"
 _SCOPE = "inbox_middleware"
 logger = logging.getLogger("inbox_middleware")
 _warned_inert: set[str] = set()  # once per process, whichever adapter or consumer finds it
-S = TypeVar("S")
-G = TypeVar("G")
 
 # The trace of the delivery this context is processing; None outside traced deliveries.
 _current: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar(
@@ -187,47 +202,48 @@ class _Trace:
         context.detach(attached)
         self.span.end()
 
-    def steps(self, steps: Generator[Any, Any, S]) -> Generator[Any, Any, S]:
-        """The consumption core's steps, with a span around each publish and record."""
-        answer: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = steps.send(answer) if error is None else steps.throw(error)
-            except StopIteration as done:
-                settlement: S = done.value
-                return settlement
-            span = _quietly(self._op_span, op)
-            try:
-                answer, error = (yield op), None
-            except BaseException as exc:
-                answer, error = None, exc
-            if span is not None:
-                if error is not None:
-                    _failed(self.tracing, span, error)
-                span.end()
-            if error is None:
-                _quietly(self._learn, op, answer)
+    @property
+    def observer(self) -> _Trace:
+        """What the trampoline tells of the consumption core's steps (`consumption.drive`)."""
+        return self
+
+    def started(self, op: Any) -> Any:
+        """A span around each publish and record."""
+        return _quietly(self._op_span, op)
+
+    def ended(self, op: Any, span: Any, answer: Any, error: BaseException | None) -> None:
+        if span is not None:
+            if error is not None:
+                _quietly(_failed, self.tracing, span, error)
+            _quietly(span.end)
+        if error is None:
+            _quietly(self._learn, op, answer)
+
+    def finished(self, result: Any) -> None:
+        pass  # the adapter names the settlement (`settled`), once it is final
 
     def _op_span(self, op: Any) -> Any:
-        kind = type(op).__name__
-        if kind == "Process":
-            self._identify(op.delivery)
-            return None
-        if kind == "RunUnprotected":
-            self.span.set_attribute("inbox.unprotected", True)
-            return None
-        if kind == "Publish":
-            name, span_kind = f"inbox.publish {op.route.value}", self.tracing._kinds.PRODUCER
-        else:
-            name, span_kind = f"inbox.record {_RECORDS.get(kind, kind)}", None
-        delivery = getattr(op, "delivery", None)
-        if delivery is not None:
-            self._identify(delivery)
+        span_kind: Any = None
+        attributes: dict[str, Any] = {}
+        match op:
+            case Process(delivery=delivery):
+                self._identify(delivery)
+                return None
+            case RunUnprotected():
+                self.span.set_attribute("inbox.unprotected", True)
+                return None
+            case Publish(route=route, details=details):
+                name, span_kind = f"inbox.publish {route.value}", self.tracing._kinds.PRODUCER
+                attributes = {"inbox.reason": details.get("reason", "")}
+            case SendOutputs():
+                name, span_kind = "inbox.publish outputs", self.tracing._kinds.PRODUCER
+            case _:
+                name = f"inbox.record {_RECORDS.get(type(op), type(op).__name__)}"
+        identified = getattr(op, "delivery", None)
+        if identified is not None:
+            self._identify(identified)
         return self.tracing.tracer.start_span(
-            name,
-            kind=span_kind or self.tracing._kinds.INTERNAL,
-            attributes={"inbox.reason": op.details.get("reason", "")} if kind == "Publish" else {},
+            name, kind=span_kind or self.tracing._kinds.INTERNAL, attributes=attributes
         )
 
     def _identify(self, delivery: Any) -> None:
@@ -243,11 +259,10 @@ class _Trace:
         )
 
     def _learn(self, op: Any, answer: Any) -> None:
-        kind = type(op).__name__
-        if kind == "Process":
+        if isinstance(op, Process):
             self.span.set_attribute("inbox.decision", str(answer.verdict.decision))
             self.span.set_attribute("inbox.attempt", answer.attempts)
-        elif kind == "CountFailure" and isinstance(answer, int):
+        elif isinstance(op, CountFailure) and isinstance(answer, int):
             self.span.set_attribute("inbox.failed_attempts", answer)
 
     def batch(self, size: int) -> None:
@@ -256,10 +271,7 @@ class _Trace:
 
     def settled(self, settlement: Settlement) -> None:
         """Name the settlement on the span and set its status from it."""
-        from .consumption import DeadLettered, HandedBack, Poisoned, Quarantined
-        from .exceptions import ClaimInProgress
-
-        name = _SETTLEMENTS.get(type(settlement).__name__, type(settlement).__name__)
+        name = _SETTLEMENTS.get(type(settlement), type(settlement).__name__)
         attributes: dict[str, Any] = {"inbox.settlement": name}
         span, codes = self.span, self.tracing._codes
         problem: str | None = None
@@ -317,23 +329,23 @@ class _Claim(_Phase):
         super().__init__(trace, "inbox.claim", {"inbox.attempt": attempt})
         self._waiting: int | None = None
 
-    def steps(self, steps: Generator[Any, Any, G]) -> Generator[Any, Any, G]:
-        """The claim protocol's steps, timing the INSERT: it blocks while a concurrent
-        delivery holds the row (until that one commits or rolls back, or lock_timeout)."""
-        answer: Any = None
-        while True:
-            try:
-                step = steps.send(answer)
-            except StopIteration as done:
-                verdict: G = done.value
-                self._decided(verdict)
-                return verdict
-            insert = type(step).__name__ in ("Claim", "ClaimBatch")
-            if insert:
-                self._waiting = time_ns()
-            answer = yield step
-            if insert:
-                self._waited()
+    @property
+    def observer(self) -> _Claim:
+        """What the trampoline tells of the claim protocol's steps (`consumption.drive`)."""
+        return self
+
+    def started(self, step: Any) -> Any:
+        """Time the INSERT: it blocks while a concurrent delivery holds the row (until
+        that one commits or rolls back, or lock_timeout)."""
+        if isinstance(step, Claim | ClaimBatch):
+            self._waiting = time_ns()
+        return None
+
+    def ended(self, step: Any, started: Any, answer: Any, error: BaseException | None) -> None:
+        _quietly(self._waited)
+
+    def finished(self, verdict: Any) -> None:
+        _quietly(self._decided, verdict)
 
     def _waited(self) -> None:
         if self._waiting is not None:
@@ -363,9 +375,7 @@ class _NoClaim:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    @staticmethod
-    def steps(steps: G) -> G:
-        return steps
+    observer = None
 
 
 class _NoTrace(_NoClaim):
@@ -473,17 +483,17 @@ class _Getter:
 
 _GETTER = _Getter()
 
-_RECORDS = {
-    "CountFailure": "failure",
-    "CountHandBack": "hand_back",
-    "CountRedelivery": "redelivery",
-    "RecordPoison": "poison",
+_RECORDS: dict[type, str] = {
+    CountFailure: "failure",
+    CountHandBack: "hand_back",
+    CountRedelivery: "redelivery",
+    RecordPoison: "poison",
 }
-_SETTLEMENTS = {
-    "Processed": "processed",
-    "Duplicate": "duplicate",
-    "Quarantined": "quarantined",
-    "DeadLettered": "dead_lettered",
-    "Poisoned": "poisoned",
-    "HandedBack": "handed_back",
+_SETTLEMENTS: dict[type, str] = {
+    Processed: "processed",
+    Duplicate: "duplicate",
+    Quarantined: "quarantined",
+    DeadLettered: "dead_lettered",
+    Poisoned: "poisoned",
+    HandedBack: "handed_back",
 }

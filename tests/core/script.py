@@ -3,7 +3,7 @@
 The core yields operations and receives their answers (or their exceptions); here a
 script stands in for the adapter's I/O, the way h11's tests feed a `Connection` events
 with no socket. Each operation type has a queue of answers: an exception instance is
-raised, a `Verdict` (or a whole `Outcome`) answers `Process` as storage does (calling the
+raised, a `Verdict` (or a whole `Committed`) answers `Process` as storage does (calling the
 hook that runs after the claim and before the handler), anything else is returned as it
 is.
 """
@@ -26,8 +26,8 @@ from inbox_middleware.consumption import (
 )
 from inbox_middleware.identity import MessageIdentity, PayloadHash
 from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Delivery, Verdict
-from inbox_middleware.storage import Outcome
+from inbox_middleware.protocol import Decision, Delivery, Verdict
+from inbox_middleware.storage import Committed
 
 __all__ = ["Poison", "Script", "delivery", "run", "run_async"]
 
@@ -72,21 +72,26 @@ class Script:
         answer = queue[min(seen, len(queue)) - 1]
         if isinstance(answer, BaseException):
             raise answer
-        if isinstance(op, Process) and isinstance(answer, Outcome):
-            op.before_handler(answer.verdict)
+        if isinstance(op, Process) and isinstance(answer, Committed):
+            _refuse(op, answer.verdict)
             self.raised[-1] = False
             return answer
         if isinstance(op, Process) and isinstance(answer, Verdict):
-            op.before_handler(answer)  # storage calls it after the claim, in the transaction
+            _refuse(op, answer)  # as storage does, after the claim, in the transaction
             result = self.result if answer.runs_handler else None
             self.raised[-1] = False
-            return Outcome(answer, result, self.attempts)
+            return Committed(answer, result, self.attempts)
         self.raised[-1] = False
         return answer
 
     @property
     def names(self) -> list[str]:
         return [type(op).__name__ for op in self.performed]
+
+
+def _refuse(op: Process, verdict: Verdict) -> None:
+    if op.refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+        raise op.refuse_first_seen
 
 
 def run(arrival: Arrival, script: Script, policy: ConsumerPolicy | None = None) -> Settlement:

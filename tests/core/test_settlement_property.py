@@ -39,6 +39,7 @@ from inbox_middleware.consumption import (
     RecordPoison,
     RedeliveryCount,
     RejectRequested,
+    RetryBudget,
     Route,
     RunUnprotected,
     Unfit,
@@ -127,7 +128,7 @@ def arrivals(draw: st.DrawFn) -> Arrival:
         deliveries=draw(st.none() | st.integers(1, 30)),
         redelivered=draw(st.booleans()),
         repair_marker=draw(st.sampled_from([None, "poison:3", "quarantine:x"])),
-        gives_up=draw(st.sampled_from([None, lambda exc: True, lambda exc: False])),
+        retry_budget=draw(st.sampled_from([None, RetryBudget(0, 0), RetryBudget(0, None)])),
         outcomes_redeliver=draw(st.booleans()),
         keeps_outputs=draw(st.booleans()),
     )

@@ -39,8 +39,10 @@ from inbox_middleware.consumption import (
     RecordPoison,
     RedeliveryCount,
     RejectRequested,
+    RetryBudget,
     Route,
     RunUnprotected,
+    SendOutputs,
     Unfit,
     drive,
     outputs_failed_steps,
@@ -61,7 +63,7 @@ from inbox_middleware.identity import MessageIdentity
 from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
-from inbox_middleware.storage import Outcome
+from inbox_middleware.storage import Committed
 
 from .script import Poison, Script, delivery, run, run_async
 
@@ -368,14 +370,14 @@ ROWS: dict[str, Row] = {
     ),
     "first seen, a redriven poison message storage marked recovered: recovered": Row(
         {"repair_marker": "poison:12:op-1"},
-        {Process: [Outcome(FIRST, "handler result", 1, "poison")]},
+        {Process: [Committed(FIRST, "handler result", 1, "poison")]},
         ["Process"],
         Processed,
         expect={"recovered": "poison"},
     ),
     "first seen, an accepted quarantined message storage marked recovered: recovered": Row(
         {"repair_marker": "quarantine:7:op-2"},
-        {Process: [Outcome(FIRST, "handler result", 1, "quarantine")]},
+        {Process: [Committed(FIRST, "handler result", 1, "quarantine")]},
         ["Process"],
         Processed,
         expect={"recovered": "quarantine"},
@@ -577,7 +579,7 @@ ROWS: dict[str, Row] = {
         expect={"reason": INBOX_ERROR},
     ),
     "the framework's retries end with this failure: poisoned, retries_exhausted": Row(
-        {"gives_up": lambda exc: True},
+        {"retry_budget": RetryBudget(0, 0)},
         {Process: [Boom()], CountFailure: [1], RecordPoison: [POISON], Publish: [None]},
         ["Process", "CountFailure", "RecordPoison", "Publish"],
         Poisoned,
@@ -784,7 +786,7 @@ OUTPUT_ROWS: dict[str, Row] = {
         expect={"reason": OUTPUTS_UNDELIVERABLE},
     ),
     "the framework gives up: poisoned, outputs_undeliverable": Row(
-        {"gives_up": lambda exc: True},
+        {"retry_budget": RetryBudget(0, 0)},
         {CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]},
         ["CountFailure", "RecordPoison", "Publish"],
         Poisoned,
@@ -826,3 +828,113 @@ def test_core__every_arrow_has_a_row() -> None:
         "CountFailure",
         "CountHandBack",
     }
+
+
+# -- the framework's retry budget: "is this the last attempt?" --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "raised", "last"),
+    [
+        (RetryBudget(retries=0, max_retries=0), Boom(), True),  # no Retries middleware
+        (RetryBudget(retries=2, max_retries=3), Boom(), False),
+        (RetryBudget(retries=3, max_retries=3), Boom(), True),
+        (RetryBudget(retries=99, max_retries=None), Boom(), False),
+        # retry_when decides alone when given, with the count and the handler's error
+        (RetryBudget(5, 3, retry_when=lambda count, exc: count < 9), Boom(), False),
+        (RetryBudget(0, 3, retry_when=lambda count, exc: isinstance(exc, Boom)), KeyError(), True),
+        # a Retry the handler raised is judged as itself, not as the core's wrapper
+        (
+            RetryBudget(0, 3, retry_when=lambda count, exc: isinstance(exc, Boom)),
+            HandBackRequested(cause=Boom()),
+            False,
+        ),
+    ],
+)
+def test_core__the_frameworks_retry_budget_says_whether_this_attempt_was_the_last(
+    budget: RetryBudget, raised: BaseException, last: bool
+) -> None:
+    script = Script(
+        {Process: [raised], CountFailure: [1], RecordPoison: [POISON], Publish: [CONFIRMED]}
+    )
+    settled = run(
+        arrival(retry_budget=budget), script, replace(ConsumerPolicy(), max_attempts=None)
+    )
+    assert type(settled) is (Poisoned if last else HandedBack), settled
+    if last:
+        assert isinstance(settled, Poisoned)
+        assert settled.reason == RETRIES_EXHAUSTED and settled.exhausted
+
+
+# -- outputs the adapter sends before the ack (Dramatiq: pipeline steps, on_success) ----------
+
+SENT = {"keeps_outputs": True, "sends_outputs": True}
+
+SEND_ROWS: dict[str, Row] = {
+    "first seen: the stored outputs sent, then processed": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [None]},
+        ["Process", "SendOutputs"],
+        Processed,
+        expect={"result": OUTPUT},
+    ),
+    "a duplicate: the stored outputs loaded and sent again": Row(
+        SENT,
+        {Process: [DUPLICATE], LoadOutputs: [OUTPUT], SendOutputs: [None]},
+        ["Process", "LoadOutputs", "SendOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT},
+    ),
+    "a duplicate of a claim that stored nothing: nothing to send": Row(
+        SENT,
+        {Process: [DUPLICATE], LoadOutputs: [None]},
+        ["Process", "LoadOutputs"],
+        Duplicate,
+    ),
+    "the send failed with attempts left: handed back, counted (the claim stays)": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [ConnectionError("refused")], CountFailure: [1]},
+        ["Process", "SendOutputs", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 10},
+        expect={"counted": True},
+    ),
+    "the send failed on the last attempt: poisoned, outputs_undeliverable": Row(
+        SENT,
+        {
+            Process: [DUPLICATE],
+            LoadOutputs: [OUTPUT],
+            SendOutputs: [ConnectionError("refused")],
+            CountFailure: [10],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["Process", "LoadOutputs", "SendOutputs", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 10},
+        expect={"reason": OUTPUTS_UNDELIVERABLE, "exhausted": True},
+    ),
+    "the send failed for transient trouble: handed back, uncounted": Row(
+        SENT,
+        {Process: [FIRST], SendOutputs: [TransientError()], CountHandBack: [None]},
+        ["Process", "SendOutputs", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "the adapter publishes the result itself (FastStream): nothing sent here": Row(
+        {"keeps_outputs": True},
+        {Process: [FIRST]},
+        ["Process"],
+        Processed,
+        expect={"result": OUTPUT},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SEND_ROWS))
+def test_core__outputs_sent_before_the_ack(name: str) -> None:
+    row = SEND_ROWS[name]
+    script = Script(row.answers, result=OUTPUT)
+    _check(row, script, run(arrival(**row.arrival), script, _settings(row)))
+    sent = [op for op in script.performed if isinstance(op, SendOutputs)]
+    assert all(op.output == OUTPUT and op.delivery == delivery() for op in sent)

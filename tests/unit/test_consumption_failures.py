@@ -24,6 +24,7 @@ from inbox_middleware.consumption import (
     Publish,
     RecordPoison,
     RejectRequested,
+    RetryBudget,
     drive,
     outputs_failed_steps,
     settle_steps,
@@ -66,7 +67,7 @@ def script(raised: BaseException | None, attempts: int = 1, redeliveries: int = 
 
 
 def arrival(gives_up: bool) -> Arrival:
-    return Arrival(DELIVERY, gives_up=lambda exc: gives_up)
+    return Arrival(DELIVERY, retry_budget=RetryBudget(0, 0 if gives_up else None))
 
 
 RULES = ConsumerPolicy(max_attempts=None, permanent_errors=(KeyError,))

@@ -32,7 +32,6 @@ from sqlalchemy.orm import Session
 from .. import faults
 from ..consumption import (
     Arrival,
-    Duplicate,
     HandBackRequested,
     HandedBack,
     Op,
@@ -41,10 +40,11 @@ from ..consumption import (
     Processed,
     Publish,
     RejectRequested,
+    RetryBudget,
     Route,
     RunUnprotected,
+    SendOutputs,
     drive,
-    outputs_failed_steps,
     settle_steps,
 )
 from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
@@ -109,9 +109,9 @@ class ActorHost(Protocol):
 
     def settle(self, bound: InboxActor, pending: Pending, settlement: Settlement) -> Any: ...
 
-    def gives_up(
-        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy, exc: BaseException
-    ) -> bool: ...
+    def retry_budget(
+        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy
+    ) -> RetryBudget: ...
 
     def quarantine(
         self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]
@@ -189,13 +189,14 @@ class InboxActor:
             # RabbitMQ quorum queues count deliveries (QuorumRabbitmqBroker reads them)
             "deliveries": getattr(message, DELIVERIES, None),
             "repair_marker": message.options.get(OPTION_REPAIR),
-            "gives_up": functools.partial(self.middleware.gives_up, self.actor, message),
+            "retry_budget": self.middleware.retry_budget(self.actor, message),
             "interrupts": (TimeLimitExceeded,),
             "shutdowns": (Shutdown,),
             # Dramatiq retries a failure as a new message: only a delivery that ended
             # without an outcome comes back redelivered.
             "outcomes_redeliver": False,
             "keeps_outputs": self.keeps_outputs(message),
+            "sends_outputs": True,  # pipeline steps and on_success, before the ack
             "declared_consumer": self.consumer,
             "source": message.queue_name,
         }
@@ -273,7 +274,7 @@ class InboxActor:
         """Send what follows the committed ``delivery``: its pipeline step and its
         ``on_success`` callback, each with an identity derived from the delivery's (the
         callback exactly as the first delivery stored it). Runs before the ack; the
-        consumption core decides what a failure here means (`outputs_failed_steps`)."""
+        consumption core decides what a failure here means (`SendOutputs`)."""
         broker = self.actor.broker
         with self.middleware.continuing():
             target = message.options.get("pipe_target")
@@ -351,39 +352,16 @@ class InboxActor:
         carrier = pending.message.options.get(TRACE_OPTION)
         with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
             try:
-                steps = trace.steps(settle_steps(pending.arrival, self.policy))
+                steps = settle_steps(pending.arrival, self.policy)
                 perform = functools.partial(self.perform, pending, args, kwargs)
-                settlement = drive(steps, perform)
-                settlement = self._outputs(pending, settlement, perform)
+                settlement = drive(steps, perform, trace.observer)
+                if isinstance(settlement, Processed) and settlement.verdict is None:
+                    self.unprotected_callback(pending.message, settlement.result)
             except Exception as exc:  # the inbox's own bug: a failed attempt, retried by Retries
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer)
                 settlement = HandedBack(exc, counted=True)
             trace.settled(settlement)
             return self.middleware.settle(self, pending, settlement)
-
-    def _outputs(
-        self, pending: Pending, settlement: Settlement, perform: Callable[[Op], Any]
-    ) -> Settlement:
-        """Send the outputs of a committed delivery (or of its duplicate); when that
-        fails, the consumption core decides what follows."""
-        assert pending.arrival is not None
-        match settlement:
-            case Processed(result=Output() as output) | Duplicate(output=Output() as output):
-                delivery = pending.arrival.delivery
-                assert delivery is not None
-                try:
-                    self.replay(pending.message, delivery, output)
-                except Exception as exc:
-                    logger.warning(
-                        "inbox consumer %s could not send the outputs of %s: %s",
-                        self.consumer,
-                        pending.message.message_id,
-                        exc,
-                    )
-                    return drive(outputs_failed_steps(pending.arrival, self.policy, exc), perform)
-            case Processed(result=result, verdict=None):
-                self.unprotected_callback(pending.message, result)
-        return settlement
 
     def _direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if session_var.get() is not None:  # called from another inbox actor: join it
@@ -401,21 +379,24 @@ class InboxActor:
         message_id = op.delivery.identity.message_id if isinstance(op, Process) else None
         match op:
             case Process(
-                delivery=delivery, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+                delivery=delivery,
+                repair_marker=marker,
+                keeps_outputs=keeps,
+                refuse_first_seen=refusal,
             ):
                 faults.at("before_claim", message_id)
                 keep = delivery if keeps else None
                 if self.is_async:
                     body = self._async_body(pending, args, kwargs, keep)
                     work = self._async_inbox.process(
-                        delivery, body, before_handler=before, repair_marker=marker
+                        delivery, body, repair_marker=marker, refuse_first_seen=refusal
                     )
                     return self._on_loop(work)
                 return self._inbox.process(
                     delivery,
                     self._body(pending, args, kwargs, keep),
-                    before_handler=before,
                     repair_marker=marker,
+                    refuse_first_seen=refusal,
                 )
             case RunUnprotected():
                 if self.is_async:
@@ -425,6 +406,17 @@ class InboxActor:
             case Publish(route=Route.QUARANTINE, details=details):
                 faults.at("quarantine_publish", details.get("message_id"))
                 return self.middleware.quarantine(self, pending.message, details)
+            case SendOutputs(delivery=delivery, output=output):
+                try:
+                    return self.replay(pending.message, delivery, output)
+                except Exception as exc:
+                    logger.warning(
+                        "inbox consumer %s could not send the outputs of %s: %s",
+                        self.consumer,
+                        pending.message.message_id,
+                        exc,
+                    )
+                    raise
             case Publish():
                 # Dramatiq's dead-letter path is the broker's own: the message is failed
                 # when the middleware settles it.
@@ -445,11 +437,11 @@ class InboxActor:
         claim and the body answers the `Output`."""
 
         def body(session: Session) -> Any:
-            with _instructions(session, pending, self.consumer, self.policy) as outcome:
-                outcome.result = self.target(*args, **kwargs)
-            if keep is None or outcome.result is SKIPPED:
-                return outcome.result
-            output = self._output(pending, keep, outcome.result)
+            with _instructions(session, pending, self.consumer, self.policy) as ran:
+                ran.result = self.target(*args, **kwargs)
+            if keep is None or ran.result is SKIPPED:
+                return ran.result
+            output = self._output(pending, keep, ran.result)
             self._storage.keep_output(session, keep, output)
             return output
 
@@ -474,11 +466,11 @@ class InboxActor:
         keep: Delivery | None = None,
     ) -> Callable[[AsyncSession], Coroutine[Any, Any, Any]]:
         async def body(session: AsyncSession) -> Any:
-            with _instructions(session, pending, self.consumer, self.policy) as outcome:
-                outcome.result = await self.target(*args, **kwargs)
-            if keep is None or outcome.result is SKIPPED:
-                return outcome.result
-            output = self._output(pending, keep, outcome.result)
+            with _instructions(session, pending, self.consumer, self.policy) as ran:
+                ran.result = await self.target(*args, **kwargs)
+            if keep is None or ran.result is SKIPPED:
+                return ran.result
+            output = self._output(pending, keep, ran.result)
             self._storage.keep_output(session.sync_session, keep, output)
             return output
 
@@ -510,24 +502,24 @@ class InboxActor:
         return loop_thread.run_coroutine(work)
 
 
-class _Outcome:
+class _Result:
     result: Any = None
 
 
 @contextlib.contextmanager
 def _instructions(
     session: Session | AsyncSession, pending: Pending | None, consumer: str, policy: ConsumerPolicy
-) -> Iterator[_Outcome]:
+) -> Iterator[_Result]:
     """Run the actor's body with its session, and turn Dramatiq's own instructions into
     the core's: `SkipMessage` is "done" (commit, then skip), `Retry` a failed attempt,
     ``message.fail()`` a rejection."""
-    outcome = _Outcome()
+    ran = _Result()
     session.info[CONSUMER_INFO] = (consumer, policy.direct_publish)
     token = session_var.set(session)
     try:
-        yield outcome
+        yield ran
     except SkipMessage:
-        outcome.result = SKIPPED
+        ran.result = SKIPPED
         return
     except dramatiq.Retry as exc:
         raise _hand_back(exc) from exc

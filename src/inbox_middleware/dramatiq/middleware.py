@@ -2,18 +2,9 @@
 
 The middleware wraps the function of every actor declared with ``inbox_consumer``
 (`actor.InboxActor`). The worker acknowledges a message only after the actor call
-returns, so the order is fixed::
-
-    worker thread                    PostgreSQL                 broker
-    -------------                    ----------                 ------
-    before_process_message:
-      read identity, hash args
-    actor call:
-      BEGIN; INSERT claim ───────────> row (first) or conflict
-      actor body (current_session)
-      COMMIT ────────────────────────> durable
-    return ─────────────────────────────────────────────────────> ack
-    (a crash before this line leaves the message unacked: redelivered, then a duplicate)
+returns, so the transaction drawn in `inbox_middleware.protocol` (BEGIN, claim, the actor's
+body with `current_session`, COMMIT) runs inside the actor call and the ack follows it;
+``before_process_message`` reads the identity and hashes the arguments first.
 
 Every delivery ends in one settlement of the consumption core, and `settle` tells
 Dramatiq what it means, in one place: return the result (processed; where something
@@ -62,7 +53,9 @@ from ..consumption import (
     Poisoned,
     Processed,
     Quarantined,
+    RetryBudget,
     Settlement,
+    backoff_delay,
 )
 from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
 from ..identity import MAX_NAME_LENGTH, validate_name
@@ -97,6 +90,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger("inbox_middleware.dramatiq")
+
+# Waits between tries to enqueue a handed-back message again while its broker is out:
+# from a tenth of a second, doubling, at most five seconds apart.
+_REENQUEUE_FIRST_WAIT = 0.1
+_REENQUEUE_MAX_WAIT = 5.0
 
 # The longest a hand-back waits, whatever Retries' max_backoff (days, by default) says.
 _HAND_BACK_LIMIT = 300.0
@@ -216,7 +214,7 @@ class InboxMiddleware(dramatiq.Middleware):
             self.async_inbox = AsyncInbox(async_engine, **storage)
         if self.inbox is None and self.async_inbox is None:
             raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
-        # Dramatiq's Retries bounds the attempts (see gives_up), unless one is set here.
+        # Dramatiq's Retries bounds the attempts (see retry_budget), unless one is set here.
         self.policy = (policy or ConsumerPolicy(max_attempts=None)).override(**settings)
         self.quarantine_queue = quarantine_queue
         self.quarantine_publisher = quarantine_publisher
@@ -492,7 +490,9 @@ class InboxMiddleware(dramatiq.Middleware):
         then acknowledge a message that nothing holds any more."""
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(self.hand_back_patience),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=5),
+            wait=lambda state: backoff_delay(
+                _REENQUEUE_FIRST_WAIT, _REENQUEUE_MAX_WAIT, state.attempt_number
+            ),
             before_sleep=lambda state: logger.warning(
                 "could not hand message %s back (%s); trying again",
                 message.message_id,
@@ -514,23 +514,17 @@ class InboxMiddleware(dramatiq.Middleware):
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker
 
-    def gives_up(
-        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy, exc: BaseException
-    ) -> bool:
-        """Will Dramatiq's Retries give up after this failure?"""
+    def retry_budget(self, actor: dramatiq.Actor[Any, Any], message: MessageProxy) -> RetryBudget:
+        """Dramatiq's Retries' budget for ``message``, as Retries reads it (the consumption
+        core decides whether a failure ends it)."""
         retries = self.retries
         if retries is None:
-            return True
-        if isinstance(exc, HandBackRequested) and exc.cause is not None:
-            exc = exc.cause
-        count = message.options.get("retries", 0)
+            return RetryBudget(0, 0)  # nothing retries: every failure is the last
         retry_when = actor.options.get("retry_when", retries.retry_when)
-        if retry_when is not None:
-            return not retry_when(count, exc)
         limit = message.options.get(
             "max_retries", actor.options.get("max_retries", retries.max_retries)
         )
-        return limit is not None and count >= limit
+        return RetryBudget(message.options.get("retries", 0), limit, retry_when)
 
     def quarantine(self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]) -> None:
         """Publish a conflicting message to its actor's quarantine queue, with ``details``."""

@@ -26,7 +26,7 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 
 from .. import canonical_v1
-from ..canonical import canonical_json
+from ..canonical import CanonicalForm, canonical_json
 from ..exceptions import ConfigurationError, InvalidIdentity, MissingIdentity, PayloadNotHashable
 from ..headers import OPTION_MESSAGE_ID, OPTION_PRODUCED_AT, OPTION_PRODUCER, OPTION_TENANT
 from ..identity import MAX_NAME_LENGTH, MessageIdentity, PayloadHash, hash_bytes, validate_name
@@ -63,19 +63,6 @@ BROKER_ID_PRODUCER = "dramatiq.message_id"
 
 # Options that describe delivery, not intent, and are noise in a quarantine record.
 _VOLATILE_OPTIONS = frozenset({"traceback", "redis_message_id", "requeue_timestamp"})
-
-
-@dataclass(frozen=True, slots=True)
-class CanonicalForm:
-    """A user-supplied canonical form for an actor's payload.
-
-    ``function`` receives the actor name and the bound arguments and returns bytes, or a
-    JSON value to canonicalise. ``scheme`` names the form; change it whenever the form
-    changes, so a stored hash is never compared with a hash of another form.
-    """
-
-    scheme: str
-    function: Callable[[str, dict[str, Any]], object]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,11 @@ from ..harness import (
     ROLLED_BACK,
     Effect,
     Hold,
-    Outcomes,
     Rollback,
     RolledBackByCheck,
     ScenarioResult,
     Tally,
+    Wave,
     fresh,
     intent_name,
     refuse_sqlite,
@@ -184,7 +184,7 @@ class DramatiqCheck:
                 probe = stack.enter_context(rollback_at_commit(identity.message_id))
                 recorder.rollback = (probe, lambda: self.effect() - before, deadline)
             for wave in waves:
-                outcomes = recorder.current = Outcomes({m.message_id for m in wave}, len(wave))
+                outcomes = recorder.current = Wave({m.message_id for m in wave}, len(wave))
                 for copy in wave:
                     self.broker.enqueue(copy)
                 # Acknowledged before the next wave is sent.
@@ -273,7 +273,7 @@ class DramatiqCheck:
             self.broker.middleware.remove(recorder)
 
 
-def _settled(outcomes: Outcomes, deadline: float) -> bool:
+def _settled(outcomes: Wave, deadline: float) -> bool:
     """Wait until every message of the wave is settled (processed, skipped, or failed for
     good once Retries gave up); False at the deadline."""
     assert outcomes.expected is not None
@@ -360,7 +360,7 @@ def _dramatiq_recorder() -> Any:
     from dramatiq import Middleware
 
     class Recorder(Middleware):
-        current: Outcomes | None = None
+        current: Wave | None = None
         rollback: tuple[Rollback, Callable[[], float], float] | None = None
 
         def before_process_message(self, broker: Any, message: Any) -> None:

@@ -1,9 +1,10 @@
 """A batch subscriber's messages: claimed, handled and committed as a whole.
 
-The batch's settlement is the batch's own (processed, handed back, or, when its
-attempts run out, each message kept as poison and dead-lettered); after the commit,
-conflicts are quarantined and messages without a usable identity dead-lettered one by
-one. `_tell_batch` is where the broker is told.
+The consumption core decides the batch's settlement (`consumption.settle_batch_steps`:
+processed, handed back, or, when its attempts run out, each message kept as poison and
+dead-lettered; after the commit, conflicts are quarantined and messages without a usable
+identity dead-lettered one by one). This module performs the core's operations for the
+batch and tells the broker in one place, `_tell_batch`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from .. import consumption as core
 from .. import faults
-from ..consumption import CountFailure, RecordPoison, RejectRequested, Unfit
-from ..exceptions import (
-    IdentityError,
-    InboxError,
-    PayloadNotHashable,
-    SchemaError,
-    TransientError,
+from ..consumption import (
+    BatchArrival,
+    BatchProcessed,
+    BatchRejected,
+    BatchSettlement,
+    Op,
+    ProcessBatch,
+    Publish,
+    Route,
+    settle_batch_steps,
 )
+from ..exceptions import IdentityError, InboxError, PayloadNotHashable, TransientError
 from ..instruments import metrics
 from ..protocol import Decision, Delivery, Verdict
 from ..tally import tally
@@ -86,60 +91,101 @@ async def consume_batch(sub: BatchSubscription, call_next: CallNext, message: An
 async def _consume(
     sub: BatchSubscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
 ) -> Any:
-    claims: list[tuple[int, Delivery]] = []
+    deliveries: list[tuple[int, Delivery]] = []
     rejected: dict[int, InboxError] = {}
     for index, item in enumerate(items):
         try:
-            claims.append((index, sub.delivery(item)))
+            deliveries.append((index, sub.delivery(item)))
         except (IdentityError, PayloadNotHashable) as exc:
             metrics.missing_identity(sub.consumer.name, core.identity_reason(exc), "rejected")
             rejected[index] = exc
-    key = ("batch", claims[0][1].key if claims else bytes(items[0].body[:64]))
+    key = (
+        "batch",
+        deliveries[0][1].key if deliveries else bytes(items[0].body[: core.UNIDENTIFIED_KEY_BYTES]),
+    )
+    arrival = BatchArrival(
+        tuple(deliveries),
+        tuple(rejected.items()),
+        len(items),
+        declared_consumer=sub.consumer.name,
+        source=sub.adapter.source,
+    )
 
     async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
-        decided = {index: verdict for (index, _), verdict in zip(claims, verdicts, strict=True)}
-        first = [index for index, _ in claims if decided[index].runs_handler]
+        decided = {index: verdict for (index, _), verdict in zip(deliveries, verdicts, strict=True)}
+        first = [index for index, _ in deliveries if decided[index].runs_handler]
         view = await _view(message, first)
-        seen = _batch_items(items, claims, decided, rejected)
+        seen = _batch_items(items, deliveries, decided, rejected)
         return await sub.body(call_next, view, seen, original=message)(session)
 
-    outcome = None
-    reject: InboxError | None = None
-    gone = "dead_lettered"  # what a rejected batch's messages are counted as
+    async def perform(op: Op) -> Any:
+        match op:
+            case ProcessBatch(deliveries=deliveries):
+                return await sub.storage.process_batch(list(deliveries), body)
+            case Publish(route=Route.QUARANTINE, details=details, item=index):
+                assert index is not None
+                faults.at("quarantine_publish", details.get("message_id"))
+                await _publish(sub, sub.quarantine, items[index], CONFLICT_HEADER, details)
+                return None
+            case Publish(details=details, item=index):
+                assert index is not None
+                _log_dead_letter(sub, details)
+                faults.at("dead_letter_publish", message_id_of(items[index].headers))
+                if sub.dead_letter is None:
+                    return None  # the broker's own dead-letter path: rejected in _tell_batch
+                await _publish(sub, sub.dead_letter, items[index], REJECTED_HEADER, details)
+                return None
+        return await sub.storage.bookkeep(op)
+
     try:
-        if claims:
-            outcome = await sub.storage.process_batch([c for _, c in claims], body)
-    except (RejectRequested, Unfit) as exc:
-        reject = exc if isinstance(exc, Unfit) else InboxError(str(exc))
-    except Exception as exc:
-        reject = await _failed(sub, claims, exc)
-        if reject is None:
-            transient = isinstance(exc, TransientError | SchemaError)
-            _count(sub, "handed_back" if transient else "failed", len(items))
-            return await _tell_batch(sub, trace, message, key, error=exc)
-        gone = "poisoned"
-    try:
-        if reject is not None:
-            for index, item in enumerate(items):
-                await _dead_letter(sub, message, item, index, reject)
-            _count(sub, gone, len(items))
-        else:
-            verdicts = outcome.verdicts if outcome is not None else ()
-            for (index, claim), verdict in zip(claims, verdicts, strict=True):
-                if verdict.decision is Decision.CONFLICT and not verdict.shadow:
-                    await _quarantine(sub, items[index], claim, verdict)
-            for index, error in rejected.items():
-                await _dead_letter(sub, message, items[index], index, error)
+        settlement = await core.drive_async(settle_batch_steps(arrival, sub.policy), perform)
+    except Exception as exc:  # the inbox's own bug: the batch stays with the broker
+        logger.exception("inbox consumer %s failed to settle a batch", sub.consumer.name)
+        settlement = core.HandedBack(exc, counted=False)
+    return await _tell_batch(sub, trace, message, key, settlement, size=len(items))
+
+
+async def _publish(
+    sub: BatchSubscription, destination: str, item: Item, header: str, details: dict[str, Any]
+) -> None:
+    headers = {**item.headers, header: json.dumps(details)}
+    await sub.adapter.publish(destination, item, headers)
+
+
+def _log_dead_letter(sub: BatchSubscription, details: dict[str, Any]) -> None:
+    logger.error(
+        "rejecting a message for inbox consumer %s to %s: %s",
+        sub.consumer.name,
+        sub.dead_letter or f"the {sub.adapter.name} dead-letter path",
+        details["detail"],
+        extra={"inbox_event": "rejected", "inbox_consumer": sub.consumer.name},
+    )
+
+
+def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> None:
+    """The batch's metrics and its messages' counts for ``inbox_counts`` (a message's are
+    `outcomes.report`'s)."""
+    name = sub.consumer.name
+    match settlement:
+        case BatchProcessed(verdicts=verdicts, dead_lettered=indexes):
             for verdict in verdicts:
-                _count(sub, _COUNTED[verdict.decision] if not verdict.shadow else "processed")
-            _count(sub, "no_identity", len(rejected))
-    except Exception as exc:
-        _count(sub, "handed_back", len(items))
-        return await _tell_batch(sub, trace, message, key, error=exc)
-    if outcome is None or reject is not None:
-        return await _tell_batch(sub, trace, message, key)
-    ran = any(verdict.runs_handler for verdict in outcome.verdicts)
-    return await _tell_batch(sub, trace, message, key, result=outcome.result, ran=ran)
+                if verdict.decision is Decision.CONFLICT and not verdict.shadow:
+                    metrics.moved(name, "quarantine")
+                tally.count(name, _COUNTED[verdict.decision] if not verdict.shadow else "processed")
+            for _ in indexes:
+                tally.count(name, "no_identity")
+        case BatchRejected(reason=reason, records=records):
+            for _ in records:
+                metrics.moved(name, "poison")
+            if records:
+                metrics.handler_failure(name, reason)
+            for _ in range(size):
+                tally.count(name, "poisoned" if records else "dead_lettered")
+        case core.HandedBack(error=error, counted=counted):
+            if counted:
+                metrics.handler_failure(name, type(error).__name__)
+            for _ in range(size):
+                tally.count(name, "failed" if counted else "handed_back")
 
 
 _COUNTED = {
@@ -149,112 +195,66 @@ _COUNTED = {
 }
 
 
-def _count(sub: BatchSubscription, outcome: str, times: int = 1) -> None:
-    """Count a batch's messages for ``inbox_counts``, as `outcomes.report` counts one
-    delivery's settlement (see `inbox_middleware.tally`)."""
-    for _ in range(times):
-        tally.count(sub.consumer.name, outcome)
-
-
-async def _failed(
-    sub: BatchSubscription, claims: list[tuple[int, Delivery]], exc: Exception
-) -> InboxError | None:
-    """Count a failed batch against each of its messages; when that was the last attempt
-    (or the failure is permanent), keep each as poison and return why the batch goes to
-    the dead-letter destination. None: hand it back (also when nothing could be counted)."""
-    if isinstance(exc, TransientError | SchemaError) or not claims:
-        return None
-    code = core.reason_code(exc, sub.policy.permanent_errors)
-    error = core.describe(exc)
-    limit = sub.policy.max_attempts
-    try:
-        counts = [await sub.storage.bookkeep(CountFailure(claim, error)) for _, claim in claims]
-        if code is None and (limit is None or max(counts) < limit):
-            metrics.handler_failure(sub.consumer.name, type(exc).__name__)
-            return None
-        code = code or (core.INBOX_ERROR if isinstance(exc, InboxError) else core.RETRIES_EXHAUSTED)
-        for (_, claim), attempts in zip(claims, counts, strict=True):
-            await sub.storage.bookkeep(RecordPoison(claim, code, error, attempts))
-            metrics.moved(sub.consumer.name, "poison")
-    except Exception:
-        logger.exception("could not record the failure of a batch of %s", sub.consumer.name)
-        return None
-    metrics.handler_failure(sub.consumer.name, code)
-    return InboxError(
-        f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
-    )
-
-
 async def _tell_batch(
     sub: BatchSubscription,
     trace: Any,
     message: Any,
     key: Hashable,
+    settlement: BatchSettlement,
     *,
-    error: Exception | None = None,
-    result: Any = None,
-    ran: bool = False,
+    size: int,
 ) -> Any:
     """Tell the broker a batch's settlement: the one place that does, for batches."""
     faults.at("settle", None)
     name = sub.consumer.name
-    trace.settled(core.HandedBack(error, counted=False) if error else core.Processed(result))
-    if error is not None:
-        wait = sub.backoff.next(key)
-        await sub.adapter.retry_later(message, wait)
-        logger.warning(
-            "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
-            name,
-            type(error).__name__,
-            error,
-            wait,
-        )
-        if isinstance(error, TransientError):
-            raise HandedBack(f"{type(error).__name__}: {error}") from error
-        raise error
-    sub.backoff.forget(key)
-    await sub.adapter.ack(message)
-    if ran and result is not ACKED:
-        return result
+    try:  # whatever happens here, the broker is still told
+        _count(sub, settlement, size)
+    except Exception:
+        logger.exception("could not count a settlement of %s", name)
+    match settlement:
+        case core.HandedBack(error=error):
+            trace.settled(settlement)
+            wait = sub.backoff.next(key)
+            await sub.adapter.retry_later(message, wait)
+            logger.warning(
+                "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
+                name,
+                type(error).__name__,
+                error,
+                wait,
+            )
+            if isinstance(error, TransientError) or not isinstance(error, Exception):
+                raise HandedBack(f"{type(error).__name__}: {error}") from error
+            raise error
+        case BatchProcessed(result=result, dead_lettered=indexes):
+            trace.settled(core.Processed(result))
+            await _settled(sub, message, key, indexes)
+            if settlement.ran and result is not ACKED:
+                return result
+        case BatchRejected(dead_lettered=indexes):
+            trace.settled(core.Processed())
+            await _settled(sub, message, key, indexes)
     raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen", logged=False)
 
 
-async def _quarantine(
-    sub: BatchSubscription, item: Item, claim: Delivery, verdict: Verdict
+async def _settled(
+    sub: BatchSubscription, message: Any, key: Hashable, dead_lettered: tuple[int, ...]
 ) -> None:
-    details = core.conflict_details(claim, verdict)
-    faults.at("quarantine_publish", claim.identity.message_id)
-    headers = {**item.headers, CONFLICT_HEADER: json.dumps(details)}
-    await sub.adapter.publish(sub.quarantine, item, headers)
-    metrics.moved(sub.consumer.name, "quarantine")
-
-
-async def _dead_letter(
-    sub: BatchSubscription, message: Any, item: Item, index: int, error: InboxError
-) -> None:
-    logger.error(
-        "rejecting a message for inbox consumer %s to %s: %s",
-        sub.consumer.name,
-        sub.dead_letter or f"the {sub.adapter.name} dead-letter path",
-        error,
-        extra={"inbox_event": "rejected", "inbox_consumer": sub.consumer.name},
-    )
-    details = core.rejection_details(error, sub.consumer.name, sub.adapter.source)
-    faults.at("dead_letter_publish", message_id_of(item.headers))
-    if sub.dead_letter is None:
-        await sub.adapter.reject(message, [index])
-        return
-    headers = {**item.headers, REJECTED_HEADER: json.dumps(details)}
-    await sub.adapter.publish(sub.dead_letter, item, headers)
+    """Ack a settled batch, its dead-lettered items rejected first where the broker's own
+    dead-letter path takes them."""
+    sub.backoff.forget(key)
+    if dead_lettered and sub.dead_letter is None:
+        await sub.adapter.reject(message, list(dead_lettered))
+    await sub.adapter.ack(message)
 
 
 def _batch_items(
     items: list[Item],
-    claims: list[tuple[int, Delivery]],
+    deliveries: list[tuple[int, Delivery]],
     decided: dict[int, Verdict],
     rejected: dict[int, InboxError],
 ) -> tuple[BatchItem, ...]:
-    identities = {index: claim.identity for index, claim in claims}
+    identities = {index: delivery.identity for index, delivery in deliveries}
     return tuple(
         BatchItem(
             index,

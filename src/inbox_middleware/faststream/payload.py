@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from faststream import BaseMiddleware
 
 from .. import canonical_v1
-from ..canonical import NotJSON, canonical_json, loads
+from ..canonical import CanonicalForm, NotJSON, canonical_json, loads
 from ..exceptions import PayloadNotHashable
 from ..headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
 from ..identity import MessageIdentity, PayloadHash, hash_bytes
@@ -63,20 +62,6 @@ _NAMES = {
     "tenant": TENANT,
     "produced_at": PRODUCED_AT,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class CanonicalForm:
-    """A user-supplied canonical form for a subscriber's payloads.
-
-    ``function`` receives the body's bytes and the message headers and returns bytes, or
-    a JSON value to canonicalise (for example the decoded body without a field that
-    producers fill in per send). ``scheme`` names the form; change it whenever the form
-    changes, so a stored hash is never compared with a hash of another form.
-    """
-
-    scheme: str
-    function: Callable[[bytes, Mapping[str, Any]], object]
 
 
 def identity_headers(

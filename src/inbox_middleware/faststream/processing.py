@@ -4,21 +4,12 @@
 core with this subscriber's I/O (`_perform`: the claim's transaction, the bookkeeping,
 the quarantine and dead-letter publishes), and tells the broker the settlement in one
 place (`_tell`), before FastStream's acknowledgement middleware gets to the message; that
-middleware then finds it settled and does nothing, whatever the subscriber's ack policy::
-
-    inbox middleware                 PostgreSQL                    broker
-    ----------------                 ----------                    ------
-    headers -> identity, body -> hash
-    BEGIN; INSERT claim ───────────> row (first) or conflict
-    handler(body, session)
-    COMMIT ────────────────────────> durable
-    ack ──────────────────────────────────────────────────────────> settled
-    (killed before this line: the message comes back, and is then a duplicate)
-
-    duplicate ─────── COMMIT (nothing) ─────── ack, the handler skipped
-    conflict ──────── COMMIT quarantine row ── publish to <source>.quarantine, ack
-    no/bad identity ─ nothing written ──────── publish to <source>.dead-letter, ack
-    failure ───────── ROLLBACK ─────────────── wait (bounded backoff), hand back (nack)
+middleware then finds it settled and does nothing, whatever the subscriber's ack policy.
+The transaction and the ack follow the story drawn in `inbox_middleware.protocol`; what
+the settlements mean here: a duplicate is acked with the handler skipped; a conflict is
+published to ``<source>.quarantine`` (its row committed), then acked; a message without a
+usable identity is published to ``<source>.dead-letter``, then acked; a failure waits a
+bounded backoff, then is handed back (nacked).
 
 While the handler runs, every settling method of the message is refused (``ack()``,
 ``nack()``, ``reject()``, NATS's ``ack_sync()``, a Redis entry's ``delete()``, and those of
@@ -109,21 +100,13 @@ from .outcome import (
     Skipped,
     message_id_of,
 )
-from .payload import CanonicalForm, delivery, headers_identity
+from .payload import CanonicalForm, headers_identity
+from .payload import delivery as read_delivery
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
 
-__all__ = [
-    "CONFLICT_HEADER",
-    "REJECTED_HEADER",
-    "REPAIR_HEADER",
-    "HandBackDelays",
-    "HandedBack",
-    "Skipped",
-    "Subscription",
-    "Unfit",
-]
+__all__ = ["Subscription"]
 
 logger = logging.getLogger("inbox_middleware.faststream")
 
@@ -193,9 +176,9 @@ class Subscription:
         with self.tracing.delivery(self.consumer.name, item.headers) as trace:
             try:
                 arrival = self.arrival(message, item)
-                steps = trace.steps(settle_steps(arrival, self.policy))
+                steps = settle_steps(arrival, self.policy)
                 perform = partial(self._perform, call_next, message, item)
-                settlement = await drive_async(steps, perform)
+                settlement = await drive_async(steps, perform, trace.observer)
             except Exception as exc:  # the inbox's own bug: the message stays with the broker
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
                 settlement = core.HandedBack(exc, counted=False)
@@ -275,7 +258,7 @@ class Subscription:
                 raise
             metrics.missing_identity(self.consumer.name, "missing", "broker_id")
             identity = MessageIdentity(*item.broker_id)
-        claim = delivery(
+        read = read_delivery(
             consumer=self.consumer.name,
             identity=identity,
             body=item.body,
@@ -285,18 +268,21 @@ class Subscription:
             canonical=self.canonical_form,
             content_type=item.content_type,
         )
-        return replace(claim, shadow=True) if self.policy.shadow else claim
+        return replace(read, shadow=True) if self.policy.shadow else read
 
     async def _perform(self, call_next: CallNext, message: Any, item: Item, op: Op) -> Any:
         """Perform one operation of the consumption core for this message."""
         match op:
             case Process(
-                delivery=claim, before_handler=before, repair_marker=marker, keeps_outputs=keeps
+                delivery=delivery,
+                repair_marker=marker,
+                keeps_outputs=keeps,
+                refuse_first_seen=refusal,
             ):
-                faults.at("before_claim", claim.identity.message_id)
-                body = self.body(call_next, message, keep=claim if keeps else None)
+                faults.at("before_claim", delivery.identity.message_id)
+                body = self.body(call_next, message, keep=delivery if keeps else None)
                 return await self.storage.process(
-                    claim, body, before_handler=before, repair_marker=marker
+                    delivery, body, repair_marker=marker, refuse_first_seen=refusal
                 )
             case RunUnprotected():
                 return await self.storage.transaction(self.body(call_next, message))
@@ -358,15 +344,15 @@ class Subscription:
 
         return body
 
-    def encode(self, result: Any, claim: Delivery) -> Output:
+    def encode(self, result: Any, delivery: Delivery) -> Output:
         """``result`` as FastStream would publish it: the body its codec encodes, with the
         content type and the headers of a returned `Response`, and an identity derived
-        from ``claim`` (unless the handler gave one), so an inbox downstream deduplicates
+        from ``delivery`` (unless the handler gave one), so an inbox downstream deduplicates
         the copy a duplicate publishes."""
         response = ensure_response(result)
         headers = _text_headers(response.headers)
         if MESSAGE_ID not in headers:
-            derived = derived_identity(claim, "result")
+            derived = derived_identity(delivery, "result")
             headers |= {PRODUCER: derived.producer, MESSAGE_ID: derived.message_id}
             if derived.tenant:
                 headers[TENANT] = derived.tenant
@@ -402,8 +388,10 @@ class Subscription:
         """Tell the broker what ``settlement`` means: the one place that does (a settlement
         with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
         self._report(message, item, arrival, settlement)
-        claim = arrival.delivery
-        key: Hashable = claim.key if claim else ("unprotected", item.body[:64])
+        delivery = arrival.delivery
+        key: Hashable = (
+            delivery.key if delivery else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
+        )
         name = self.consumer.name
         match settlement:
             case Processed(result=result):

@@ -19,11 +19,11 @@ from ..harness import (
     ROLLED_BACK,
     Effect,
     Hold,
-    Outcomes,
     Rollback,
     RolledBackByCheck,
     ScenarioResult,
     Tally,
+    Wave,
     fresh,
     intent_name,
     refuse_sqlite,
@@ -154,7 +154,7 @@ class FastStreamCheck:
 
                 recorder.rollback = (probe, measure, deadline)
             for number, size in enumerate(waves, start=1):
-                outcomes = recorder.current = Outcomes(None, size)
+                outcomes = recorder.current = Wave(None, size)
                 wave = f"(wave {number} of {len(waves)})"
                 running = await self._publish(message, outcomes, deadline)
                 if running:
@@ -212,9 +212,7 @@ class FastStreamCheck:
             survived=recorder.rollback[0].survived if recorder.rollback else 0,
         )
 
-    async def _publish(
-        self, message: FastStreamMessage, outcomes: Outcomes, deadline: float
-    ) -> int:
+    async def _publish(self, message: FastStreamMessage, outcomes: Wave, deadline: float) -> int:
         """Publish the wave's copies of the message; how many deliveries were still running
         at ``deadline`` (then cancelled): a test broker runs the subscriber inside them."""
         publish = [
@@ -236,7 +234,7 @@ class FastStreamCheck:
                 raise raised
         return 0
 
-    async def _settle(self, outcomes: Outcomes, deadline: float) -> int:
+    async def _settle(self, outcomes: Wave, deadline: float) -> int:
         """Wait until every delivery of the wave was processed or skipped, at most until
         ``deadline``; how many were not. A failed one is redelivered by a real broker; a
         test broker never redelivers, so once every delivery has some outcome and none
@@ -277,7 +275,7 @@ class _FastStreamRecorder:
 
     def __init__(self, identity: MessageIdentity) -> None:
         self.identity = identity
-        self.current: Outcomes | None = None
+        self.current: Wave | None = None
         self.rollback: tuple[Rollback, Callable[[], Awaitable[float]], float] | None = None
         """The rolled-back scenario's probe, its measure of the effect, the deadline."""
 

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 from sqlalchemy import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
+from ..consumption import backoff_delay
 from ..exceptions import ConfigurationError
 from ..instruments import metrics
 from ..storage.tables import InboxSchema
@@ -95,8 +96,7 @@ class Backoff:
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1 for the first);
         ``rng`` makes the random share reproducible."""
-        exponent = min(max(attempt - 1, 0), 64)  # beyond this the cap applies anyway
-        ceiling = min(self.cap, self.base * self.factor**exponent)
+        ceiling = backoff_delay(self.base, self.cap, attempt, self.factor)
         spread = ceiling * self.jitter
         return ceiling - spread + (rng or random).uniform(0, spread)
 

@@ -3,7 +3,7 @@ claim protocol inside the caller's transaction."""
 
 from typing import TYPE_CHECKING, Any
 
-from .executors import Inbox, Outcome, current_delivery
+from .executors import Committed, Inbox, Outcome, current_delivery
 from .migrate import (
     LATEST_VERSION,
     check_schema,
@@ -19,6 +19,7 @@ __all__ = [
     "LATEST_VERSION",
     "AsyncInbox",
     "ClaimSession",
+    "Committed",
     "Inbox",
     "InboxSchema",
     "Outcome",

@@ -18,16 +18,16 @@ from sqlalchemy.orm import Session
 from .. import faults, tracing
 from ..consumption import CountHandBack, Op
 from ..exceptions import ConfigurationError
-from ..protocol import Delivery, Verdict
+from ..protocol import Decision, Delivery, Verdict
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
     Attempts,
     BatchAttempts,
-    BatchOutcome,
+    BatchCommitted,
+    Committed,
     Executor,
-    Outcome,
     SingleAttempts,
     any_first_seen,
     database_settings,
@@ -94,16 +94,19 @@ class AsyncInbox(Executor):
         *,
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
-    ) -> Outcome[R]:
+        refuse_first_seen: BaseException | None = None,
+    ) -> Committed[R]:
         """Claim ``delivery`` and, when it is first seen, await ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then. See
-        `Inbox.process` for ``before_handler`` and ``repair_marker``."""
+        `Inbox.process` for ``before_handler``, ``repair_marker`` and ``refuse_first_seen``."""
 
         recovered: list[str | None] = [None]
 
         async def body(session: AsyncSession, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+                raise refuse_first_seen
             recovered[0] = None
             if not verdict.runs_handler:
                 return None
@@ -120,13 +123,13 @@ class AsyncInbox(Executor):
 
         attempts = SingleAttempts(delivery, self.serialization_retries)
         verdict, result, number = await self._run(attempts, body)
-        return Outcome(verdict, result, number, recovered[0])
+        return Committed(verdict, result, number, recovered[0])
 
     async def process_batch(
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[R]],
-    ) -> BatchOutcome[R]:
+    ) -> BatchCommitted[R]:
         """See `Inbox.process_batch`."""
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
@@ -134,7 +137,7 @@ class AsyncInbox(Executor):
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = await self._run(attempts, body)
-        return BatchOutcome(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number)
 
     async def _run(
         self,

@@ -22,14 +22,17 @@ from sqlalchemy.orm import Session
 
 from .. import faults, tracing
 from ..consumption import (
+    REMEMBERED_MESSAGES,
     CountFailure,
     CountHandBack,
     CountRedelivery,
     LoadOutputs,
     LookUpClaim,
+    Observer,
     Op,
     RecordPoison,
     RedeliveryCount,
+    drive,
 )
 from ..exceptions import (
     ClaimInProgress,
@@ -57,7 +60,9 @@ __all__ = [
     "SHADOW_KEY",
     "Attempts",
     "BatchAttempts",
+    "BatchCommitted",
     "BatchOutcome",
+    "Committed",
     "DatabaseSettings",
     "Executor",
     "Outcome",
@@ -105,8 +110,9 @@ def shadow_verdict(session: Session) -> Verdict | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome(Generic[R]):
-    """How a delivery was settled. Only after `process` returns may the caller ack."""
+class Committed(Generic[R]):
+    """What a delivery's transaction committed: the claim's verdict, the handler's result,
+    the transaction attempts it took. Only after `process` returns it may the caller ack."""
 
     verdict: Verdict
     result: R | None = None
@@ -120,9 +126,9 @@ class Outcome(Generic[R]):
 
 
 @dataclass(frozen=True, slots=True)
-class BatchOutcome(Generic[R]):
-    """How a batch was settled: one verdict per delivery, in the batch's order. Only after
-    `process_batch` returns may the caller ack."""
+class BatchCommitted(Generic[R]):
+    """What a batch's transaction committed: one verdict per delivery, in the batch's
+    order. Only after `process_batch` returns it may the caller ack."""
 
     verdicts: tuple[Verdict, ...]
     result: R | None = None
@@ -131,6 +137,12 @@ class BatchOutcome(Generic[R]):
     @property
     def decisions(self) -> tuple[Decision, ...]:
         return tuple(verdict.decision for verdict in self.verdicts)
+
+
+Outcome = Committed
+"""The older name of `Committed`."""
+BatchOutcome = BatchCommitted
+"""The older name of `BatchCommitted`."""
 
 
 class Executor:
@@ -256,7 +268,7 @@ class Executor:
         conn.info.pop(ABORTED, None)
         attempts.clock = perf_counter()
         with tracing.claim(attempts.number) as traced:
-            verdict = _drive(traced.steps(attempts.steps()), conn, self.statements)
+            verdict = _drive(attempts.steps(), conn, self.statements, traced.observer)
         attempts.claim_took()
         attempts.bind(session, verdict)
         enter_handler(session, conn)
@@ -389,21 +401,23 @@ def any_first_seen(verdicts: Sequence[Verdict]) -> bool:
     return any(verdict.runs_handler for verdict in verdicts)
 
 
-def _drive(steps: Generator[Step, Any, V], conn: Connection, statements: ClaimStatements) -> V:
+def _drive(
+    steps: Generator[Step, Any, V],
+    conn: Connection,
+    statements: ClaimStatements,
+    observer: Observer | None,
+) -> V:
+    """Perform the claim protocol's steps on ``conn``, through the one trampoline."""
     dbapi, direct = driver_path(conn, statements)
-    try:
-        step = next(steps)
-        while True:
-            statement, params = statements.statement(step)
-            compiled = direct.get(type(step))
-            if compiled is not None:
-                answer = on_driver(conn, dbapi, compiled, step, params)
-            else:
-                answer = statements.result(step, conn.execute(statement, params))
-            step = steps.send(answer)
-    except StopIteration as done:
-        verdict: V = done.value
-        return verdict
+
+    def perform(step: Step) -> Any:
+        statement, params = statements.statement(step)
+        compiled = direct.get(type(step))
+        if compiled is not None:
+            return on_driver(conn, dbapi, compiled, step, params)
+        return statements.result(step, conn.execute(statement, params))
+
+    return drive(steps, perform, observer)
 
 
 ABORTED = "inbox_middleware.aborted"
@@ -418,7 +432,7 @@ _TRANSACTION_CONTROL = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _IN_FAILED_TRANSACTION = "25P02"
-_UNRECORDED_MEMORY = 10_000
+_UNRECORDED_MEMORY = REMEMBERED_MESSAGES
 
 
 def _message_id(op: Op) -> str | None:

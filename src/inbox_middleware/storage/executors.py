@@ -3,14 +3,10 @@
 `Inbox` drives a synchronous `Engine` (psycopg, sqlite3); `AsyncInbox` (in `.aio`, which
 needs SQLAlchemy's asyncio extra) an `AsyncEngine` (asyncpg). Both feed the same
 `protocol.claim_steps` machine with the same `ClaimStatements`, and decide retries with
-the same `base.Attempts`; they differ only in whether a call is awaited. One attempt is::
-
-    BEGIN (READ COMMITTED)
-    claim ── FIRST ────────> handler(session) ──> COMMIT ──> return: caller may ack
-          ├─ DUPLICATE ────────────────────────> COMMIT ──> return: caller acks
-          └─ CONFLICT ──> quarantine row ──────> COMMIT ──> return: caller routes, acks
-    any exception ──> ROLLBACK (claim gone with it) ──> retry now (serialization
-                      failure, deadlock) or raise: the message must not be acked
+the same `base.Attempts`; they differ only in whether a call is awaited. One attempt is
+the transaction drawn in `inbox_middleware.protocol`: `process` returns after the COMMIT
+(only then may the caller ack), and raises after the ROLLBACK (the message must not be
+acked), once the serialization failures and deadlocks it retries at once are spent.
 
 An interruption that is not an `Exception` (a time limit, a task cancellation) can land
 in the middle of a driver call; the connection is then invalidated, never reused.
@@ -43,14 +39,16 @@ from ..consumption import (
 from ..exceptions import (
     ConfigurationError,
 )
-from ..protocol import Delivery, Verdict
+from ..protocol import Decision, Delivery, Verdict
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_SERIALIZATION_RETRIES,
     Attempts,
     BatchAttempts,
+    BatchCommitted,
     BatchOutcome,
+    Committed,
     Executor,
     Outcome,
     SingleAttempts,
@@ -72,7 +70,9 @@ from .tables import InboxSchema
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_SERIALIZATION_RETRIES",
+    "BatchCommitted",
     "BatchOutcome",
+    "Committed",
     "Inbox",
     "Outcome",
     "current_delivery",
@@ -128,11 +128,14 @@ class Inbox(Executor):
         *,
         before_handler: Callable[[Verdict], None] | None = None,
         repair_marker: str | None = None,
-    ) -> Outcome[R]:
+        refuse_first_seen: BaseException | None = None,
+    ) -> Committed[R]:
         """Claim ``delivery`` and, when it is first seen, run ``handler`` in the same
         transaction; commit. Raises when the attempt rolled back: do not ack then.
 
         ``before_handler`` sees the verdict first (and may raise to refuse the message);
+        ``refuse_first_seen`` is raised instead of running the handler when the claim is
+        first seen (the consumption core's refusal of an expired redelivery);
         ``repair_marker`` names the poison or quarantine row a first-seen message repairs,
         marked recovered in the same transaction."""
 
@@ -141,6 +144,8 @@ class Inbox(Executor):
         def body(session: Session, verdict: Verdict) -> R | None:
             if before_handler is not None:
                 before_handler(verdict)
+            if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
+                raise refuse_first_seen
             recovered[0] = None
             if not verdict.runs_handler:
                 return None
@@ -155,13 +160,13 @@ class Inbox(Executor):
         verdict, result, number = self._run(
             SingleAttempts(delivery, self.serialization_retries), body
         )
-        return Outcome(verdict, result, number, recovered[0])
+        return Committed(verdict, result, number, recovered[0])
 
     def process_batch(
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[Session, tuple[Verdict, ...]], R],
-    ) -> BatchOutcome[R]:
+    ) -> BatchCommitted[R]:
         """Claim every delivery of a batch in one statement and, when at least one is first
         seen, run ``handler`` with every verdict (in the batch's order); commit once.
         Raises when the attempt rolled back: ack none of the batch then."""
@@ -171,7 +176,7 @@ class Inbox(Executor):
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = self._run(attempts, body)
-        return BatchOutcome(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number)
 
     def _run(
         self, attempts: Attempts[V], body: Callable[[Session, V], R | None]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, DateTime, Table, Text, and_, func, select, text, type_coerce
 
+from ..protocol import ReasonCode
 from .tables import TABLES, InboxSchema
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ def conflicts(conn: Connection, naming: InboxSchema) -> dict[tuple[str, str], tu
     q = naming.tables.quarantine
     rows = conn.execute(
         select(q.c.consumer_name, q.c.producer_name, func.count(), func.sum(q.c.attempts))
-        .where(q.c.reason_code == "identity_conflict")
+        .where(q.c.reason_code == ReasonCode.IDENTITY_CONFLICT.value)
         .group_by(q.c.consumer_name, q.c.producer_name)
     )
     return {(row[0], row[1]): (int(row[2]), int(row[3] or 0)) for row in rows}

@@ -1,0 +1,380 @@
+"""The settlement core's table for batches: one row per decision of `settle_batch_steps`.
+
+A batch subscriber's messages are claimed, handled and committed as a whole; each row is
+a batch (items with an identity, items without one), the consumer's settings and a
+script of answers, and says which operations the core performs, in order, and which
+settlement comes out. No database, no broker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inbox_middleware.consumption import (
+    HANDLER_REJECTED,
+    HANDLER_TRANSACTION,
+    INBOX_ERROR,
+    RETRIES_EXHAUSTED,
+    BatchArrival,
+    BatchProcessed,
+    BatchRejected,
+    CountFailure,
+    HandBackRequested,
+    HandedBack,
+    ProcessBatch,
+    Publish,
+    RecordPoison,
+    RejectRequested,
+    Route,
+    Unfit,
+    drive,
+    settle_batch_steps,
+)
+from inbox_middleware.exceptions import (
+    DatabaseUnavailable,
+    HandlerTransactionError,
+    InboxError,
+    MissingIdentity,
+    SchemaError,
+)
+from inbox_middleware.identity import MessageIdentity, PayloadHash
+from inbox_middleware.policy import ConsumerPolicy
+from inbox_middleware.protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
+from inbox_middleware.storage.base import BatchCommitted
+
+from .script import Poison, Script
+
+STORED = StoredClaim("ab" * 32, "v1", "", datetime(2026, 1, 1, tzinfo=UTC))
+FIRST = Verdict(Decision.FIRST)
+DUPLICATE = Verdict(Decision.DUPLICATE, STORED)
+CONFLICT = Verdict(Decision.CONFLICT, STORED, quarantine=QuarantineRecord(7, 2))
+SHADOW_CONFLICT = Verdict(Decision.CONFLICT, STORED, shadow=True)
+POISON = Poison(12, 3)
+CONFIRMED = None
+
+
+class Boom(Exception):
+    """An ordinary handler failure."""
+
+
+def _delivery(message_id: str) -> Delivery:
+    return Delivery(
+        consumer="billing",
+        identity=MessageIdentity("orders", message_id),
+        payload_hash=PayloadHash("v1", "cd" * 32),
+        source="orders.q",
+        received_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+
+
+def batch(claimed: int = 2, missing: tuple[int, ...] = ()) -> BatchArrival:
+    """A batch of ``claimed`` items with an identity, plus those at ``missing`` without."""
+    size = claimed + len(missing)
+    indexes = [index for index in range(size) if index not in missing]
+    return BatchArrival(
+        tuple((index, _delivery(f"ord-{index}")) for index in indexes),
+        tuple((index, MissingIdentity("no producer")) for index in missing),
+        size,
+        declared_consumer="billing",
+        source="orders.q",
+    )
+
+
+@dataclass
+class Row:
+    arrival: BatchArrival
+    answers: dict[type, list[Any]]
+    ops: list[str]
+    settled: type
+    policy: dict[str, Any] = field(default_factory=dict)
+    expect: dict[str, Any] = field(default_factory=dict)
+
+
+def outcome(*verdicts: Verdict) -> BatchCommitted[Any]:
+    return BatchCommitted(verdicts, "batch result")
+
+
+ROWS: dict[str, Row] = {
+    "all first seen: committed, the handler's result": Row(
+        batch(),
+        {ProcessBatch: [outcome(FIRST, FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        expect={"ran": True, "result": "batch result", "dead_lettered": ()},
+    ),
+    "all duplicates: committed, the handler skipped": Row(
+        batch(),
+        {ProcessBatch: [BatchCommitted((DUPLICATE, DUPLICATE))]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        expect={"ran": False},
+    ),
+    "a conflict in the batch: quarantined after the commit": Row(
+        batch(),
+        {ProcessBatch: [outcome(FIRST, CONFLICT)], Publish: [CONFIRMED]},
+        ["ProcessBatch", "Publish"],
+        BatchProcessed,
+        expect={"ran": True},
+    ),
+    "a conflict in shadow mode: not quarantined": Row(
+        batch(),
+        {ProcessBatch: [outcome(FIRST, SHADOW_CONFLICT)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+    ),
+    "an item without an identity: dead-lettered after the commit": Row(
+        batch(2, missing=(1,)),
+        {ProcessBatch: [outcome(FIRST, FIRST)], Publish: [CONFIRMED]},
+        ["ProcessBatch", "Publish"],
+        BatchProcessed,
+        expect={"dead_lettered": (1,)},
+    ),
+    "nothing with an identity: no claim, each dead-lettered": Row(
+        batch(0, missing=(0, 1)),
+        {Publish: [CONFIRMED]},
+        ["Publish", "Publish"],
+        BatchProcessed,
+        expect={"dead_lettered": (0, 1), "ran": False, "result": None},
+    ),
+    "a transient failure: handed back, counted against nothing": Row(
+        batch(),
+        {ProcessBatch: [DatabaseUnavailable()]},
+        ["ProcessBatch"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a migration running: handed back, counted against nothing": Row(
+        batch(),
+        {ProcessBatch: [SchemaError("migrating")]},
+        ["ProcessBatch"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a failure with attempts left: counted against each message, handed back": Row(
+        batch(),
+        {ProcessBatch: [Boom("no")], CountFailure: [1, 2]},
+        ["ProcessBatch", "CountFailure", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 3},
+        expect={"counted": True},
+    ),
+    "the handler asked for a redelivery: a counted failure, handed back": Row(
+        batch(),
+        {ProcessBatch: [HandBackRequested(5)], CountFailure: [1]},
+        ["ProcessBatch", "CountFailure", "CountFailure"],
+        HandedBack,
+        expect={"counted": True},
+    ),
+    "no attempt limit: handed back however often it failed": Row(
+        batch(),
+        {ProcessBatch: [Boom("no")], CountFailure: [99]},
+        ["ProcessBatch", "CountFailure", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": None},
+        expect={"counted": True},
+    ),
+    "the last attempt of the closest message: each kept as poison, dead-lettered": Row(
+        batch(2, missing=(2,)),
+        {
+            ProcessBatch: [Boom("no")],
+            CountFailure: [1, 3],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison", "RecordPoison"]
+        + ["Publish"] * 3,
+        BatchRejected,
+        policy={"max_attempts": 3},
+        expect={"reason": RETRIES_EXHAUSTED, "dead_lettered": (0, 1, 2)},
+    ),
+    "the inbox's own error on the last attempt: inbox_error": Row(
+        batch(1),
+        {
+            ProcessBatch: [InboxError("broken")],
+            CountFailure: [3],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        BatchRejected,
+        policy={"max_attempts": 3},
+        expect={"reason": INBOX_ERROR},
+    ),
+    "a permanent error by setting: poison at once, named after its type": Row(
+        batch(1),
+        {
+            ProcessBatch: [KeyError("gone")],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        BatchRejected,
+        policy={"permanent_errors": (KeyError,)},
+        expect={"reason": "KeyError"},
+    ),
+    "the handler ended the transaction itself: poison at once": Row(
+        batch(1),
+        {
+            ProcessBatch: [HandlerTransactionError("commit() inside the handler")],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        BatchRejected,
+        expect={"reason": HANDLER_TRANSACTION},
+    ),
+    "the handler rejected the batch: each dead-lettered, nothing recorded": Row(
+        batch(2, missing=(2,)),
+        {ProcessBatch: [RejectRequested("bad batch")], Publish: [CONFIRMED]},
+        ["ProcessBatch", "Publish", "Publish", "Publish"],
+        BatchRejected,
+        expect={"reason": HANDLER_REJECTED, "records": (), "dead_lettered": (0, 1, 2)},
+    ),
+    "the batch does not fit the handler: each dead-lettered, nothing recorded": Row(
+        batch(),
+        {ProcessBatch: [Unfit("not a list of orders")], Publish: [CONFIRMED]},
+        ["ProcessBatch", "Publish", "Publish"],
+        BatchRejected,
+        expect={"reason": "unfit", "records": ()},
+    ),
+    "the failure could not be counted: handed back, counted against nothing": Row(
+        batch(),
+        {ProcessBatch: [Boom("no")], CountFailure: [DatabaseUnavailable()]},
+        ["ProcessBatch", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 1},
+        expect={"counted": False},
+    ),
+    "the poison could not be recorded: handed back, counted against nothing": Row(
+        batch(),
+        {ProcessBatch: [Boom("no")], CountFailure: [1], RecordPoison: [DatabaseUnavailable()]},
+        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison"],
+        HandedBack,
+        policy={"max_attempts": 1},
+        expect={"counted": False},
+    ),
+    "the quarantine publish failed: handed back (the row is committed)": Row(
+        batch(),
+        {ProcessBatch: [outcome(FIRST, CONFLICT)], Publish: [ConnectionError("refused")]},
+        ["ProcessBatch", "Publish"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a dead-letter publish failed: handed back": Row(
+        batch(1, missing=(1,)),
+        {ProcessBatch: [outcome(FIRST)], Publish: [ConnectionError("refused")]},
+        ["ProcessBatch", "Publish"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+}
+
+
+def _settings(row: Row) -> ConsumerPolicy:
+    return replace(ConsumerPolicy(), **row.policy)
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_core_batch__settles_each_decision(name: str) -> None:
+    row = ROWS[name]
+    script = Script(row.answers)
+    settled = drive(settle_batch_steps(row.arrival, _settings(row)), script)
+    assert script.names == row.ops
+    assert type(settled) is row.settled, settled
+    for attribute, value in row.expect.items():
+        assert getattr(settled, attribute) == value, (attribute, getattr(settled, attribute))
+
+
+def test_core_batch__each_publish_names_its_item_and_route() -> None:
+    script = Script({ProcessBatch: [outcome(FIRST, CONFLICT, FIRST)], Publish: [CONFIRMED]})
+    arrival = batch(3, missing=(3,))
+    drive(settle_batch_steps(arrival, ConsumerPolicy()), script)
+    publishes = [op for op in script.performed if isinstance(op, Publish)]
+    assert [(p.route, p.item) for p in publishes] == [
+        (Route.QUARANTINE, 1),
+        (Route.DEAD_LETTER, 3),
+    ]
+    assert publishes[0].details["message_id"] == "ord-1"
+    assert publishes[1].details["reason"] == "MissingIdentity"
+
+
+def test_core_batch__a_poison_batch_says_why_in_each_dead_letter() -> None:
+    script = Script(
+        {
+            ProcessBatch: [Boom("no")],
+            CountFailure: [2, 1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        }
+    )
+    settled = drive(settle_batch_steps(batch(), replace(ConsumerPolicy(), max_attempts=2)), script)
+    assert isinstance(settled, BatchRejected)
+    records = [op for op in script.performed if isinstance(op, RecordPoison)]
+    assert [(r.reason, r.attempts) for r in records] == [
+        (RETRIES_EXHAUSTED, 2),
+        (RETRIES_EXHAUSTED, 1),
+    ]
+    details = [op.details for op in script.performed if isinstance(op, Publish)]
+    assert {d["reason"] for d in details} == {"InboxError"}
+    assert "a poison batch (retries_exhausted, 2 attempts): Boom: no" in details[0]["detail"]
+    assert isinstance(settled.failure, Boom)
+
+
+def test_core_batch__the_process_is_going_down_the_core_lets_it() -> None:
+    script = Script({ProcessBatch: [KeyboardInterrupt()]})
+    with pytest.raises(KeyboardInterrupt):
+        drive(settle_batch_steps(batch(), ConsumerPolicy()), script)
+
+
+# -- every script of answers ends in exactly one batch settlement ----------------------------
+
+_FAILURES = [Boom("no"), DatabaseUnavailable(), KeyError("k"), RejectRequested(), Unfit("no")]
+_VERDICTS = st.sampled_from([FIRST, DUPLICATE, CONFLICT, SHADOW_CONFLICT])
+
+
+@st.composite
+def batch_scripts(draw: st.DrawFn) -> tuple[BatchArrival, dict[type, list[Any]], ConsumerPolicy]:
+    claimed = draw(st.integers(0, 3))
+    missing = tuple(range(claimed, claimed + draw(st.integers(0, 2))))
+    arrival = batch(claimed, missing)
+    verdicts = tuple(draw(_VERDICTS) for _ in range(claimed))
+    answers: dict[type, list[Any]] = {
+        ProcessBatch: [draw(st.sampled_from([outcome(*verdicts), *_FAILURES]))],
+        CountFailure: [draw(st.integers(1, 5) | st.just(DatabaseUnavailable()))],
+        RecordPoison: [draw(st.sampled_from([POISON, DatabaseUnavailable()]))],
+        Publish: [draw(st.sampled_from([CONFIRMED, ConnectionError("refused")]))],
+    }
+    policy = replace(
+        ConsumerPolicy(),
+        max_attempts=draw(st.none() | st.integers(1, 5)),
+        permanent_errors=draw(st.sampled_from([(), (KeyError,)])),
+    )
+    return arrival, answers, policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(drawn=batch_scripts())
+def test_core_batch__every_script_ends_in_one_settlement(
+    drawn: tuple[BatchArrival, dict[type, list[Any]], ConsumerPolicy],
+) -> None:
+    arrival, answers, policy = drawn
+    script = Script(answers)
+    settled = drive(settle_batch_steps(arrival, policy), script)
+    assert isinstance(settled, BatchProcessed | BatchRejected | HandedBack)
+    publishes = [op for op in script.performed if isinstance(op, Publish)]
+    if isinstance(settled, BatchRejected):
+        # every item of the batch went to the dead-letter destination, confirmed
+        assert settled.dead_lettered == tuple(range(arrival.size))
+        assert [p.item for p in publishes] == list(range(arrival.size))
+        assert not any(script.raised[-len(publishes) :])
+    if isinstance(settled, BatchProcessed):
+        assert settled.dead_lettered == tuple(index for index, _ in arrival.problems)
+        assert not any(script.raised)
