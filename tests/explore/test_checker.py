@@ -1,0 +1,76 @@
+"""The explorer's pieces that need no server: the pairwise array covers every pair of
+axis values, the outside report's configuration is in it, and the checker finds what it
+is there to find in histories written by hand."""
+
+from __future__ import annotations
+
+from .check import check
+from .run import History
+from .schedule import Intent, Schedule, draw
+from .space import ISSUE_27, ROWS, Config, uncovered_pairs, valid
+
+
+def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
+    assert uncovered_pairs(ROWS) == set()
+    assert all(valid(row) for row in ROWS)
+
+
+def test_space__the_outside_report_is_row_zero_with_its_schedule() -> None:
+    assert ROWS[0] == ISSUE_27
+    schedule = draw(0)
+    assert [f.kind for f in schedule.faults] == ["pg_after_start"]
+    assert schedule.faults[0].seconds == 3.0
+    assert len(schedule.intents) == 150
+
+
+def test_schedule__a_seed_draws_the_same_schedule() -> None:
+    assert draw(12).describe() == draw(12).describe()
+    assert draw(12).describe() != draw(13).describe()
+
+
+def _history(**config: object) -> History:
+    base = dict(ROWS[1]) | config
+    intents = [Intent("a", "ok", 1), Intent("b", "permanent", 2), Intent("c", "ok", 3)]
+    schedule = Schedule(1, Config(**base), intents, [], [], [])  # type: ignore[arg-type]
+    history = History(schedule, settled=True)
+    history.sent = [(0.0, i.key, "first", i.n) for i in intents]
+    return history
+
+
+def _kinds(history: History) -> list[str]:
+    return sorted({f.kind for f in check(history)})
+
+
+def test_check__a_history_as_promised_has_no_finding() -> None:
+    history = _history()
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    assert check(history) == []
+
+
+def test_check__loss_doubles_and_contradicting_records_are_findings() -> None:
+    history = _history()
+    # a applied twice; c never applied nor recorded; b poisoned for another reason and
+    # claimed; the broker still holds a message
+    history.effects = [("a", "a", 1), ("a", "a", 1)]
+    history.claims = ["a", "b"]
+    history.poison = [("b", "retries_exhausted", "pending")]
+    history.leftover = {"q": 1}
+    assert _kinds(history) == [
+        "left-in-broker",
+        "lost",
+        "poison-reason",
+        "record-contradicts",
+        "refused-unrecorded",
+        "twice",
+    ]
+
+
+def test_check__an_unsettled_run_is_stuck() -> None:
+    history = _history()
+    history.settled = False
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    assert _kinds(history) == ["stuck"]
