@@ -293,6 +293,7 @@ class Fleet:
         ]
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.closed = threading.Event()
         self.exits: list[str] = []
 
     def start(self) -> None:
@@ -301,7 +302,7 @@ class Fleet:
         threading.Thread(target=self._supervise, name="explore-supervisor", daemon=True).start()
 
     def _supervise(self) -> None:
-        while not self.stopping.is_set():
+        while not self.closed.is_set():
             with self.lock:
                 for slot in self.slots:
                     code = slot.exited()
@@ -338,6 +339,14 @@ class Fleet:
         with self.lock:
             slot.held = False
         return f"SIGTERM {slot.name}, exited in {time.monotonic() - started:.1f}s"
+
+    def resume(self) -> None:
+        """Start the stopped workers again, supervised."""
+        with self.lock:
+            self.stopping.clear()
+            for slot in self.slots:
+                slot.held = False
+                slot.start()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -454,13 +463,24 @@ class Faults:
         if kind == "pg_after_start":
             slot = self.fleet.slot_of(fault.worker)
             before = slot.readiness()
+            starts, children = slot.starts, set(slot.children())
             what = self.fleet.kill(fault.worker)
+
+            def replaced() -> bool:
+                if fault.phase == "ready":
+                    return slot.readiness() > before
+                if slot.starts > starts:
+                    return True  # the supervisor started the command again
+                # a forked process replaced by its command
+                return bool(set(slot.children()) - children) and slot.exited() is None
+
             deadline = time.monotonic() + 30
-            while slot.readiness() <= before:
+            while not replaced():
                 if time.monotonic() > deadline:
-                    return f"{what}; it did not start again within 30s"
+                    return f"{what}; it was not replaced within 30s"
                 time.sleep(0.02)
-            return f"{what}; once it started again: {self._pg_stop('fast', fault.seconds)}"
+            stop = self._pg_stop("fast", fault.seconds)
+            return f"{what}; once it was {fault.phase} again: {stop}"
         if kind == "broker_restart":
             if self.nats is None:
                 return "no broker of the run's own to restart"
@@ -496,6 +516,30 @@ def _patiently(call: Any, what: str, patience: float = 90) -> Any:
             if time.monotonic() > deadline:
                 raise HarnessTrouble(f"{what} failed for {patience:.0f}s: {exc!r}") from exc
             time.sleep(1)
+
+
+def _settle(
+    schedule: Schedule,
+    admin: Admin,
+    broker: Broker,
+    seconds: float,
+    history: History,
+    started: float,
+) -> bool:
+    """Wait until every intent is settled and the broker holds nothing ready, three
+    looks in a row; whether that happened within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    quiet = 0
+    while True:
+        unsettled = _unsettled(schedule, admin)
+        leftover = _patiently(broker.leftover, "reading the broker")
+        quiet = quiet + 1 if unsettled == 0 and not any(leftover.values()) else 0
+        if quiet >= 3:
+            return True
+        if time.monotonic() > deadline:
+            history.event(started, f"not settled: {unsettled} intents, broker {leftover}")
+            return False
+        time.sleep(0.7)
 
 
 def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
@@ -558,25 +602,23 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             admin = Admin(admin_url)
             try:
                 quiet_from = time.monotonic()
-                deadline = quiet_from + SETTLE_TIMEOUT
-                quiet = 0
-                while True:
-                    unsettled = _unsettled(schedule, admin)
-                    leftover = _patiently(broker.leftover, "reading the broker")
-                    quiet = quiet + 1 if unsettled == 0 and not any(leftover.values()) else 0
-                    if quiet >= 3:
-                        history.settled = True
-                        break
-                    if time.monotonic() > deadline:
-                        history.event(
-                            started, f"not settled: {unsettled} intents, broker {leftover}"
-                        )
-                        break
-                    time.sleep(0.7)
+                history.settled = _settle(schedule, admin, broker, SETTLE_TIMEOUT, history, started)
                 history.settle_seconds = time.monotonic() - quiet_from
                 history.load = os.getloadavg()[0]
                 fleet.stop()
                 history.event(started, "workers stopped")
+                leftover = _patiently(broker.leftover, "reading the broker")
+                for _ in range(2):
+                    if not history.settled or not any(leftover.values()):
+                        break
+                    # Unacknowledged while the workers ran (in a backoff, say), ready now:
+                    # the workers are started again to settle them, as a supervisor would.
+                    history.event(started, f"the broker holds {leftover}: workers started again")
+                    fleet.resume()
+                    history.settled = _settle(schedule, admin, broker, 30, history, started)
+                    fleet.stop()
+                    history.event(started, "workers stopped")
+                    leftover = _patiently(broker.leftover, "reading the broker")
                 history.worker_exits = list(fleet.exits)
                 history.refused = [
                     line.strip()
@@ -584,7 +626,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                     for line in slot.output().splitlines()
                     if "refus" in line.lower() and ("Error" in line or "error" in line)
                 ][:5]
-                history.leftover = _patiently(broker.leftover, "reading the broker")
+                history.leftover = leftover
                 history.destinations = _patiently(broker.destinations, "reading the destinations")
                 history.effects = [
                     tuple(r) for r in admin.query("SELECT key, message_id, n FROM explore_effects")
@@ -623,6 +665,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
         raise HarnessTrouble(f"the explorer failed: {exc!r} (see harness-error.txt)") from exc
     finally:
         if fleet is not None:
+            fleet.closed.set()
             fleet.stopping.set()
             for slot in fleet.slots:
                 slot.held = True

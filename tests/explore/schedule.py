@@ -64,11 +64,16 @@ class Fault:
     broker_restart"""
     worker: int = 0
     seconds: float = 0.0
+    phase: str = "ready"
+    """pg_after_start: PostgreSQL stops once the replacement has started ("ready") or
+    as soon as its process exists ("spawned", in the middle of its start-up)."""
 
     def describe(self) -> str:
         what = self.kind
         if self.kind.startswith("worker"):
             what += f" w{self.worker}"
+        if self.kind == "pg_after_start":
+            what += f" w{self.worker} ({self.phase})"
         if self.seconds:
             what += f" {self.seconds:.1f}s"
         return f"{what} at {self.at:.1f}s"
@@ -164,15 +169,22 @@ def _fault(rng: random.Random, kind: str, config: Config, at: float | None = Non
     if kind in ("pg_fast", "pg_immediate"):
         return Fault(at, kind, seconds=rng.choice([0.5, 1.5, 3.0]))
     if kind == "pg_after_start":
-        return Fault(at, kind, worker=rng.randrange(workers), seconds=3.0)
+        return Fault(at, kind, worker=rng.randrange(workers), seconds=3.0, phase=_phase(at))
     return Fault(at, kind)
+
+
+def _phase(at: float) -> str:
+    # From the fault's time, not from the schedule's generator: adding the phase left
+    # every seed's other draws as they were.
+    return "spawned" if random.Random(at).random() < 0.5 else "ready"
 
 
 def _faults(rng: random.Random, config: Config, pinned: bool) -> list[Fault]:
     if pinned:
         # Issue 27, item 1: a worker SIGKILLed and restarted (its supervisor does it), and
         # PostgreSQL stopped in fast mode for 3 s right after that worker started.
-        return [Fault(rng.uniform(2, 5), "pg_after_start", worker=rng.randrange(2), seconds=3.0)]
+        at = rng.uniform(2, 5)
+        return [Fault(at, "pg_after_start", worker=rng.randrange(2), seconds=3.0, phase=_phase(at))]
     kinds = [
         "worker_kill",
         "worker_term",
