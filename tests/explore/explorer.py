@@ -92,9 +92,9 @@ def _excerpt(folder: Path, limit: int = 40) -> str:
 def explore(schedule: Schedule, keep: bool = False, log: Any = print) -> Verdict:
     """Run ``schedule`` once on the explorer's servers, and judge its history."""
     folder = Path(tempfile.mkdtemp(prefix=f"inbox-explore-{schedule.seed}-"))
-    started = time.monotonic()
     verdict: Verdict
     with exclusive():
+        started = time.monotonic()  # the wait for another schedule's end not counted
         try:
             ensure_services()
             history = run_schedule(schedule, folder, log)
