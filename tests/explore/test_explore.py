@@ -17,8 +17,8 @@ import pytest
 from .__main__ import report
 from .explorer import explore, select
 
-BUDGET = float(os.environ.get("INBOX_TEST_EXPLORE_SECONDS", "150"))
-"""Seconds after which no new schedule starts (one schedule takes about 30 s)."""
+BUDGET = float(os.environ.get("INBOX_TEST_EXPLORE_SECONDS", "120"))
+"""Seconds after which no new schedule starts (one takes about 30 s): some 3 minutes in all."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
