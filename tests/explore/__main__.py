@@ -7,6 +7,7 @@
                                                   # does its finding reproduce?
     python -m tests.explore --seed 17 --shrink    # the smallest schedule that still fails
     python -m tests.explore --seed 17 --faults 0,2 --intents 12   # a shrunk schedule
+    python -m tests.explore --seed 0 --repeat 12 --library OLD/src  # on another commit
 
 Runs on the explorer's own PostgreSQL (5445) and Redis (6390), started by
 ``scripts/services explore-postgres explore-redis``, a NATS server of each run's own,
@@ -17,9 +18,11 @@ and the machine's RabbitMQ (never restarted). Exits 1 when a schedule had a find
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
+from pathlib import Path
 
 from .explorer import Verdict, explore, replay_command, select, shrink
 from .space import ROWS
@@ -58,7 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intents", type=int, help="--seed: keep only the first N intents")
     parser.add_argument("--shrink", action="store_true", help="--seed: shrink a failing schedule")
     parser.add_argument("--keep", action="store_true", help="keep the logs of passing schedules")
+    parser.add_argument(
+        "--library",
+        help="a folder holding another commit's inbox_middleware package, which the workers "
+        "and the CLI then import (git archive COMMIT src | tar -x -C DIR; DIR/src)",
+    )
     args = parser.parse_args(argv)
+    if args.library:
+        library = Path(args.library).resolve()
+        if not (library / "inbox_middleware" / "__init__.py").exists():
+            parser.error(f"no inbox_middleware package in {library}")
+        os.environ["EXPLORE_LIBRARY"] = str(library)
+        print(f"workers and CLI import the library in {library}")
     if args.seed is not None:
         schedule = select(args.seed, _indices(args.faults), args.intents)
         print(schedule.describe())

@@ -85,6 +85,17 @@ class History:
         self.events.append(f"{time.monotonic() - started:6.1f}s {what}")
 
 
+def library_env() -> dict[str, str]:
+    """The environment of the workers and of the CLI: with ``EXPLORE_LIBRARY`` (a folder
+    holding another commit's ``inbox_middleware`` package, ``python -m tests.explore
+    --library``), that library is the one they import."""
+    env = dict(os.environ)
+    library = env.get("EXPLORE_LIBRARY")
+    if library:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [library, env.get("PYTHONPATH")]))
+    return env
+
+
 # -- the explorer's PostgreSQL ---------------------------------------------------------------
 
 
@@ -168,6 +179,7 @@ def database(name: str) -> Iterator[str]:
         cli = Path(sys.executable).with_name("inbox-middleware")
         done = subprocess.run(
             [str(cli), "migrate", "--database-url", url],
+            env=library_env(),
             capture_output=True,
             text=True,
             timeout=120,
@@ -207,7 +219,7 @@ class Slot:
             self.proc = subprocess.Popen(
                 self.command,
                 cwd=ROOT,
-                env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
+                env={**library_env(), **self.env, "PYTHONUNBUFFERED": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
