@@ -3,9 +3,10 @@
 Configured by environment variables (set by `tests.explore.run`): EXPLORE_DATABASE_URL
 (SQLAlchemy, asyncpg), EXPLORE_BROKER ("rabbitmq", "redis" or "nats"), EXPLORE_BROKER_URL,
 EXPLORE_QUEUE (the queue, stream or subject; NATS: stream = its upper-case name, durable
-consumer "d" + the subject), EXPLORE_CONCURRENCY (RabbitMQ: prefetch; Redis streams and
-NATS: ``max_workers``), EXPLORE_GUARD ("on"/"off"), EXPLORE_ACK_POLICY ("default" or
-"nack_on_error"), EXPLORE_MISSING_IDENTITY, EXPLORE_MAX_ATTEMPTS and
+consumer "d" + the subject), EXPLORE_CONCURRENCY (RabbitMQ: prefetch, unless
+EXPLORE_PREFETCH says otherwise, 0 for no limit; Redis streams and NATS: ``max_workers``),
+EXPLORE_GUARD ("on"/"off"), EXPLORE_ACK_POLICY ("default" or "nack_on_error"),
+EXPLORE_MISSING_IDENTITY, EXPLORE_MAX_ATTEMPTS and
 EXPLORE_REDELIVERY_LIMIT ("" for None), EXPLORE_WORKER (the worker's name).
 Only the library's public API is used, so that it runs on older commits unchanged.
 """
@@ -38,8 +39,12 @@ def _broker(middlewares: list[Any]) -> Any:
     if kind == "rabbitmq":
         from faststream.rabbit import Channel, RabbitBroker
 
-        channel = Channel(prefetch_count=CONCURRENCY)
-        return RabbitBroker(url, middlewares=middlewares, default_channel=channel)
+        prefetch = int(ENV.get("EXPLORE_PREFETCH", str(CONCURRENCY)))
+        if not prefetch:  # FastStream's default channel: no prefetch limit
+            return RabbitBroker(url, middlewares=middlewares)
+        return RabbitBroker(
+            url, middlewares=middlewares, default_channel=Channel(prefetch_count=prefetch)
+        )
     if kind == "redis":
         from faststream.redis import RedisBroker
 

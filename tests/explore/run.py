@@ -576,6 +576,9 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             env = broker.worker_env() | {
                 "EXPLORE_DATABASE_URL": admin_url.replace("postgresql", driver, 1),
                 "EXPLORE_CONCURRENCY": str(config.concurrency),
+                "EXPLORE_PREFETCH": str(
+                    config.concurrency if schedule.prefetch is None else schedule.prefetch
+                ),
                 "EXPLORE_GUARD": config.guard,
                 "EXPLORE_ACK_POLICY": config.ack_policy,
                 "EXPLORE_MISSING_IDENTITY": config.missing_identity,

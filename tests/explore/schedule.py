@@ -89,6 +89,9 @@ class Schedule:
     """Sent once their intent's first payload committed."""
     faults: list[Fault]
     notes: list[str] = field(default_factory=list)
+    prefetch: int | None = None
+    """FastStream on RabbitMQ: the channel's prefetch, when not the configuration's
+    concurrency (0: none, FastStream's default)."""
 
     def describe(self) -> str:
         kinds: dict[str, int] = {}
@@ -99,7 +102,9 @@ class Schedule:
             behaviours[intent.behaviour] = behaviours.get(intent.behaviour, 0) + 1
         return (
             f"seed {self.seed}: {self.config.describe()} | {len(self.intents)} intents "
-            f"{behaviours}, sends {kinds} | faults: "
+            f"{behaviours}, sends {kinds}"
+            + (f" ({'; '.join(self.notes)})" if self.notes else "")
+            + " | faults: "
             + (", ".join(f.describe() for f in self.faults) or "none")
         )
 
@@ -123,7 +128,7 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
     config = config_for(seed)
     rng = random.Random(seed)
     pinned = config.focus == "pg_fast" and seed % len_rows() == 0
-    count = intents or (150 if pinned else rng.randint(20, 60))
+    count = intents or (405 if pinned else rng.randint(20, 60))
     chosen = [
         Intent(f"s{seed}-{k:04d}", _behaviour(rng), rng.randint(1, 10**6)) for k in range(count)
     ]
@@ -137,7 +142,8 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
     sends: list[Send] = []
     conflicts: list[Send] = []
     for intent in chosen:
-        at = rng.uniform(0, SEND_WINDOW)
+        # The outside report's backlog is waiting for the workers as they start.
+        at = rng.uniform(0, 0.3) if pinned else rng.uniform(0, SEND_WINDOW)
         sends.append(Send(at, intent, "first", intent.n))
         if not intent.identified:
             continue
@@ -151,7 +157,11 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
             conflicts.append(Send(at, intent, "conflict", intent.n + rng.randint(1, 99)))
     sends.sort(key=lambda s: s.at)
     faults = _faults(rng, config, pinned)
-    return Schedule(seed, config, chosen, sends, conflicts, faults)
+    schedule = Schedule(seed, config, chosen, sends, conflicts, faults)
+    if pinned:
+        schedule.prefetch = 0
+        schedule.notes.append("issue 27, item 1: a backlog at start-up, no prefetch limit")
+    return schedule
 
 
 def len_rows() -> int:
@@ -181,10 +191,14 @@ def _phase(at: float) -> str:
 
 def _faults(rng: random.Random, config: Config, pinned: bool) -> list[Fault]:
     if pinned:
-        # Issue 27, item 1: a worker SIGKILLed and restarted (its supervisor does it), and
-        # PostgreSQL stopped in fast mode for 3 s right after that worker started.
-        at = rng.uniform(2, 5)
-        return [Fault(at, "pg_after_start", worker=rng.randrange(2), seconds=3.0, phase=_phase(at))]
+        # Issue 27, item 1: PostgreSQL stopped in fast mode for 3 s as the workers start
+        # with the backlog waiting; later a worker SIGKILLed and restarted (its supervisor
+        # does it), and PostgreSQL stopped again for 3 s right after it started.
+        at = rng.uniform(4, 8)
+        return [
+            Fault(rng.uniform(0, 0.5), "pg_fast", seconds=3.0),
+            Fault(at, "pg_after_start", worker=rng.randrange(2), seconds=3.0, phase=_phase(at)),
+        ]
     kinds = [
         "worker_kill",
         "worker_term",

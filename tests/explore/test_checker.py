@@ -18,9 +18,13 @@ def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
 def test_space__the_outside_report_is_row_zero_with_its_schedule() -> None:
     assert ROWS[0] == ISSUE_27
     schedule = draw(0)
-    assert [f.kind for f in schedule.faults] == ["pg_after_start"]
-    assert schedule.faults[0].seconds == 3.0
-    assert len(schedule.intents) == 150
+    assert [(f.kind, f.seconds) for f in schedule.faults] == [
+        ("pg_fast", 3.0),
+        ("pg_after_start", 3.0),
+    ]
+    assert len(schedule.intents) == 405
+    assert max(s.at for s in schedule.sends if s.kind == "first") < 0.3
+    assert schedule.prefetch == 0
 
 
 def test_schedule__a_seed_draws_the_same_schedule() -> None:
