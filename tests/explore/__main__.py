@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,10 @@ def _indices(text: str | None) -> list[int] | None:
     return [] if text == "none" else [int(x) for x in text.split(",")]
 
 
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.explore",
@@ -67,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         "and the CLI then import (git archive COMMIT src | tar -x -C DIR; DIR/src)",
     )
     args = parser.parse_args(argv)
+    # Stopped (SIGTERM, or SIGINT even when started in the background): the running
+    # schedule's workers, database and queues are cleaned up on the way out.
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGINT, _exit)
     if args.library:
         library = Path(args.library).resolve()
         if not (library / "inbox_middleware" / "__init__.py").exists():
