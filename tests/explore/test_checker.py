@@ -78,3 +78,18 @@ def test_check__an_unsettled_run_is_stuck() -> None:
     history.claims = ["a", "c"]
     history.poison = [("b", "explore_refused", "pending")]
     assert _kinds(history) == ["stuck"]
+
+
+def test_check__conflicts_and_messages_without_identity_are_held_to_their_policy() -> None:
+    history = _history(missing_identity="reject")
+    history.schedule.intents.append(Intent("d", "no-identity", 4))
+    history.sent += [(0.0, "d", "first", 4), (1.0, "a", "conflict", 9)]
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("d", None, 4)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    # the conflict reached neither the quarantine table nor its destination
+    assert _kinds(history) == ["conflict-unrecorded", "lost", "unidentified-applied"]
+    history.quarantine = [("a", "pending", "identity_conflict")]
+    history.destinations = {"quarantine": [{"key": "a", "n": 9}], "dead-letter": [{"key": "d"}]}
+    history.effects.remove(("d", None, 4))
+    assert check(history) == []
