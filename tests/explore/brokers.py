@@ -63,6 +63,11 @@ class Broker:
         """``{"quarantine": [...], "dead-letter": [...]}``."""
         raise NotImplementedError
 
+    def remaining(self) -> Found | None:
+        """The payloads still in the source once the workers stopped (taken out of it);
+        None where the broker cannot say."""
+        return None
+
     def cleanup(self) -> None: ...
 
     def worker_env(self) -> dict[str, str]:
@@ -173,6 +178,10 @@ class DramatiqRabbitmq(DramatiqBroker):
     def leftover(self) -> dict[str, int]:
         return _rabbit_ready([self.source, f"{self.source}.DQ"])
 
+    def remaining(self) -> Found | None:
+        queues = (self.source, f"{self.source}.DQ")
+        return _dramatiq_payloads([b for q in queues for b, _ in _rabbit_drain(q)])
+
     def destinations(self) -> dict[str, Found]:
         return {
             "quarantine": _dramatiq_payloads(
@@ -208,6 +217,18 @@ class DramatiqRedis(DramatiqBroker):
             }
         finally:
             client.close()
+
+    def remaining(self) -> Found | None:
+        client = self._client()
+        try:
+            bodies = [
+                body
+                for name in (self.source, f"{self.source}.DQ")
+                for body in client.hvals(f"{self.source}:{name}.msgs")
+            ]
+        finally:
+            client.close()
+        return _dramatiq_payloads(bodies)
 
     def destinations(self) -> dict[str, Found]:
         client = self._client()
@@ -299,6 +320,9 @@ class FastStreamRabbitmq(FastStreamBroker):
 
     def leftover(self) -> dict[str, int]:
         return _rabbit_ready([self.source])
+
+    def remaining(self) -> Found | None:
+        return _json_payloads([b for b, _ in _rabbit_drain(self.source)])
 
     def destinations(self) -> dict[str, Found]:
         return {

@@ -96,10 +96,20 @@ def check(history: History) -> list[Finding]:
         (k for k, i in identified.items() if i.behaviour == "permanent" and k in effects),
         "refused intents applied",
     )
+    # Still in the broker: not lost, but not settled either (``stuck``, ``left-in-broker``).
+    held = _keys(history.remaining or [])
+    unknown = history.remaining is None and any(history.leftover.values())
+    unrecorded = {k for k in identified if k not in effects and k not in poison and not dead[k]}
     problem(
-        "lost",
-        (k for k in identified if k not in effects and k not in poison and not dead[k]),
-        "intents neither applied nor recorded (no poison row, no dead letter)",
+        "lost" if not unknown else "lost-or-left",
+        (k for k in unrecorded if not held[k]),
+        "intents neither applied nor recorded (no poison row, no dead letter)"
+        + ("" if not unknown else ", the broker holding messages it cannot name"),
+    )
+    problem(
+        "unsettled",
+        (k for k in unrecorded if held[k]),
+        "intents neither applied nor recorded, still in the broker once the workers stopped",
     )
     problem(
         "refused-unrecorded",

@@ -72,6 +72,9 @@ class History:
     """(message id, reason, decision) of every poison row."""
     destinations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     leftover: dict[str, int] = field(default_factory=dict)
+    remaining: list[dict[str, Any]] | None = None
+    """The payloads the broker still held once the workers stopped (None: not read, or
+    the broker cannot say without consuming them: Redis streams, JetStream)."""
     settled: bool = False
     settle_seconds: float = 0.0
     events: list[str] = field(default_factory=list)
@@ -238,10 +241,13 @@ class Slot:
         return self.output().count(self.ready_line)
 
     def children(self) -> list[int]:
+        """The worker processes the command forked (not multiprocessing's resource
+        tracker, which a spawning command starts first)."""
         if self.proc is None:
             return []
         try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=False)]
+            children = psutil.Process(self.proc.pid).children(recursive=False)
+            return [c.pid for c in children if "tracker" not in " ".join(c.cmdline())]
         except psutil.Error:
             return []
 
@@ -642,6 +648,8 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                     if "refus" in line.lower() and ("Error" in line or "error" in line)
                 ][:5]
                 history.leftover = leftover
+                if any(leftover.values()):
+                    history.remaining = _patiently(broker.remaining, "reading the broker")
                 history.destinations = _patiently(broker.destinations, "reading the destinations")
                 history.effects = [
                     tuple(r) for r in admin.query("SELECT key, message_id, n FROM explore_effects")

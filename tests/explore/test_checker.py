@@ -61,6 +61,7 @@ def test_check__loss_doubles_and_contradicting_records_are_findings() -> None:
     history.claims = ["a", "b"]
     history.poison = [("b", "retries_exhausted", "pending")]
     history.leftover = {"q": 1}
+    history.remaining = [{"key": "x"}]
     assert _kinds(history) == [
         "left-in-broker",
         "lost",
@@ -93,3 +94,15 @@ def test_check__conflicts_and_messages_without_identity_are_held_to_their_policy
     history.destinations = {"quarantine": [{"key": "a", "n": 9}], "dead-letter": [{"key": "d"}]}
     history.effects.remove(("d", None, 4))
     assert check(history) == []
+
+
+def test_check__an_intent_still_in_the_broker_is_unsettled_not_lost() -> None:
+    history = _history()
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.leftover = {"q": 1}
+    history.remaining = [{"key": "c", "do": "ok", "n": 3}]
+    assert _kinds(history) == ["left-in-broker", "unsettled"]
+    history.remaining = None  # a broker that cannot name what it holds
+    assert _kinds(history) == ["left-in-broker", "lost-or-left"]
