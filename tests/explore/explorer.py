@@ -17,6 +17,10 @@ from .schedule import Schedule, draw
 
 __all__ = ["Verdict", "explore", "replay_command", "select"]
 
+SLOWNESS = {"stuck", "left-in-broker", "unsettled", "lost-or-left"}
+"""Findings a starved machine can cause by itself; any other is a finding whatever the
+load."""
+
 
 @dataclass
 class Verdict:
@@ -104,7 +108,12 @@ def explore(schedule: Schedule, keep: bool = False, log: Any = print) -> Verdict
             findings = check(history)
             if findings and history.refused and not history.effects and not history.claims:
                 verdict = Verdict(schedule, "refused", history=history)
-            elif findings and not history.settled and history.load > 6:
+            elif (
+                findings
+                and not history.settled
+                and history.load > 6
+                and all(f.kind in SLOWNESS for f in findings)
+            ):
                 verdict = Verdict(
                     schedule,
                     "harness",

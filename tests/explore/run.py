@@ -247,7 +247,7 @@ class Slot:
             return []
         try:
             children = psutil.Process(self.proc.pid).children(recursive=False)
-            return [c.pid for c in children if "tracker" not in " ".join(c.cmdline())]
+            return [c.pid for c in children if "resource_tracker" not in " ".join(c.cmdline())]
         except psutil.Error:
             return []
 
@@ -623,7 +623,8 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             admin = Admin(admin_url)
             try:
                 quiet_from = time.monotonic()
-                history.settled = _settle(schedule, admin, broker, SETTLE_TIMEOUT, history, started)
+                patience = SETTLE_TIMEOUT * (3 if schedule.prefetch == 0 else 1)
+                history.settled = _settle(schedule, admin, broker, patience, history, started)
                 history.settle_seconds = time.monotonic() - quiet_from
                 history.load = os.getloadavg()[0]
                 fleet.stop()
