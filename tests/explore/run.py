@@ -506,9 +506,10 @@ class Faults:
         raise ValueError(f"unknown fault {kind}")
 
 
-def _unsettled(schedule: Schedule, admin: Admin) -> int:
+def _unsettled(schedule: Schedule, admin: Admin, history: History) -> int:
     """Intents with neither an effect nor a durable record, and conflicts sent but not
-    quarantined yet."""
+    quarantined yet (a conflict whose first payload never committed is never sent)."""
+    sent = {key for _, key, kind, _ in list(history.sent) if kind == "conflict"}
     effects = {k for (k,) in admin.query("SELECT DISTINCT key FROM explore_effects")}
     poison = {m for (m,) in admin.query("SELECT message_id FROM inbox_poison")}
     quarantined = {m for (m,) in admin.query("SELECT message_id FROM inbox_quarantine")}
@@ -518,9 +519,7 @@ def _unsettled(schedule: Schedule, admin: Admin) -> int:
             count += 1
         elif intent.behaviour == "no-identity" and schedule.config.missing_identity == "process":
             count += intent.key not in effects
-    return count + sum(
-        1 for s in schedule.conflicts if s.intent.key in effects and s.intent.key not in quarantined
-    )
+    return count + len(sent - quarantined)
 
 
 def _patiently(call: Any, what: str, patience: float = 90) -> Any:
@@ -549,7 +548,7 @@ def _settle(
     deadline = time.monotonic() + seconds
     quiet = 0
     while True:
-        unsettled = _unsettled(schedule, admin)
+        unsettled = _unsettled(schedule, admin, history)
         leftover = _patiently(broker.leftover, "reading the broker")
         quiet = quiet + 1 if unsettled == 0 and not any(leftover.values()) else 0
         if quiet >= 3:
