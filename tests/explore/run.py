@@ -50,7 +50,9 @@ SERVICES = ROOT / "scripts" / "services"
 PG_PORT = 5445
 PG_URL = f"postgresql://postgres@127.0.0.1:{PG_PORT}"
 SETTLE_TIMEOUT = 60.0  # seconds after the last fault and send for everything to settle
-READY = {"dramatiq": "ready for action", "faststream": "started successfully"}
+READY = {"dramatiq": "ready for action", "faststream": "waiting for messages"}
+"""A line each worker process logs once it consumes (a FastStream process forked by
+`faststream run --workers` does not log "started successfully"; each subscriber logs this)."""
 
 
 class HarnessTrouble(Exception):
