@@ -46,6 +46,8 @@ class Verdict:
                 f"{len(h.destinations.get('dead-letter', []))}, worker restarts "
                 f"{len(h.worker_exits)}, settled in {h.settle_seconds:.0f}s"
             )
+            if h.faults_missed:
+                head += f" | faults not as scheduled: {', '.join(h.faults_missed)}"
         if self.outcome == "finding":
             return head + " | " + " | ".join(map(str, self.findings))
         if self.outcome == "harness":

@@ -85,6 +85,8 @@ class History:
     """Start-up refusals the workers logged (a correct outcome, not a finding)."""
     load: float = 0.0
     folder: Path | None = None
+    faults_missed: list[str] = field(default_factory=list)
+    """Faults that could not happen as scheduled (reported with the verdict)."""
 
     def event(self, started: float, what: str) -> None:
         self.events.append(f"{time.monotonic() - started:6.1f}s {what}")
@@ -497,6 +499,7 @@ class Faults:
             deadline = time.monotonic() + 30
             while not replaced():
                 if time.monotonic() > deadline:
+                    self.history.faults_missed.append(fault.describe())
                     return f"{what}; it was not replaced within 30s"
                 time.sleep(0.02)
             stop = self._pg_stop("fast", fault.seconds)
