@@ -121,6 +121,8 @@ def check(history: History) -> list[Finding]:
         f"refused intents without a poison row of reason {REFUSED}",
     )
     innocent = ("ok", "transient", "sometimes")
+    # Workers that died with messages in hand: SIGKILLed (SIGTERM is a graceful stop).
+    killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
     problem(
         "poison-reason",
         (
@@ -129,7 +131,10 @@ def check(history: History) -> list[Finding]:
             if k in poison
             and (
                 (i.behaviour == "permanent" and set(poison[k]) != {REFUSED})
-                or (i.behaviour in innocent and not set(poison[k]) <= _allowed(config, i.behaviour))
+                or (
+                    i.behaviour in innocent
+                    and not set(poison[k]) <= _allowed(config, i.behaviour, killed)
+                )
             )
         ),
         "intents poisoned for a reason their configuration does not explain",
@@ -202,12 +207,13 @@ def check(history: History) -> list[Finding]:
     return findings
 
 
-def _allowed(config: Any, behaviour: str) -> set[str]:
+def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
     """Poison reasons the configuration explains for a handler that does nothing wrong:
-    a redelivery limit (deliveries that ended with a dead worker), and attempts (for a
-    failing handler, or where the inbox counts a database outage as one)."""
+    a redelivery limit, where a worker died with messages in hand (``killed``: a hand-back
+    is never counted as a crash, docs/how-to/failures.md), and attempts for a handler that
+    fails."""
     allowed = set()
-    if config.redelivery_limit is not None:
+    if config.redelivery_limit is not None and killed:
         allowed.add("redelivery_limit")
     if behaviour in ("transient", "sometimes"):
         allowed.add("retries_exhausted")

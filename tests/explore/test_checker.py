@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .check import check
 from .run import History
-from .schedule import Intent, Schedule, draw
+from .schedule import Fault, Intent, Schedule, draw
 from .space import ISSUE_27, ROWS, Config, uncovered_pairs, valid
 
 
@@ -106,3 +106,14 @@ def test_check__an_intent_still_in_the_broker_is_unsettled_not_lost() -> None:
     assert _kinds(history) == ["left-in-broker", "unsettled"]
     history.remaining = None  # a broker that cannot name what it holds
     assert _kinds(history) == ["left-in-broker", "lost-or-left"]
+
+
+def test_check__a_redelivery_limit_poisons_only_where_a_worker_died() -> None:
+    history = _history(redelivery_limit=5)
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending"), ("c", "redelivery_limit", "pending")]
+    # no worker was killed: the outage's hand-backs are not crashes
+    assert _kinds(history) == ["poison-reason"]
+    history.schedule.faults.append(Fault(1.0, "worker_kill"))
+    assert check(history) == []
