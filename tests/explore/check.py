@@ -6,7 +6,8 @@ For every intent sent with an identity:
     (``wrong-payload``), never for a refused intent (``refused-applied``);
   * it is committed, or there is a durable record of why: a poison row, or a message at
     the dead-letter destination (``lost``); a refused intent has its poison row with the
-    handler's reason (``refused-unrecorded``);
+    handler's reason, or ``redelivery_limit`` where a worker was SIGKILLed
+    (``refused-unrecorded``);
   * an intent whose handler does nothing wrong is poisoned only by a limit the
     configuration sets (``poison-reason``); a committed intent has no poison row
     (``poisoned-and-applied``: "every message ends in exactly one place", as
@@ -111,18 +112,21 @@ def check(history: History) -> list[Finding]:
         (k for k in unrecorded if held[k]),
         "intents neither applied nor recorded, still in the broker once the workers stopped",
     )
+    # Workers that died with messages in hand: SIGKILLed (SIGTERM is a graceful stop).
+    killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
+    # A refused intent's own reason; or the redelivery limit, which may stop it before its
+    # handler runs where a worker died with it in hand.
+    refusal = {REFUSED} | (_allowed(config, "permanent", killed) & {"redelivery_limit"})
     problem(
         "refused-unrecorded",
         (
             k
             for k, i in identified.items()
-            if i.behaviour == "permanent" and REFUSED not in poison.get(k, [])
+            if i.behaviour == "permanent" and not set(poison.get(k, [])) & refusal
         ),
         f"refused intents without a poison row of reason {REFUSED}",
     )
     innocent = ("ok", "transient", "sometimes")
-    # Workers that died with messages in hand: SIGKILLed (SIGTERM is a graceful stop).
-    killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
     problem(
         "poison-reason",
         (
@@ -130,7 +134,7 @@ def check(history: History) -> list[Finding]:
             for k, i in identified.items()
             if k in poison
             and (
-                (i.behaviour == "permanent" and set(poison[k]) != {REFUSED})
+                (i.behaviour == "permanent" and not set(poison[k]) <= refusal)
                 or (
                     i.behaviour in innocent
                     and not set(poison[k]) <= _allowed(config, i.behaviour, killed)

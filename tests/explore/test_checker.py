@@ -117,3 +117,13 @@ def test_check__a_redelivery_limit_poisons_only_where_a_worker_died() -> None:
     assert _kinds(history) == ["poison-reason"]
     history.schedule.faults.append(Fault(1.0, "worker_kill"))
     assert check(history) == []
+
+
+def test_check__a_refused_intent_may_meet_the_redelivery_limit_only_after_a_kill() -> None:
+    history = _history(redelivery_limit=1)
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "redelivery_limit", "pending")]
+    assert _kinds(history) == ["poison-reason", "refused-unrecorded"]
+    history.schedule.faults.append(Fault(1.0, "pg_after_start"))
+    assert check(history) == []
