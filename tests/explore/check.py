@@ -1,0 +1,224 @@
+"""The checker: a history held to what docs/explanation/guarantee.md and limits.md
+promise for its configuration.
+
+For every intent sent with an identity:
+  * its effect is committed at most once (``twice``), with the first payload's value
+    (``wrong-payload``), never for a refused intent (``refused-applied``);
+  * it is committed, or there is a durable record of why: a poison row, or a message at
+    the dead-letter destination (``lost``); a refused intent has its poison row with the
+    handler's reason, or ``redelivery_limit`` where a worker was SIGKILLed
+    (``refused-unrecorded``);
+  * an intent whose handler does nothing wrong is poisoned only by a limit the
+    configuration sets (``poison-reason``); a committed intent has no poison row
+    (``poisoned-and-applied``: "every message ends in exactly one place", as
+    docs/how-to/failures.md says) and exactly one claim, and every claim has its effect
+    (``record-contradicts``).
+Every conflict sent is recorded in ``inbox_quarantine`` as a pending identity conflict
+and published to the quarantine destination (``conflict-unrecorded``), and its payload
+never applied. A message without identity is dead-lettered and not applied when the
+policy is ``reject``; applied at least once (no deduplication: the documented opt-in)
+with ``process``. Nothing is stuck: a bounded time after the faults stop every intent is
+settled and the broker holds nothing (``stuck``, ``left-in-broker``).
+
+A refused start-up is a correct outcome, not a finding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from .domain import REFUSED
+from .run import History
+
+__all__ = ["Finding", "check"]
+
+LIMIT_REASONS = {"retries_exhausted", "redelivery_limit"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+def _keys(found: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(str(p.get("key")) for p in found)
+
+
+def _sample(values: Any, limit: int = 6) -> str:
+    values = sorted(values)
+    more = f" and {len(values) - limit} more" if len(values) > limit else ""
+    return ", ".join(map(str, values[:limit])) + more
+
+
+def check(history: History) -> list[Finding]:
+    schedule = history.schedule
+    config = schedule.config
+    findings: list[Finding] = []
+
+    def problem(kind: str, keys: Any, what: str) -> None:
+        keys = set(keys)
+        if keys:
+            findings.append(Finding(kind, f"{len(keys)} {what}: {_sample(keys)}"))
+
+    effects: dict[str, list[int]] = {}
+    for key, _message_id, n in history.effects:
+        effects.setdefault(key, []).append(n)
+    poison: dict[str, list[str]] = {}
+    for message_id, reason, _decision in history.poison:
+        poison.setdefault(message_id, []).append(reason)
+    claims = Counter(history.claims)
+    quarantined = {m: (d, r) for m, d, r in history.quarantine}
+    dead = _keys(history.destinations.get("dead-letter", []))
+    in_quarantine = history.destinations.get("quarantine", [])
+    sent_keys = {key for _, key, kind, _ in history.sent if kind != "conflict"}
+    conflicts_sent = {key: n for _, key, kind, n in history.sent if kind == "conflict"}
+    intents = {i.key: i for i in schedule.intents if i.key in sent_keys}
+    identified = {k: i for k, i in intents.items() if i.identified}
+    unidentified = {k: i for k, i in intents.items() if not i.identified}
+
+    problem(
+        "twice",
+        (k for k in identified if len(effects.get(k, [])) > 1),
+        "intents applied more than once",
+    )
+    problem(
+        "wrong-payload",
+        (k for k, i in identified.items() if any(n != i.n for n in effects.get(k, []))),
+        "intents applied with another payload than their first",
+    )
+    problem(
+        "refused-applied",
+        (k for k, i in identified.items() if i.behaviour == "permanent" and k in effects),
+        "refused intents applied",
+    )
+    # Still in the broker: not lost, but not settled either (``stuck``, ``left-in-broker``).
+    held = _keys(history.remaining or [])
+    unknown = history.remaining is None and any(history.leftover.values())
+    unrecorded = {k for k in identified if k not in effects and k not in poison and not dead[k]}
+    problem(
+        "lost" if not unknown else "lost-or-left",
+        (k for k in unrecorded if not held[k]),
+        "intents neither applied nor recorded (no poison row, no dead letter)"
+        + ("" if not unknown else ", the broker holding messages it cannot name"),
+    )
+    problem(
+        "unsettled",
+        (k for k in unrecorded if held[k]),
+        "intents neither applied nor recorded, still in the broker once the workers stopped",
+    )
+    # Workers that died with messages in hand: SIGKILLed (SIGTERM is a graceful stop).
+    killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
+    # A refused intent's own reason; or the redelivery limit, which may stop it before its
+    # handler runs where a worker died with it in hand.
+    refusal = {REFUSED} | (_allowed(config, "permanent", killed) & {"redelivery_limit"})
+    problem(
+        "refused-unrecorded",
+        (
+            k
+            for k, i in identified.items()
+            if i.behaviour == "permanent" and not set(poison.get(k, [])) & refusal
+        ),
+        f"refused intents without a poison row of reason {REFUSED}",
+    )
+    innocent = ("ok", "transient", "sometimes")
+    problem(
+        "poison-reason",
+        (
+            f"{k} ({'/'.join(poison[k])})"
+            for k, i in identified.items()
+            if k in poison
+            and (
+                (i.behaviour == "permanent" and not set(poison[k]) <= refusal)
+                or (
+                    i.behaviour in innocent
+                    and not set(poison[k]) <= _allowed(config, i.behaviour, killed)
+                )
+            )
+        ),
+        "intents poisoned for a reason their configuration does not explain",
+    )
+    problem(
+        "poisoned-and-applied",
+        (f"{k} (poison {'/'.join(poison[k])})" for k in identified if k in effects and k in poison),
+        "applied intents that also have a poison row (a message ends in one place only)",
+    )
+    problem(
+        "record-contradicts",
+        (f"{k} ({claims[k]} claims)" for k in identified if k in effects and claims[k] != 1),
+        "applied intents without exactly one claim",
+    )
+    problem(
+        "record-contradicts",
+        (f"{k}" for k in claims if k not in effects),
+        "claims whose effect is not in the database (marked processed, never applied)",
+    )
+    # Conflicts: recorded and published, their payload never applied.
+    problem(
+        "conflict-unrecorded",
+        (k for k in conflicts_sent if quarantined.get(k, ("", ""))[1] != "identity_conflict"),
+        "conflicts without their quarantine row",
+    )
+    problem(
+        "conflict-unrecorded",
+        (k for k in conflicts_sent if k not in _keys(in_quarantine)),
+        "conflicts missing from the quarantine destination",
+    )
+    problem(
+        "record-contradicts",
+        (k for k, (decision, _) in quarantined.items() if decision != "pending"),
+        "quarantine rows decided by nobody (not pending)",
+    )
+    problem(
+        "record-contradicts",
+        (k for k in quarantined if k not in conflicts_sent),
+        "quarantine rows for intents never sent a conflicting payload",
+    )
+    # Messages without identity.
+    if config.missing_identity == "reject":
+        problem(
+            "unidentified-applied",
+            (k for k in unidentified if k in effects),
+            "messages without identity applied under reject",
+        )
+        problem(
+            "lost",
+            (k for k in unidentified if not dead[k]),
+            "messages without identity neither applied nor dead-lettered",
+        )
+    else:
+        problem(
+            "lost",
+            (
+                k
+                for k, i in unidentified.items()
+                if k not in effects and not dead[k] and i.behaviour == "no-identity"
+            ),
+            "messages without identity never applied under process",
+        )
+    # Nothing stuck.
+    if not history.settled:
+        findings.append(
+            Finding("stuck", f"not settled {history.settle_seconds:.0f}s after the faults stopped")
+        )
+    if any(history.leftover.values()):
+        findings.append(Finding("left-in-broker", f"after the workers stopped: {history.leftover}"))
+    return findings
+
+
+def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
+    """Poison reasons the configuration explains for a handler that does nothing wrong:
+    a redelivery limit, where a worker died with messages in hand (``killed``: a hand-back
+    is never counted as a crash, docs/how-to/failures.md), and attempts for a handler that
+    fails."""
+    allowed = set()
+    if config.redelivery_limit is not None and killed:
+        allowed.add("redelivery_limit")
+    if behaviour in ("transient", "sometimes"):
+        allowed.add("retries_exhausted")
+    return allowed

@@ -1,0 +1,704 @@
+"""Running one schedule on real processes and servers, and recording its history.
+
+    controller (this process)
+    ├── supervisor thread   starts the worker commands, and starts again any that exited
+    │                       (as systemd or Kubernetes would), half a second later
+    ├── producer thread     publishes the sends at their times; a conflict once its
+    │                       intent's first payload committed
+    └── fault thread        the schedule's faults at their times: workers SIGKILLed or
+                            SIGTERMed, the explorer's PostgreSQL stopped (fast, immediate)
+                            and started, its sessions terminated, NATS restarted
+
+Then it waits (a bounded time) until every intent is settled and the broker holds
+nothing, stops the workers, and records the history: every send, every effect, the
+inbox's durable records, what is left in the broker and at its destinations.
+
+Everything runs on the explorer's own servers (PostgreSQL 5445, Redis 6390, a NATS per
+run), except RabbitMQ: the machine's, on queues of the run's own, never restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+from ..chaos.run import Admin
+from ..support import servers
+from . import domain
+from .brokers import RABBITMQ_URL, REDIS_URL, Broker, make_broker
+from .schedule import Fault, Schedule
+
+__all__ = ["PG_PORT", "HarnessTrouble", "History", "run_schedule"]
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ROOT / "scripts" / "services"
+PG_PORT = 5445
+PG_URL = f"postgresql://postgres@127.0.0.1:{PG_PORT}"
+SETTLE_TIMEOUT = 60.0  # seconds after the last fault and send for everything to settle
+READY = {"dramatiq": "ready for action", "faststream": "waiting for messages"}
+"""A line each worker process logs once it consumes (a FastStream process forked by
+`faststream run --workers` does not log "started successfully"; each subscriber logs this)."""
+
+
+class HarnessTrouble(Exception):
+    """The explorer itself failed (a server that did not come back, a publish that could
+    not be made, CPU starvation): reported as such, never as a finding."""
+
+
+@dataclass
+class History:
+    schedule: Schedule
+    sent: list[tuple[float, str, str, int]] = field(default_factory=list)
+    """(time, key, kind, n) of every publish the broker confirmed."""
+    unsent_conflicts: list[str] = field(default_factory=list)
+    effects: list[tuple[str, str | None, int]] = field(default_factory=list)
+    claims: list[str] = field(default_factory=list)
+    quarantine: list[tuple[str, str, str]] = field(default_factory=list)
+    """(message id, decision, reason) of every quarantine row."""
+    poison: list[tuple[str, str, str]] = field(default_factory=list)
+    """(message id, reason, decision) of every poison row."""
+    destinations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    leftover: dict[str, int] = field(default_factory=dict)
+    remaining: list[dict[str, Any]] | None = None
+    """The payloads the broker still held once the workers stopped (None: not read, or
+    the broker cannot say without consuming them: Redis streams, JetStream)."""
+    settled: bool = False
+    settle_seconds: float = 0.0
+    events: list[str] = field(default_factory=list)
+    worker_exits: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    """Start-up refusals the workers logged (a correct outcome, not a finding)."""
+    load: float = 0.0
+    folder: Path | None = None
+    faults_missed: list[str] = field(default_factory=list)
+    """Faults that could not happen as scheduled (reported with the verdict)."""
+
+    def event(self, started: float, what: str) -> None:
+        self.events.append(f"{time.monotonic() - started:6.1f}s {what}")
+
+
+def library_env() -> dict[str, str]:
+    """The environment of the workers and of the CLI: with ``EXPLORE_LIBRARY`` (a folder
+    holding another commit's ``inbox_middleware`` package, ``python -m tests.explore
+    --library``), that library is the one they import."""
+    env = dict(os.environ)
+    library = env.get("EXPLORE_LIBRARY")
+    if library:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [library, env.get("PYTHONPATH")]))
+    return env
+
+
+# -- the explorer's PostgreSQL ---------------------------------------------------------------
+
+
+def _cluster() -> tuple[str, str]:
+    listing = subprocess.run(
+        ["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True
+    ).stdout
+    for line in listing.splitlines():
+        version, name, port, *_ = line.split()
+        if int(port) == PG_PORT:
+            return version, name
+    raise HarnessTrouble(
+        f"no PostgreSQL cluster on port {PG_PORT}: run scripts/services explore-postgres"
+    )
+
+
+def _pg_ctl(action: str, timeout: float = 60) -> None:
+    version, name = _cluster()
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, *action.split()],
+        check=False,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+def _pg_answers() -> bool:
+    try:
+        with psycopg.connect(f"{PG_URL}/postgres", connect_timeout=2) as conn:
+            return conn.execute("SELECT 1").fetchone() == (1,)
+    except psycopg.Error:
+        return False
+
+
+def ensure_postgres(timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not _pg_answers():
+        if not servers.answering(PG_PORT):
+            _pg_ctl("start")
+        if time.monotonic() > deadline:
+            raise HarnessTrouble(f"the explorer's PostgreSQL did not answer within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def ensure_services() -> None:
+    """The explorer's own PostgreSQL and Redis, started by scripts/services if down."""
+    if not (servers.answering(PG_PORT) and servers.answering(6390)):
+        subprocess.run(
+            [str(SERVICES), "explore-postgres", "explore-redis"], capture_output=True, timeout=180
+        )
+    ensure_postgres()
+    if not servers.answering(6390):
+        raise HarnessTrouble(
+            "the explorer's Redis (6390) does not answer: scripts/services explore-redis"
+        )
+    if not servers.answering(5672):
+        raise HarnessTrouble("RabbitMQ (5672) does not answer: scripts/services rabbitmq")
+
+
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """One schedule at a time on the explorer's servers (its faults stop them)."""
+    path = Path(tempfile.gettempdir()) / "inbox-explore.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def database(name: str) -> Iterator[str]:
+    """A fresh database on the explorer's PostgreSQL, migrated with the project's CLI;
+    its libpq URL. Dropped at the end."""
+    ensure_postgres()
+    with psycopg.connect(f"{PG_URL}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"{PG_URL}/{name}"
+    try:
+        cli = Path(sys.executable).with_name("inbox-middleware")
+        done = subprocess.run(
+            [str(cli), "migrate", "--database-url", url],
+            env=library_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise HarnessTrouble(f"inbox-middleware migrate failed: {done.stderr[-2000:]}")
+        with psycopg.connect(url, autocommit=True) as conn:
+            for statement in domain.DDL:
+                conn.execute(statement)
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            ensure_postgres()
+            with psycopg.connect(f"{PG_URL}/postgres", autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# -- the workers, supervised -----------------------------------------------------------------
+
+
+class Slot:
+    """One supervised worker command (which may fork several worker processes)."""
+
+    def __init__(
+        self, name: str, command: list[str], env: dict[str, str], folder: Path, ready: str
+    ) -> None:
+        self.name, self.command, self.env, self.ready_line = name, command, env, ready
+        self.log = folder / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.held = False  # stopped on purpose: the supervisor leaves it
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        with open(self.log, "ab") as out:
+            out.write(f"--- start {self.starts} ---\n".encode())
+            self.proc = subprocess.Popen(
+                self.command,
+                cwd=ROOT,
+                env={**library_env(), **self.env, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def readiness(self) -> int:
+        return self.output().count(self.ready_line)
+
+    def children(self) -> list[int]:
+        """The worker processes the command forked (not multiprocessing's resource
+        tracker, which a spawning command starts first)."""
+        if self.proc is None:
+            return []
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=False)
+            return [c.pid for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        except psutil.Error:
+            return []
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def terminate(self, timeout: float = 20) -> None:
+        """SIGTERM to the command (it forwards it to what it forked), SIGKILL after
+        ``timeout`` seconds (the graceful-shutdown timeout)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        # whatever it forked and left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def tail(self, lines: int = 25) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+
+class Fleet:
+    def __init__(self, schedule: Schedule, env: dict[str, str], folder: Path) -> None:
+        config = schedule.config
+        forked = config.layout == "forked"
+        per_command = config.processes if forked else 1
+        commands = 1 if forked else config.processes
+        if config.framework == "dramatiq":
+            command = [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "tests.explore.app_dramatiq",
+                "--processes",
+                str(per_command),
+                "--threads",
+                str(config.concurrency),
+            ]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "faststream",
+                "run",
+                "tests.explore.app_faststream:app",
+            ]
+            if per_command > 1:
+                command += ["--workers", str(per_command)]
+        self.forked = forked
+        self.slots = [
+            Slot(
+                f"w{k}", command, env | {"EXPLORE_WORKER": f"w{k}"}, folder, READY[config.framework]
+            )
+            for k in range(commands)
+        ]
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.closed = threading.Event()
+        self.exits: list[str] = []
+
+    def start(self) -> None:
+        for slot in self.slots:
+            slot.start()
+        threading.Thread(target=self._supervise, name="explore-supervisor", daemon=True).start()
+
+    def _supervise(self) -> None:
+        while not self.closed.is_set():
+            with self.lock:
+                for slot in self.slots:
+                    code = slot.exited()
+                    if code is not None and not slot.held and not self.stopping.is_set():
+                        self.exits.append(f"{slot.name} exited ({code}) after start {slot.starts}")
+                        time.sleep(0.5)
+                        slot.start()
+            time.sleep(0.2)
+
+    def slot_of(self, worker: int) -> Slot:
+        return self.slots[0] if self.forked else self.slots[worker % len(self.slots)]
+
+    def kill(self, worker: int) -> str:
+        """SIGKILL worker ``worker``: a command and all it forked, or (forked layout) one
+        forked process, which its command replaces."""
+        with self.lock:
+            slot = self.slot_of(worker)
+            if self.forked:
+                children = slot.children()
+                if children:
+                    pid = children[worker % len(children)]
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    return f"SIGKILL process {pid} of {slot.name}"
+            slot.kill()
+            return f"SIGKILL {slot.name}"
+
+    def terminate(self, worker: int) -> str:
+        slot = self.slot_of(worker)
+        with self.lock:
+            slot.held = True
+        started = time.monotonic()
+        slot.terminate()
+        with self.lock:
+            slot.held = False
+        return f"SIGTERM {slot.name}, exited in {time.monotonic() - started:.1f}s"
+
+    def resume(self) -> None:
+        """Start the stopped workers again, supervised."""
+        with self.lock:
+            self.stopping.clear()
+            for slot in self.slots:
+                slot.held = False
+                slot.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            for slot in self.slots:
+                slot.held = True
+        for slot in self.slots:
+            slot.terminate()
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {s.name} (started {s.starts}x) ---\n{s.tail()}" for s in self.slots)
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def _publish_all(
+    schedule: Schedule,
+    broker: Broker,
+    admin_url: str,
+    history: History,
+    started: float,
+    failure: list[BaseException],
+) -> None:
+    admin = Admin(admin_url)
+    try:
+        broker.open_producer()
+        try:
+            for send in schedule.sends:
+                delay = started + send.at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                identity = send.intent.key if send.intent.identified else None
+                broker.publish(send.intent.payload(send.n), identity)
+                history.sent.append(
+                    (time.monotonic() - started, send.intent.key, send.kind, send.n)
+                )
+            # Conflicts: each once its intent's first payload committed (it may never).
+            pending = {s.intent.key: s for s in schedule.conflicts}
+            deadline = time.monotonic() + 20
+            while pending and time.monotonic() < deadline:
+                rows = admin.query(
+                    "SELECT DISTINCT key FROM explore_effects WHERE key = ANY(%s)",
+                    (sorted(pending),),
+                )
+                for (key,) in rows:
+                    send = pending.pop(key)
+                    broker.publish(send.intent.payload(send.n), key)
+                    history.sent.append((time.monotonic() - started, key, "conflict", send.n))
+                time.sleep(0.3)
+            history.unsent_conflicts = sorted(pending)
+        finally:
+            broker.close_producer()
+    except BaseException as exc:
+        failure.append(exc)
+    finally:
+        admin.close()
+
+
+class Faults:
+    def __init__(
+        self,
+        schedule: Schedule,
+        fleet: Fleet,
+        admin_url: str,
+        nats: Any,
+        history: History,
+        started: float,
+    ) -> None:
+        self.schedule, self.fleet, self.admin_url, self.nats = schedule, fleet, admin_url, nats
+        self.history, self.started = history, started
+        self.failure: list[BaseException] = []
+
+    def run(self) -> None:
+        try:
+            for fault in self.schedule.faults:
+                delay = self.started + fault.at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                self.history.event(self.started, f"{fault.describe()}: {self.apply(fault)}")
+        except BaseException as exc:
+            self.failure.append(exc)
+        finally:
+            ensure_postgres()
+
+    def _pg_stop(self, mode: str, seconds: float) -> str:
+        begun = time.monotonic()
+        _pg_ctl(f"stop -m {mode}")
+        time.sleep(seconds)
+        _pg_ctl("start")
+        ensure_postgres()
+        return f"PostgreSQL stopped ({mode}) and back after {time.monotonic() - begun:.1f}s"
+
+    def apply(self, fault: Fault) -> str:
+        kind = fault.kind
+        if kind == "worker_kill":
+            return self.fleet.kill(fault.worker)
+        if kind == "worker_term":
+            return self.fleet.terminate(fault.worker)
+        if kind == "pg_fast":
+            return self._pg_stop("fast", fault.seconds)
+        if kind == "pg_immediate":
+            return self._pg_stop("immediate", fault.seconds)
+        if kind == "pg_terminate":
+            admin = Admin(self.admin_url)
+            try:
+                rows = admin.query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            finally:
+                admin.close()
+            return f"{len(rows)} sessions terminated"
+        if kind == "pg_after_start":
+            slot = self.fleet.slot_of(fault.worker)
+            before = slot.readiness()
+            starts, children = slot.starts, set(slot.children())
+            what = self.fleet.kill(fault.worker)
+
+            def replaced() -> bool:
+                if fault.phase == "ready":
+                    return slot.readiness() > before
+                if slot.starts > starts:
+                    return True  # the supervisor started the command again
+                # a forked process replaced by its command
+                return bool(set(slot.children()) - children) and slot.exited() is None
+
+            deadline = time.monotonic() + 30
+            while not replaced():
+                if time.monotonic() > deadline:
+                    self.history.faults_missed.append(fault.describe())
+                    return f"{what}; it was not replaced within 30s"
+                time.sleep(0.02)
+            stop = self._pg_stop("fast", fault.seconds)
+            return f"{what}; once it was {fault.phase} again: {stop}"
+        if kind == "broker_restart":
+            if self.nats is None:
+                return "no broker of the run's own to restart"
+            return f"NATS restarted in {self.nats.restart():.1f}s"
+        raise ValueError(f"unknown fault {kind}")
+
+
+def _unsettled(schedule: Schedule, admin: Admin, history: History) -> int:
+    """Intents with neither an effect nor a durable record, and conflicts sent but not
+    quarantined yet (a conflict whose first payload never committed is never sent)."""
+    sent = {key for _, key, kind, _ in list(history.sent) if kind == "conflict"}
+    effects = {k for (k,) in admin.query("SELECT DISTINCT key FROM explore_effects")}
+    poison = {m for (m,) in admin.query("SELECT message_id FROM inbox_poison")}
+    quarantined = {m for (m,) in admin.query("SELECT message_id FROM inbox_quarantine")}
+    count = 0
+    for intent in schedule.intents:
+        if intent.identified and intent.key not in effects | poison:
+            count += 1
+        elif intent.behaviour == "no-identity" and schedule.config.missing_identity == "process":
+            count += intent.key not in effects
+    return count + len(sent - quarantined)
+
+
+def _patiently(call: Any, what: str, patience: float = 90) -> Any:
+    """A look at the broker, retried through a moment when it does not answer (RabbitMQ
+    is shared: another run may restart it); past ``patience``, the harness's trouble."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise HarnessTrouble(f"{what} failed for {patience:.0f}s: {exc!r}") from exc
+            time.sleep(1)
+
+
+def _settle(
+    schedule: Schedule,
+    admin: Admin,
+    broker: Broker,
+    seconds: float,
+    history: History,
+    started: float,
+) -> bool:
+    """Wait until every intent is settled and the broker holds nothing ready, three
+    looks in a row; whether that happened within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    quiet = 0
+    while True:
+        unsettled = _unsettled(schedule, admin, history)
+        leftover = _patiently(broker.leftover, "reading the broker")
+        quiet = quiet + 1 if unsettled == 0 and not any(leftover.values()) else 0
+        if quiet >= 3:
+            return True
+        if time.monotonic() > deadline:
+            history.event(started, f"not settled: {unsettled} intents, broker {leftover}")
+            return False
+        time.sleep(0.7)
+
+
+def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
+    """Run ``schedule`` (the caller holds `exclusive`); its history. Raises
+    `HarnessTrouble` when the explorer itself failed."""
+    config = schedule.config
+    history = History(schedule, folder=folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    source = f"explore_{schedule.seed}_{uuid.uuid4().hex[:8]}"
+    nats = None
+    if config.broker == "nats":
+        nats = servers.OwnedNats(folder / "nats")
+        nats.start()
+    url = {"rabbitmq": RABBITMQ_URL, "redis": REDIS_URL}.get(config.broker) or nats.url  # type: ignore[union-attr]
+    broker = make_broker(config.target, source, url)
+    fleet: Fleet | None = None
+    try:
+        with database(source) as admin_url:
+            driver = (
+                "postgresql+psycopg" if config.framework == "dramatiq" else "postgresql+asyncpg"
+            )
+            env = broker.worker_env() | {
+                "EXPLORE_DATABASE_URL": admin_url.replace("postgresql", driver, 1),
+                "EXPLORE_CONCURRENCY": str(config.concurrency),
+                "EXPLORE_PREFETCH": str(
+                    config.concurrency if schedule.prefetch is None else schedule.prefetch
+                ),
+                "EXPLORE_GUARD": config.guard,
+                "EXPLORE_ACK_POLICY": config.ack_policy,
+                "EXPLORE_MISSING_IDENTITY": config.missing_identity,
+                "EXPLORE_MAX_ATTEMPTS": ""
+                if config.max_attempts is None
+                else str(config.max_attempts),
+                "EXPLORE_REDELIVERY_LIMIT": ""
+                if config.redelivery_limit is None
+                else str(config.redelivery_limit),
+            }
+            _patiently(broker.prepare, "preparing the broker")
+            fleet = Fleet(schedule, env, folder)
+            started = time.monotonic()
+            fleet.start()
+            failure: list[BaseException] = []
+            producer = threading.Thread(
+                target=_publish_all,
+                args=(schedule, broker, admin_url, history, started, failure),
+                daemon=True,
+            )
+            faults = Faults(schedule, fleet, admin_url, nats, history, started)
+            faulting = threading.Thread(target=faults.run, daemon=True)
+            producer.start()
+            faulting.start()
+            faulting.join(timeout=180)
+            producer.join(timeout=180)
+            if faulting.is_alive() or producer.is_alive():
+                raise HarnessTrouble("the faults or the sends did not finish within 180s")
+            if faults.failure:
+                raise HarnessTrouble(f"a fault failed: {faults.failure[0]!r}") from faults.failure[
+                    0
+                ]
+            if failure:
+                raise HarnessTrouble(f"publishing failed: {failure[0]!r}") from failure[0]
+            history.event(started, "sends and faults done; settling")
+            admin = Admin(admin_url)
+            try:
+                quiet_from = time.monotonic()
+                patience = SETTLE_TIMEOUT * (3 if schedule.prefetch == 0 else 1)
+                history.settled = _settle(schedule, admin, broker, patience, history, started)
+                history.settle_seconds = time.monotonic() - quiet_from
+                history.load = os.getloadavg()[0]
+                fleet.stop()
+                history.event(started, "workers stopped")
+                leftover = _patiently(broker.leftover, "reading the broker")
+                for _ in range(2):
+                    if not history.settled or not any(leftover.values()):
+                        break
+                    # Unacknowledged while the workers ran (in a backoff, say), ready now:
+                    # the workers are started again to settle them, as a supervisor would.
+                    history.event(started, f"the broker holds {leftover}: workers started again")
+                    fleet.resume()
+                    history.settled = _settle(schedule, admin, broker, 30, history, started)
+                    fleet.stop()
+                    history.event(started, "workers stopped")
+                    leftover = _patiently(broker.leftover, "reading the broker")
+                history.worker_exits = list(fleet.exits)
+                history.refused = [
+                    line.strip()
+                    for slot in fleet.slots
+                    for line in slot.output().splitlines()
+                    if "refus" in line.lower() and ("Error" in line or "error" in line)
+                ][:5]
+                history.leftover = leftover
+                if any(leftover.values()):
+                    history.remaining = _patiently(broker.remaining, "reading the broker")
+                history.destinations = _patiently(broker.destinations, "reading the destinations")
+                history.effects = [
+                    tuple(r) for r in admin.query("SELECT key, message_id, n FROM explore_effects")
+                ]  # type: ignore[misc]
+                history.claims = [
+                    m
+                    for (m,) in admin.query(
+                        "SELECT message_id FROM consumer_inbox WHERE consumer_name = 'explore'"
+                    )
+                ]
+                history.quarantine = [
+                    tuple(r)
+                    for r in admin.query(
+                        "SELECT message_id, decision, reason_code FROM inbox_quarantine"
+                    )  # type: ignore[misc]
+                ]
+                history.poison = [
+                    tuple(r)
+                    for r in admin.query(
+                        "SELECT message_id, reason_code, decision FROM inbox_poison"
+                    )  # type: ignore[misc]
+                ]
+            finally:
+                admin.close()
+        (folder / "events.txt").write_text("\n".join(history.events) + "\n\n" + fleet.tails())
+        return history
+    except psycopg.OperationalError as exc:
+        raise HarnessTrouble(f"the explorer's own connection failed: {exc}") from exc
+    except HarnessTrouble:
+        raise
+    except Exception as exc:
+        # The explorer's own code failed: its trouble, with the traceback kept.
+        import traceback
+
+        (folder / "harness-error.txt").write_text(traceback.format_exc())
+        raise HarnessTrouble(f"the explorer failed: {exc!r} (see harness-error.txt)") from exc
+    finally:
+        if fleet is not None:
+            fleet.closed.set()
+            fleet.stopping.set()
+            for slot in fleet.slots:
+                slot.held = True
+                slot.kill()
+        with contextlib.suppress(Exception):
+            broker.cleanup()
+        if nats is not None:
+            nats.close()

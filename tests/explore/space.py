@@ -1,0 +1,191 @@
+"""The configurations the explorer draws from, and a pairwise covering array over them.
+
+Every axis is a setting the docs offer a user; a row of the array is one configuration.
+The array is built once, greedily (the AETG construction: each new row is the best of a
+few dozen random candidates completed one axis at a time, best meaning the one that
+covers the most pairs of axis values still uncovered), from a fixed seed, so that a
+seed always names the same row: ``ROWS[seed % len(ROWS)]``. Consecutive seeds therefore
+cover every valid pair of axis values once ``len(ROWS)`` of them have run.
+
+Pairs that cannot occur together (a Dramatiq worker has no FastStream guard or ack
+policy; one process cannot be forked from a command) are excluded by `valid`. No
+library is used: the generator is about sixty lines, and no well-kept one is installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["AXES", "ROWS", "Config", "config_for", "uncovered_pairs", "valid"]
+
+TARGETS = (
+    "faststream-rabbitmq",
+    "dramatiq-rabbitmq",
+    "dramatiq-redis",
+    "faststream-redis",
+    "faststream-nats",
+)
+AXES: dict[str, tuple[Any, ...]] = {
+    "target": TARGETS,
+    "guard": ("on", "off", "n/a"),
+    "ack_policy": ("default", "nack_on_error", "n/a"),
+    "processes": (1, 2, 3),
+    "layout": ("commands", "forked"),
+    "concurrency": (1, 4, 8),
+    "missing_identity": ("reject", "process"),
+    "max_attempts": (None, 2, 10),
+    "redelivery_limit": (None, 1, 5),
+    "focus": ("worker_kill", "worker_term", "pg_fast", "pg_immediate", "pg_terminate", "startup"),
+}
+"""``focus`` is the fault the schedule is sure to contain (others are drawn beside it);
+``layout``: "commands" runs one supervised command per process, "forked" one command
+that forks them (``dramatiq --processes N``, ``faststream run --workers N``)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    target: str
+    guard: str
+    ack_policy: str
+    processes: int
+    layout: str
+    concurrency: int
+    missing_identity: str
+    max_attempts: int | None
+    redelivery_limit: int | None
+    focus: str
+
+    @property
+    def framework(self) -> str:
+        return self.target.split("-")[0]
+
+    @property
+    def broker(self) -> str:
+        return self.target.split("-")[1]
+
+    def describe(self) -> str:
+        parts = [self.target]
+        if self.framework == "faststream":
+            parts += [f"guard {self.guard}", f"ack policy {self.ack_policy}"]
+        parts += [
+            f"{self.processes} process(es) as {self.layout}",
+            f"concurrency {self.concurrency}",
+            f"missing_identity={self.missing_identity}",
+            f"max_attempts={self.max_attempts}",
+            f"redelivery_limit={self.redelivery_limit}",
+            f"focus {self.focus}",
+        ]
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def valid(values: dict[str, Any]) -> bool:
+    """Whether a (partial) assignment of axis values can occur."""
+    target = values.get("target")
+    if target is not None:
+        dramatiq = target.startswith("dramatiq")
+        for axis in ("guard", "ack_policy"):
+            if axis in values and (values[axis] == "n/a") != dramatiq:
+                return False
+        if target.endswith("redis") and dramatiq is False and values.get("concurrency") == 1:
+            return False  # streams read and reclaim on two subscribers sharing it
+    if (
+        "ack_policy" in values
+        and "guard" in values
+        and (values["ack_policy"] == "n/a") != (values["guard"] == "n/a")
+    ):
+        return False
+    return not (values.get("processes") == 1 and values.get("layout") == "forked")
+
+
+def _pairs(row: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
+    items = sorted(row.items(), key=lambda kv: list(AXES).index(kv[0]))
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def _all_pairs() -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
+    names = list(AXES)
+    pairs = set()
+    for a, b in itertools.combinations(names, 2):
+        for va in AXES[a]:
+            for vb in AXES[b]:
+                if valid({a: va, b: vb}):
+                    pairs.add(((a, va), (b, vb)))
+    return pairs
+
+
+def _completable(row: dict[str, Any]) -> bool:
+    """Whether the partial ``row`` can be completed into a valid row."""
+    rest = [n for n in AXES if n not in row]
+    if not rest:
+        return valid(row)
+    name = rest[0]
+    return any(valid(row | {name: v}) and _completable(row | {name: v}) for v in AXES[name])
+
+
+def _build(seed: int = 0, candidates: int = 40) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    todo = _all_pairs()
+    rows: list[dict[str, Any]] = [ISSUE_27]
+    todo -= _pairs(ISSUE_27)
+    while todo:
+        best: dict[str, Any] | None = None
+        best_gain = -1
+        for _ in range(candidates):
+            # Start from one uncovered pair, then add the axes in a random order, each
+            # with the value covering most uncovered pairs with what is already chosen.
+            (a, va), (b, vb) = rng.choice(sorted(todo, key=repr))
+            row = {a: va, b: vb}
+            names = [n for n in AXES if n not in row]
+            rng.shuffle(names)
+            for name in names:
+                scored = []
+                for value in AXES[name]:
+                    trial = row | {name: value}
+                    if not valid(trial) or not _completable(trial):
+                        continue
+                    gain = len(_pairs(trial) & todo) - len(_pairs(row) & todo)
+                    scored.append((gain, rng.random(), value))
+                row[name] = max(scored)[2]
+            gain = len(_pairs(row) & todo)
+            if gain > best_gain:
+                best, best_gain = row, gain
+        assert best is not None and valid(best)
+        rows.append(best)
+        todo -= _pairs(best)
+    return rows
+
+
+ISSUE_27: dict[str, Any] = {
+    # The outside report of issue 27 (item 1): FastStream on RabbitMQ without the guard,
+    # `faststream run --workers 2`, the default ack policy; its schedule is pinned too
+    # (see `schedule.draw`).
+    "target": "faststream-rabbitmq",
+    "guard": "off",
+    "ack_policy": "default",
+    "processes": 2,
+    "layout": "forked",
+    "concurrency": 8,
+    "missing_identity": "reject",
+    "max_attempts": 10,
+    "redelivery_limit": 10,
+    "focus": "pg_fast",
+}
+ROWS: list[dict[str, Any]] = _build()
+
+
+def config_for(seed: int) -> Config:
+    return Config(**ROWS[seed % len(ROWS)])
+
+
+def uncovered_pairs(rows: list[dict[str, Any]]) -> set[Any]:
+    """The valid pairs that no row of ``rows`` covers (empty for `ROWS`)."""
+    covered: set[Any] = set()
+    for row in rows:
+        covered |= _pairs(row)
+    return _all_pairs() - covered

@@ -1,0 +1,129 @@
+"""The explorer's pieces that need no server: the pairwise array covers every pair of
+axis values, the outside report's configuration is in it, and the checker finds what it
+is there to find in histories written by hand."""
+
+from __future__ import annotations
+
+from .check import check
+from .run import History
+from .schedule import Fault, Intent, Schedule, draw
+from .space import ISSUE_27, ROWS, Config, uncovered_pairs, valid
+
+
+def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
+    assert uncovered_pairs(ROWS) == set()
+    assert all(valid(row) for row in ROWS)
+
+
+def test_space__the_outside_report_is_row_zero_with_its_schedule() -> None:
+    assert ROWS[0] == ISSUE_27
+    schedule = draw(0)
+    assert [(f.kind, f.seconds) for f in schedule.faults] == [
+        ("pg_fast", 3.0),
+        ("pg_after_start", 3.0),
+    ]
+    assert len(schedule.intents) == 405
+    assert max(s.at for s in schedule.sends if s.kind == "first") < 0.3
+    assert schedule.prefetch == 0
+
+
+def test_schedule__a_seed_draws_the_same_schedule() -> None:
+    assert draw(12).describe() == draw(12).describe()
+    assert draw(12).describe() != draw(13).describe()
+
+
+def _history(**config: object) -> History:
+    base = dict(ROWS[1]) | config
+    intents = [Intent("a", "ok", 1), Intent("b", "permanent", 2), Intent("c", "ok", 3)]
+    schedule = Schedule(1, Config(**base), intents, [], [], [])  # type: ignore[arg-type]
+    history = History(schedule, settled=True)
+    history.sent = [(0.0, i.key, "first", i.n) for i in intents]
+    return history
+
+
+def _kinds(history: History) -> list[str]:
+    return sorted({f.kind for f in check(history)})
+
+
+def test_check__a_history_as_promised_has_no_finding() -> None:
+    history = _history()
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    assert check(history) == []
+
+
+def test_check__loss_doubles_and_contradicting_records_are_findings() -> None:
+    history = _history()
+    # a applied twice; c never applied nor recorded; b poisoned for another reason and
+    # claimed; the broker still holds a message
+    history.effects = [("a", "a", 1), ("a", "a", 1)]
+    history.claims = ["a", "b"]
+    history.poison = [("b", "retries_exhausted", "pending")]
+    history.leftover = {"q": 1}
+    history.remaining = [{"key": "x"}]
+    assert _kinds(history) == [
+        "left-in-broker",
+        "lost",
+        "poison-reason",
+        "record-contradicts",
+        "refused-unrecorded",
+        "twice",
+    ]
+
+
+def test_check__an_unsettled_run_is_stuck() -> None:
+    history = _history()
+    history.settled = False
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    assert _kinds(history) == ["stuck"]
+
+
+def test_check__conflicts_and_messages_without_identity_are_held_to_their_policy() -> None:
+    history = _history(missing_identity="reject")
+    history.schedule.intents.append(Intent("d", "no-identity", 4))
+    history.sent += [(0.0, "d", "first", 4), (1.0, "a", "conflict", 9)]
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("d", None, 4)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    # the conflict reached neither the quarantine table nor its destination
+    assert _kinds(history) == ["conflict-unrecorded", "lost", "unidentified-applied"]
+    history.quarantine = [("a", "pending", "identity_conflict")]
+    history.destinations = {"quarantine": [{"key": "a", "n": 9}], "dead-letter": [{"key": "d"}]}
+    history.effects.remove(("d", None, 4))
+    assert check(history) == []
+
+
+def test_check__an_intent_still_in_the_broker_is_unsettled_not_lost() -> None:
+    history = _history()
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.leftover = {"q": 1}
+    history.remaining = [{"key": "c", "do": "ok", "n": 3}]
+    assert _kinds(history) == ["left-in-broker", "unsettled"]
+    history.remaining = None  # a broker that cannot name what it holds
+    assert _kinds(history) == ["left-in-broker", "lost-or-left"]
+
+
+def test_check__a_redelivery_limit_poisons_only_where_a_worker_died() -> None:
+    history = _history(redelivery_limit=5)
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending"), ("c", "redelivery_limit", "pending")]
+    # no worker was killed: the outage's hand-backs are not crashes
+    assert _kinds(history) == ["poison-reason"]
+    history.schedule.faults.append(Fault(1.0, "worker_kill"))
+    assert check(history) == []
+
+
+def test_check__a_refused_intent_may_meet_the_redelivery_limit_only_after_a_kill() -> None:
+    history = _history(redelivery_limit=1)
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "redelivery_limit", "pending")]
+    assert _kinds(history) == ["poison-reason", "refused-unrecorded"]
+    history.schedule.faults.append(Fault(1.0, "pg_after_start"))
+    assert check(history) == []
