@@ -143,10 +143,18 @@ def check(history: History) -> list[Finding]:
         ),
         "intents poisoned for a reason their configuration does not explain",
     )
+    # A later copy of an intent whose earlier copy was poisoned is a first delivery of its
+    # own (docs/explanation/limits.md, "A poisoned copy and a later copy"): applied once, the
+    # earlier copy's poison row left as it is. One copy sent, applied and poisoned: a finding.
+    copies = Counter(key for _, key, kind, _ in history.sent if kind != "conflict")
     problem(
         "poisoned-and-applied",
-        (f"{k} (poison {'/'.join(poison[k])})" for k in identified if k in effects and k in poison),
-        "applied intents that also have a poison row (a message ends in one place only)",
+        (
+            f"{k} (poison {'/'.join(poison[k])})"
+            for k in identified
+            if k in effects and k in poison and copies[k] == 1
+        ),
+        "intents sent once, applied and also poisoned (a message ends in one place only)",
     )
     problem(
         "record-contradicts",

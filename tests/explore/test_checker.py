@@ -127,3 +127,17 @@ def test_check__a_refused_intent_may_meet_the_redelivery_limit_only_after_a_kill
     assert _kinds(history) == ["poison-reason", "refused-unrecorded"]
     history.schedule.faults.append(Fault(1.0, "pg_after_start"))
     assert check(history) == []
+
+
+def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented() -> None:
+    # Given intent a sent twice: its first copy poisoned, its later copy applied
+    history = _history(max_attempts=2)
+    history.sent.append((1.0, "a", "duplicate", 1))
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("a", "retries_exhausted", "pending"), ("b", "explore_refused", "pending")]
+    # Then that is the documented limit, not a finding
+    assert "poisoned-and-applied" not in _kinds(history)
+    # But one copy sent, applied and poisoned is one
+    history.sent = [s for s in history.sent if s[2] != "duplicate"]
+    assert "poisoned-and-applied" in _kinds(history)
