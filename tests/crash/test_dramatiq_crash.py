@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dramatiq
 import pytest
@@ -170,13 +172,13 @@ def test_crash__a_pipeline_continues_after_a_kill_between_commit_and_ack(
         assert (effects(conn, 7), effects(conn, 8), balance(conn, 8)) == (1, 1, 20)
 
 
-def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_group_twice(
-    setup, queue, pg_engine
-):
+def _group_of_two(producer: Any, queue: str) -> Callable[[int], str]:
+    """A group of two inbox members with a completion callback (account 99), as group.run
+    sends it (a barrier for two, and its options on each member), from a producer without
+    the inbox; answers a function that sends member ``n`` (account ``n``), its message id."""
     from dramatiq.rate_limits import Barrier
     from dramatiq.rate_limits.backends import RedisBackend as RedisLimits
 
-    start, producer, markers, tmp_path = setup
     broker = producer.broker
     member = dramatiq.actor(
         lambda account_id: None, actor_name="member", queue_name=queue, broker=broker
@@ -184,9 +186,6 @@ def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_gro
     done = dramatiq.actor(
         lambda account_id: None, actor_name="group_done", queue_name=queue, broker=broker
     )
-    # Given a group of two inbox members with a completion callback, as group.run sends
-    # it (a barrier for two, and its options on each member), from a producer without
-    # the inbox; the second member is sent only later, so that one worker gets it
     barrier = str(uuid.uuid4())
     Barrier(RedisLimits(url=services.REDIS), barrier, ttl=60_000).create(2)
     group = {
@@ -199,6 +198,16 @@ def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_gro
             args=(n,), **group, **identity(producer="orders", message_id=f"m-{n}")
         ).message_id
 
+    return send_member
+
+
+def test_crash__a_group_member_killed_after_its_commit_does_not_complete_the_group_twice(
+    setup, queue, pg_engine
+):
+    start, producer, markers, tmp_path = setup
+    # Given a group of two inbox members, the second sent only later so that one worker
+    # gets it
+    send_member = _group_of_two(producer, queue)
     # and a worker that stops after the first member's commit: GroupCallbacks has
     # counted it, the ack is not sent
     first = start(INBOX_TEST_PAUSE_AT="after_commit")
@@ -225,29 +234,8 @@ def test_crash__a_group_member_killed_before_the_barrier_counted_leaves_the_grou
     # What the outputs guide says of a group sent to inbox actors anyway: the barrier
     # counts deliveries, a duplicate is no party to it, so a member whose worker died
     # after its commit and before the barrier counted it is never counted.
-    from dramatiq.rate_limits import Barrier
-    from dramatiq.rate_limits.backends import RedisBackend as RedisLimits
-
     start, producer, markers, tmp_path = setup
-    broker = producer.broker
-    member = dramatiq.actor(
-        lambda account_id: None, actor_name="member", queue_name=queue, broker=broker
-    )
-    done = dramatiq.actor(
-        lambda account_id: None, actor_name="group_done", queue_name=queue, broker=broker
-    )
-    barrier = str(uuid.uuid4())
-    Barrier(RedisLimits(url=services.REDIS), barrier, ttl=60_000).create(2)
-    group = {
-        "group_completion_uuid": barrier,
-        "group_completion_callbacks": [done.message(99).asdict()],
-    }
-
-    def send_member(n: int) -> str:
-        return member.send_with_options(
-            args=(n,), **group, **identity(producer="orders", message_id=f"m-{n}")
-        ).message_id
-
+    send_member = _group_of_two(producer, queue)
     # Given a worker that stops after the first member's commit, before the barrier
     first = start(INBOX_TEST_PAUSE_AT="before_barrier")
     sent = send_member(1)

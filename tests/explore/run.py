@@ -20,12 +20,10 @@ run), except RabbitMQ: the machine's, on queues of the run's own, never restarte
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -165,13 +163,8 @@ def ensure_services() -> None:
 @contextlib.contextmanager
 def exclusive() -> Iterator[None]:
     """One schedule at a time on the explorer's servers (its faults stop them)."""
-    path = Path(tempfile.gettempdir()) / "inbox-explore.lock"
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with servers.file_lock("inbox-explore.lock"):
+        yield
 
 
 @contextlib.contextmanager

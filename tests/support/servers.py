@@ -312,16 +312,23 @@ def failover_postgres(timeout: float = 60, lag: float = 1.0) -> float:
 
 
 @contextlib.contextmanager
-def failover_pair_locked() -> Iterator[None]:
-    """Hold the pair's lock: ``scripts/services`` (another checkout's, say) waits instead
-    of restoring the pair in the middle of a failover or a settings change."""
-    path = Path(tempfile.gettempdir()) / "inbox-middleware-failover-pair.lock"
+def file_lock(name: str) -> Iterator[None]:
+    """Hold the lock file ``name`` in the temporary folder, across processes."""
+    path = Path(tempfile.gettempdir()) / name
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def failover_pair_locked() -> Iterator[None]:
+    """Hold the pair's lock: ``scripts/services`` (another checkout's, say) waits instead
+    of restoring the pair in the middle of a failover or a settings change."""
+    with file_lock("inbox-middleware-failover-pair.lock"):
+        yield
 
 
 def restore_failover_pair(timeout: float = 180) -> None:
