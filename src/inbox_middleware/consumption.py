@@ -35,7 +35,7 @@ the inbox cannot even record is a hand-back: the message stays with the broker.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Generator, Hashable
+from collections.abc import Awaitable, Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -88,6 +88,7 @@ __all__ = [
     "Publish",
     "Quarantined",
     "RecordPoison",
+    "RefusedFirstSeen",
     "RejectRequested",
     "RetryBudget",
     "Route",
@@ -102,6 +103,7 @@ __all__ = [
     "drive",
     "drive_async",
     "expired",
+    "first_seen_refusal",
     "outputs_failed_steps",
     "reason_code",
     "rejection_details",
@@ -317,9 +319,42 @@ class Publish:
 @dataclass(frozen=True, slots=True)
 class ProcessBatch:
     """Claim every delivery of a batch, run the handler on the first-seen ones and
-    commit, in one transaction; answer the storage `BatchCommitted` (one verdict each)."""
+    commit, in one transaction; answer the storage `BatchCommitted` (one verdict each).
+    After the claim and instead of the handler, raise `first_seen_refusal` when it finds
+    one (an expired message first seen, which the policy rejects): rolled back whole."""
 
     deliveries: tuple[Delivery, ...]
+    items: tuple[int, ...] = ()
+    """Each delivery's index in the batch."""
+    refusals: tuple[PermanentError | None, ...] = ()
+    """Per delivery: what to raise when its claim is first seen (see `Process`)."""
+
+
+class RefusedFirstSeen(Exception):
+    """Raised in a batch's transaction, after the claim, when messages the core refuses
+    to process if first seen (expired ones) are: the batch rolls back, and the core keeps
+    those messages as poison (``items``, their indexes in the batch) and claims the rest
+    again."""
+
+    def __init__(self, items: tuple[int, ...], errors: tuple[PermanentError, ...]) -> None:
+        super().__init__(f"{len(items)} message(s) of the batch refused: {errors[0]}")
+        self.items = items
+        self.errors = errors
+
+
+def first_seen_refusal(op: ProcessBatch, verdicts: tuple[Verdict, ...]) -> RefusedFirstSeen | None:
+    """What the batch's transaction raises after its claim, before the handler: the
+    refusals of ``op`` whose delivery the claim found first seen; None: run the handler."""
+    refused = [
+        (item, refusal)
+        for item, refusal, verdict in zip(op.items, op.refusals, verdicts, strict=False)
+        if refusal is not None and verdict.decision is Decision.FIRST
+    ]
+    if not refused:
+        return None
+    return RefusedFirstSeen(
+        tuple(item for item, _ in refused), tuple(refusal for _, refusal in refused)
+    )
 
 
 Op = (
@@ -518,16 +553,8 @@ def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, 
         if earlier is not None:
             return earlier
 
-    # Older than the retention window: if its claim turns out first seen, the claim of an
-    # earlier delivery may have been purged, so "first seen" cannot be trusted.
     age = expired(delivery, rules.retention_window)
-    refusal = None
-    if age is not None and rules.expired_redelivery == "reject" and not delivery.shadow:
-        refusal = PermanentError(
-            EXPIRED_REDELIVERY,
-            f"a message produced {age} ago, beyond the {rules.retention_window} "
-            "retention window: its claim may have been purged",
-        )
+    refusal = _expired_refusal(delivery, rules, age)
     try:
         outcome = yield Process(delivery, arrival.repair_marker, arrival.keeps_outputs, refusal)
     except BaseException as exc:
@@ -559,6 +586,21 @@ def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, 
     except Exception as exc:
         return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
+
+
+def _expired_refusal(
+    delivery: Delivery, rules: ConsumerPolicy, age: timedelta | None
+) -> PermanentError | None:
+    """Older than the retention window: if its claim turns out first seen, the claim of an
+    earlier delivery may have been purged, so "first seen" cannot be trusted; what to
+    raise then (None: process it)."""
+    if age is None or rules.expired_redelivery != "reject" or delivery.shadow:
+        return None
+    return PermanentError(
+        EXPIRED_REDELIVERY,
+        f"a message produced {age} ago, beyond the {rules.retention_window} "
+        "retention window: its claim may have been purged",
+    )
 
 
 def _claimed_earlier(arrival: Arrival, earlier: Delivery) -> Generator[Op, Any, Settlement | None]:
@@ -654,8 +696,18 @@ def _reject(settlement: DeadLettered, details: dict[str, Any]) -> Generator[Op, 
 
 
 def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, Settlement]:
+    try:
+        yield Publish(Route.DEAD_LETTER, _poison_details(poisoned, delivery))
+    except Exception as exc:
+        # The poison row is committed: a redelivery is recorded again, then published.
+        return (yield from _hand_back(exc, delivery))
+    return poisoned
+
+
+def _poison_details(poisoned: Poisoned, delivery: Delivery) -> dict[str, Any]:
+    """What a message kept as poison carries to the dead-letter destination."""
     record = poisoned.record
-    details = {
+    return {
         "reason": "Poisoned",
         "reason_code": poisoned.reason,
         "detail": f"poison message #{record.id} after {record.attempts} attempts "
@@ -665,12 +717,6 @@ def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, S
         "poison_id": record.id,
         "attempts": record.attempts,
     }
-    try:
-        yield Publish(Route.DEAD_LETTER, details)
-    except Exception as exc:
-        # The poison row is committed: a redelivery is recorded again, then published.
-        return (yield from _hand_back(exc, delivery))
-    return poisoned
 
 
 def _limit_redeliveries(
@@ -802,16 +848,30 @@ class BatchArrival:
     """How many items the batch has (those without an identity included)."""
     declared_consumer: str | None = None
     source: str | None = None
+    delivered: tuple[tuple[int, int], ...] = ()
+    """The broker's own count of deliveries of an item, this one included, by its index,
+    where the broker keeps one per message of a batch (JetStream): the redelivery limit
+    applies to those items as to one message. Without (Redis streams, Kafka), it does not
+    apply, as it does not to one message of those brokers."""
 
 
 @dataclass(frozen=True, slots=True)
 class BatchProcessed:
-    """The batch committed (or nothing in it had an identity): its conflicts were
-    quarantined and its items without an identity dead-lettered (``dead_lettered``); ack."""
+    """The batch committed (or nothing in it was left to claim): its conflicts were
+    quarantined, its items without an identity and those kept as poison alone
+    (``poisoned``: over the redelivery limit, or expired and first seen) dead-lettered
+    (``dead_lettered``); ack."""
 
     result: Any
     verdicts: tuple[Verdict, ...]
+    """One per claimed item, in the batch's order (those kept as poison alone have none)."""
     dead_lettered: tuple[int, ...] = ()
+    poisoned: tuple[int, ...] = ()
+    poison: tuple[Poisoned, ...] = ()
+    """Why each of ``poisoned`` was kept as poison, in the same order."""
+    expired: tuple[int, ...] = ()
+    """The items processed although older than the retention window
+    (``expired_redelivery="process"``), first seen."""
 
     @property
     def ran(self) -> bool:
@@ -840,39 +900,90 @@ def settle_batch_steps(
 ) -> Generator[Op, Any, BatchSettlement]:
     """Decide one batch; yields the operations to perform, returns its settlement.
 
-    A batch is one attempt for each of its messages: a failure counts against each, the
-    batch's last attempt is the last of the message closest to ``max_attempts``, and a
-    permanent failure (``permanent_errors``, the handler's own commit) keeps each as
-    poison at once, as for one message. The redelivery limit and the retention window
-    apply to one message at a time only (see the limits page).
+    Every setting means for a message of a batch what it means for one message:
+
+    - the redelivery limit, per message, before the claim, where the broker counts each
+      message's deliveries (`BatchArrival.delivered`): one over it is kept as poison
+      alone, and the rest of the batch goes on;
+    - the retention window, per message: an expired message whose claim is first seen
+      rolls the batch back (`RefusedFirstSeen`) and is kept as poison alone
+      (``expired_redelivery="reject"``), then the rest is claimed again; with
+      ``"process"`` it is processed with the batch (`BatchProcessed.expired`);
+    - a failure is one attempt of each of its messages: it counts against each, the
+      batch's last attempt is the last of the message closest to ``max_attempts``, and a
+      permanent failure (``permanent_errors``, the handler's own commit) keeps each as
+      poison at once;
+    - a hand-back is counted for each message, so its redelivery is no crash.
     """
-    claims = [claim for _, claim in batch.deliveries]
-    everything = tuple(range(batch.size))
+    poisoned: dict[int, Poisoned] = {}
+    try:
+        for index, delivery in batch.deliveries:
+            counted = dict(batch.delivered).get(index)
+            arrival = Arrival(delivery, deliveries=counted)
+            over = yield from _limit_redeliveries(arrival, delivery, rules)
+            if over is not None:
+                poisoned[index] = over
+    except Exception as exc:  # the database's trouble: the same as at the claim
+        return (yield from _batch_hand_back(exc, batch.deliveries))
+    window = rules.retention_window
+    ages = {index: expired(delivery, window) for index, delivery in batch.deliveries}
+    claims = [(index, claim) for index, claim in batch.deliveries if index not in poisoned]
     outcome = None
-    if claims:
+    while claims:
+        refusals = tuple(_expired_refusal(claim, rules, ages[index]) for index, claim in claims)
+        op = ProcessBatch(tuple(c for _, c in claims), tuple(i for i, _ in claims), refusals)
         try:
-            outcome = yield ProcessBatch(tuple(claims))
+            outcome = yield op
+            break
+        except RefusedFirstSeen as refused:
+            # Rolled back whole: each refused message is kept as poison as one message is
+            # (counted, recorded), the rest is claimed again without them.
+            try:
+                for index, error in zip(refused.items, refused.errors, strict=True):
+                    delivery = dict(claims)[index]
+                    poisoned[index] = yield from _refused(delivery, error)
+            except Exception as exc:
+                return (yield from _batch_hand_back(exc, batch.deliveries))
+            claims = [(index, claim) for index, claim in claims if index not in refused.items]
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 raise
-            failed = yield from _batch_failed(batch, rules, exc)
+            failed = yield from _batch_failed(claims, rules, exc)
             if isinstance(failed, HandedBack):
                 return failed
-            return (yield from _batch_dead_letter(batch, failed, everything))
+            return (yield from _batch_dead_letter(batch, failed, tuple(range(batch.size)), {}))
     verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
     try:
-        for (index, claim), verdict in zip(batch.deliveries, verdicts, strict=True):
+        for (index, claim), verdict in zip(claims, verdicts, strict=True):
             if verdict.decision is Decision.CONFLICT and not verdict.shadow:
                 yield Publish(Route.QUARANTINE, conflict_details(claim, verdict), index)
     except Exception as exc:
-        return HandedBack(exc, counted=False)
+        return (yield from _batch_hand_back(exc, batch.deliveries))
     result = outcome.result if outcome is not None else None
-    processed = BatchProcessed(result, verdicts, tuple(index for index, _ in batch.problems))
-    return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered))
+    old = tuple(
+        index
+        for (index, _), verdict in zip(claims, verdicts, strict=True)
+        if ages[index] is not None and verdict.decision is Decision.FIRST
+    )
+    rejected = {index for index, _ in batch.problems} | set(poisoned)
+    kept = tuple(sorted(poisoned))
+    processed = BatchProcessed(
+        result, verdicts, tuple(sorted(rejected)), kept, tuple(poisoned[i] for i in kept), old
+    )
+    return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered, poisoned))
+
+
+def _refused(delivery: Delivery, error: PermanentError) -> Generator[Op, Any, Poisoned]:
+    """A message of a batch refused after its claim (expired, first seen): kept as poison
+    as one message is (`_failed` with a permanent error)."""
+    text = describe(error)
+    attempts: int = yield CountFailure(delivery, text)
+    record = yield RecordPoison(delivery, error.reason_code, text, attempts)
+    return Poisoned(error.reason_code, record, text, error)
 
 
 def _batch_failed(
-    batch: BatchArrival, rules: ConsumerPolicy, exc: Exception
+    claims: list[tuple[int, Delivery]], rules: ConsumerPolicy, exc: Exception
 ) -> Generator[Op, Any, BatchRejected | HandedBack]:
     """The batch rolled back with ``exc``: hand it back, or count it against each of its
     messages, or keep each as poison."""
@@ -881,22 +992,23 @@ def _batch_failed(
     if isinstance(exc, Unfit):
         return BatchRejected("unfit", exc, (), ())
     if isinstance(exc, TransientError | SchemaError):
-        return HandedBack(exc, counted=False)
+        return (yield from _batch_hand_back(exc, claims))
     code = reason_code(exc, rules.permanent_errors)
     error = describe(exc)
     try:
         counts: list[int] = []
-        for _, claim in batch.deliveries:
+        for _, claim in claims:
             counts.append((yield CountFailure(claim, error)))
         if code is None and not _last(rules, max(counts), exc):
             return HandedBack(exc, counted=True)
         code = code or _exhausted(exc)
         records = []
-        for (_, claim), attempts in zip(batch.deliveries, counts, strict=True):
+        for (_, claim), attempts in zip(claims, counts, strict=True):
             records.append((yield RecordPoison(claim, code, error, attempts)))
-    except Exception:
+    except Exception as trouble:
         # Not recorded (the database may be down): nothing may be dropped, so the batch
         # is handed back whatever kind of failure this was, counted against nothing.
+        yield from _batch_hand_back(trouble, claims)
         return HandedBack(exc, counted=False)
     why = InboxError(
         f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
@@ -905,20 +1017,38 @@ def _batch_failed(
 
 
 def _batch_dead_letter(
-    batch: BatchArrival, settlement: BatchProcessed | BatchRejected, indexes: tuple[int, ...]
+    batch: BatchArrival,
+    settlement: BatchProcessed | BatchRejected,
+    indexes: tuple[int, ...],
+    poisoned: dict[int, Poisoned],
 ) -> Generator[Op, Any, BatchSettlement]:
     """Publish each of ``indexes`` to the dead-letter destination, then settle."""
     problems = dict(batch.problems)
+    claims = dict(batch.deliveries)
     try:
         for index in indexes:
-            error = settlement.error if isinstance(settlement, BatchRejected) else problems[index]
-            details = rejection_details(error, batch.declared_consumer, batch.source)
+            if index in poisoned:
+                details = _poison_details(poisoned[index], claims[index])
+            else:
+                rejected = settlement if isinstance(settlement, BatchRejected) else None
+                error = rejected.error if rejected is not None else problems[index]
+                details = rejection_details(error, batch.declared_consumer, batch.source)
             yield Publish(Route.DEAD_LETTER, details, index)
     except Exception as exc:
-        return HandedBack(exc, counted=False)
+        return (yield from _batch_hand_back(exc, batch.deliveries))
     if isinstance(settlement, BatchRejected):
         return replace(settlement, dead_lettered=indexes)
     return settlement
+
+
+def _batch_hand_back(
+    exc: BaseException, claims: Sequence[tuple[int, Delivery]]
+) -> Generator[Op, Any, HandedBack]:
+    """Hand a batch back for no fault of its messages: a hand-back counted for each (see
+    `_hand_back`), so that the redelivery is not taken for a crash."""
+    for _, delivery in claims:
+        yield from _hand_back(exc, delivery)
+    return HandedBack(exc, counted=False)
 
 
 def _hand_back(exc: BaseException, delivery: Delivery) -> Generator[Op, Any, Settlement]:

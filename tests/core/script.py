@@ -4,8 +4,9 @@ The core yields operations and receives their answers (or their exceptions); her
 script stands in for the adapter's I/O, the way h11's tests feed a `Connection` events
 with no socket. Each operation type has a queue of answers: an exception instance is
 raised, a `Verdict` (or a whole `Committed`) answers `Process` as storage does (calling the
-hook that runs after the claim and before the handler), anything else is returned as it
-is.
+hook that runs after the claim and before the handler), a `BatchCommitted` answers
+`ProcessBatch` likewise (raising the refusal of an expired message first seen), anything
+else is returned as it is.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from inbox_middleware.consumption import (
     Arrival,
     Op,
     Process,
+    ProcessBatch,
     Settlement,
     drive,
     drive_async,
+    first_seen_refusal,
 )
 from inbox_middleware.identity import MessageIdentity, PayloadHash
 from inbox_middleware.policy import ConsumerPolicy
 from inbox_middleware.protocol import Decision, Delivery, Verdict
 from inbox_middleware.storage import Committed
+from inbox_middleware.storage.base import BatchCommitted
 
 __all__ = ["Poison", "Script", "delivery", "run", "run_async"]
 
@@ -74,6 +78,12 @@ class Script:
             raise answer
         if isinstance(op, Process) and isinstance(answer, Committed):
             _refuse(op, answer.verdict)
+            self.raised[-1] = False
+            return answer
+        if isinstance(op, ProcessBatch) and isinstance(answer, BatchCommitted):
+            refused = first_seen_refusal(op, answer.verdicts)  # as the batch's body does
+            if refused is not None:
+                raise refused
             self.raised[-1] = False
             return answer
         if isinstance(op, Process) and isinstance(answer, Verdict):

@@ -9,7 +9,7 @@ settlement comes out. No database, no broker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -17,19 +17,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inbox_middleware.consumption import (
+    EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
     HANDLER_TRANSACTION,
     INBOX_ERROR,
+    REDELIVERY_LIMIT,
     RETRIES_EXHAUSTED,
     BatchArrival,
     BatchProcessed,
     BatchRejected,
     CountFailure,
+    CountHandBack,
+    CountRedelivery,
     HandBackRequested,
     HandedBack,
     ProcessBatch,
     Publish,
     RecordPoison,
+    RedeliveryCount,
     RejectRequested,
     Route,
     Unfit,
@@ -63,26 +68,42 @@ class Boom(Exception):
     """An ordinary handler failure."""
 
 
-def _delivery(message_id: str) -> Delivery:
+LONG_AGO = datetime(2020, 1, 1, tzinfo=UTC)
+WINDOW = {"retention_window": timedelta(days=7)}
+
+
+def _delivery(message_id: str, produced_at: datetime | None = None) -> Delivery:
     return Delivery(
         consumer="billing",
-        identity=MessageIdentity("orders", message_id),
+        identity=MessageIdentity("orders", message_id, produced_at=produced_at),
         payload_hash=PayloadHash("v1", "cd" * 32),
         source="orders.q",
         received_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
 
 
-def batch(claimed: int = 2, missing: tuple[int, ...] = ()) -> BatchArrival:
-    """A batch of ``claimed`` items with an identity, plus those at ``missing`` without."""
+def batch(
+    claimed: int = 2,
+    missing: tuple[int, ...] = (),
+    *,
+    old: tuple[int, ...] = (),
+    delivered: tuple[tuple[int, int], ...] = (),
+) -> BatchArrival:
+    """A batch of ``claimed`` items with an identity, plus those at ``missing`` without;
+    those at ``old`` produced long before the retention window; ``delivered``: the
+    broker's delivery count of some items (JetStream's)."""
     size = claimed + len(missing)
     indexes = [index for index in range(size) if index not in missing]
     return BatchArrival(
-        tuple((index, _delivery(f"ord-{index}")) for index in indexes),
+        tuple(
+            (index, _delivery(f"ord-{index}", LONG_AGO if index in old else None))
+            for index in indexes
+        ),
         tuple((index, MissingIdentity("no producer")) for index in missing),
         size,
         declared_consumer="billing",
         source="orders.q",
+        delivered=delivered,
     )
 
 
@@ -142,17 +163,17 @@ ROWS: dict[str, Row] = {
         BatchProcessed,
         expect={"dead_lettered": (0, 1), "ran": False, "result": None},
     ),
-    "a transient failure: handed back, counted against nothing": Row(
+    "a transient failure: handed back, a hand-back counted for each message": Row(
         batch(),
-        {ProcessBatch: [DatabaseUnavailable()]},
-        ["ProcessBatch"],
+        {ProcessBatch: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["ProcessBatch", "CountHandBack", "CountHandBack"],
         HandedBack,
         expect={"counted": False},
     ),
-    "a migration running: handed back, counted against nothing": Row(
+    "a migration running: handed back, a hand-back counted for each message": Row(
         batch(),
-        {ProcessBatch: [SchemaError("migrating")]},
-        ["ProcessBatch"],
+        {ProcessBatch: [SchemaError("migrating")], CountHandBack: [None]},
+        ["ProcessBatch", "CountHandBack", "CountHandBack"],
         HandedBack,
         expect={"counted": False},
     ),
@@ -245,33 +266,165 @@ ROWS: dict[str, Row] = {
         BatchRejected,
         expect={"reason": "unfit", "records": ()},
     ),
-    "the failure could not be counted: handed back, counted against nothing": Row(
+    "the failure could not be counted: handed back, a hand-back counted for each": Row(
         batch(),
-        {ProcessBatch: [Boom("no")], CountFailure: [DatabaseUnavailable()]},
-        ["ProcessBatch", "CountFailure"],
+        {
+            ProcessBatch: [Boom("no")],
+            CountFailure: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["ProcessBatch", "CountFailure", "CountHandBack", "CountHandBack"],
         HandedBack,
         policy={"max_attempts": 1},
         expect={"counted": False},
     ),
-    "the poison could not be recorded: handed back, counted against nothing": Row(
+    "the poison could not be recorded: handed back, a hand-back counted for each": Row(
         batch(),
-        {ProcessBatch: [Boom("no")], CountFailure: [1], RecordPoison: [DatabaseUnavailable()]},
-        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison"],
+        {
+            ProcessBatch: [Boom("no")],
+            CountFailure: [1],
+            RecordPoison: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison", *["CountHandBack"] * 2],
         HandedBack,
         policy={"max_attempts": 1},
         expect={"counted": False},
     ),
-    "the quarantine publish failed: handed back (the row is committed)": Row(
+    "the quarantine publish failed: handed back (the row is committed), counted": Row(
         batch(),
-        {ProcessBatch: [outcome(FIRST, CONFLICT)], Publish: [ConnectionError("refused")]},
-        ["ProcessBatch", "Publish"],
+        {
+            ProcessBatch: [outcome(FIRST, CONFLICT)],
+            Publish: [ConnectionError("refused")],
+            CountHandBack: [None],
+        },
+        ["ProcessBatch", "Publish", "CountHandBack", "CountHandBack"],
         HandedBack,
         expect={"counted": False},
     ),
-    "a dead-letter publish failed: handed back": Row(
+    "a dead-letter publish failed: handed back, counted": Row(
         batch(1, missing=(1,)),
-        {ProcessBatch: [outcome(FIRST)], Publish: [ConnectionError("refused")]},
-        ["ProcessBatch", "Publish"],
+        {
+            ProcessBatch: [outcome(FIRST)],
+            Publish: [ConnectionError("refused")],
+            CountHandBack: [None],
+        },
+        ["ProcessBatch", "Publish", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    # -- the retention window, per message of the batch (as for one message) --
+    "an expired message first seen: kept as poison alone, the rest claimed again": Row(
+        batch(2, old=(0,)),
+        {
+            ProcessBatch: [outcome(FIRST, FIRST), outcome(FIRST)],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "RecordPoison", "ProcessBatch", "Publish"],
+        BatchProcessed,
+        policy=WINDOW,
+        expect={"ran": True, "dead_lettered": (0,), "poisoned": (0,), "result": "batch result"},
+    ),
+    "an expired message that is a duplicate: skipped with the batch, nothing refused": Row(
+        batch(2, old=(0,)),
+        {ProcessBatch: [outcome(DUPLICATE, FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        policy=WINDOW,
+        expect={"dead_lettered": (), "poisoned": (), "expired": ()},
+    ),
+    "expired_redelivery='process': the expired message is processed, and said so": Row(
+        batch(2, old=(1,)),
+        {ProcessBatch: [outcome(FIRST, FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        policy=WINDOW | {"expired_redelivery": "process"},
+        expect={"dead_lettered": (), "expired": (1,)},
+    ),
+    "no retention window: an old message is no expired one": Row(
+        batch(2, old=(0,)),
+        {ProcessBatch: [outcome(FIRST, FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        expect={"dead_lettered": (), "expired": ()},
+    ),
+    "every message expired and first seen: each kept as poison, nothing claimed": Row(
+        batch(1, missing=(1,), old=(0,)),
+        {
+            ProcessBatch: [outcome(FIRST)],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        },
+        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish", "Publish"],
+        BatchProcessed,
+        policy=WINDOW,
+        expect={"ran": False, "dead_lettered": (0, 1), "poisoned": (0,), "result": None},
+    ),
+    "an expired message's poison could not be recorded: handed back, counted": Row(
+        batch(2, old=(0,)),
+        {
+            ProcessBatch: [outcome(FIRST, FIRST)],
+            CountFailure: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["ProcessBatch", "CountFailure", "CountHandBack", "CountHandBack"],
+        HandedBack,
+        policy=WINDOW,
+        expect={"counted": False},
+    ),
+    # -- the redelivery limit, per message, where the broker counts (JetStream) --
+    "redelivered without an outcome beyond the limit: kept as poison alone": Row(
+        batch(2, delivered=((0, 12), (1, 1))),
+        {
+            CountRedelivery: [RedeliveryCount(11, 0, 0, False)],
+            RecordPoison: [POISON],
+            ProcessBatch: [outcome(FIRST)],
+            Publish: [CONFIRMED],
+        },
+        ["CountRedelivery", "RecordPoison", "ProcessBatch", "Publish"],
+        BatchProcessed,
+        expect={"ran": True, "dead_lettered": (0,), "poisoned": (0,)},
+    ),
+    "redelivered within the limit: claimed with the batch": Row(
+        batch(2, delivered=((0, 3), (1, 3))),
+        {CountRedelivery: [RedeliveryCount(2, 0, 0, False)], ProcessBatch: [outcome(FIRST, FIRST)]},
+        ["CountRedelivery", "CountRedelivery", "ProcessBatch"],
+        BatchProcessed,
+        expect={"dead_lettered": (), "poisoned": ()},
+    ),
+    "the broker says first delivery: nothing counted": Row(
+        batch(2, delivered=((0, 1), (1, 1))),
+        {ProcessBatch: [outcome(FIRST, FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+    ),
+    "redeliveries after failures and hand-backs are no crashes: claimed": Row(
+        batch(1, delivered=((0, 12),)),
+        {CountRedelivery: [RedeliveryCount(11, 5, 6, False)], ProcessBatch: [outcome(FIRST)]},
+        ["CountRedelivery", "ProcessBatch"],
+        BatchProcessed,
+    ),
+    "beyond the limit but committed already (a lost ack): claimed, a duplicate": Row(
+        batch(1, delivered=((0, 12),)),
+        {CountRedelivery: [RedeliveryCount(11, 0, 0, True)], ProcessBatch: [outcome(DUPLICATE)]},
+        ["CountRedelivery", "ProcessBatch"],
+        BatchProcessed,
+        expect={"ran": False, "poisoned": ()},
+    ),
+    "no redelivery limit: nothing counted": Row(
+        batch(1, delivered=((0, 50),)),
+        {ProcessBatch: [outcome(FIRST)]},
+        ["ProcessBatch"],
+        BatchProcessed,
+        policy={"redelivery_limit": None},
+    ),
+    "the redelivery could not be counted: handed back, a hand-back counted for each": Row(
+        batch(2, delivered=((0, 4),)),
+        {CountRedelivery: [DatabaseUnavailable()], CountHandBack: [None]},
+        ["CountRedelivery", "CountHandBack", "CountHandBack"],
         HandedBack,
         expect={"counted": False},
     ),
@@ -328,6 +481,32 @@ def test_core_batch__a_poison_batch_says_why_in_each_dead_letter() -> None:
     assert isinstance(settled.failure, Boom)
 
 
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        (
+            "an expired message first seen: kept as poison alone, the rest claimed again",
+            EXPIRED_REDELIVERY,
+        ),
+        ("redelivered without an outcome beyond the limit: kept as poison alone", REDELIVERY_LIMIT),
+    ],
+)
+def test_core_batch__a_message_kept_as_poison_alone_says_why(name: str, reason: str) -> None:
+    row = ROWS[name]
+    script = Script(row.answers)
+    settled = drive(settle_batch_steps(row.arrival, _settings(row)), script)
+    assert isinstance(settled, BatchProcessed)
+    (record,) = [op for op in script.performed if isinstance(op, RecordPoison)]
+    assert (record.reason, record.delivery.identity.message_id) == (reason, "ord-0")
+    assert [poisoned.reason for poisoned in settled.poison] == [reason]
+    (dead,) = [op for op in script.performed if isinstance(op, Publish)]
+    assert (dead.item, dead.details["reason_code"], dead.details["poison_id"]) == (0, reason, 12)
+    # the rest of the batch was claimed without it
+    (last,) = [op for op in script.performed if isinstance(op, ProcessBatch)][-1:]
+    assert [d.identity.message_id for d in last.deliveries] == ["ord-1"]
+    assert last.items == (1,)
+
+
 def test_core_batch__the_process_is_going_down_the_core_lets_it() -> None:
     script = Script({ProcessBatch: [KeyboardInterrupt()]})
     with pytest.raises(KeyboardInterrupt):
@@ -344,18 +523,40 @@ _VERDICTS = st.sampled_from([FIRST, DUPLICATE, CONFLICT, SHADOW_CONFLICT])
 def batch_scripts(draw: st.DrawFn) -> tuple[BatchArrival, dict[type, list[Any]], ConsumerPolicy]:
     claimed = draw(st.integers(0, 3))
     missing = tuple(range(claimed, claimed + draw(st.integers(0, 2))))
-    arrival = batch(claimed, missing)
-    verdicts = tuple(draw(_VERDICTS) for _ in range(claimed))
+    old = tuple(index for index in range(claimed) if draw(st.booleans()))
+    delivered = tuple((index, draw(st.integers(1, 15))) for index in range(claimed))
+    arrival = batch(claimed, missing, old=old, delivered=delivered)
+    # what each claim of the batch (the first, then the rest's) answers
+    attempts = [
+        draw(st.sampled_from([outcome(*(draw(_VERDICTS) for _ in range(size))), *_FAILURES]))
+        for size in range(claimed, -1, -1)
+    ]
     answers: dict[type, list[Any]] = {
-        ProcessBatch: [draw(st.sampled_from([outcome(*verdicts), *_FAILURES]))],
+        ProcessBatch: attempts,
         CountFailure: [draw(st.integers(1, 5) | st.just(DatabaseUnavailable()))],
         RecordPoison: [draw(st.sampled_from([POISON, DatabaseUnavailable()]))],
         Publish: [draw(st.sampled_from([CONFIRMED, ConnectionError("refused")]))],
+        CountHandBack: [draw(st.sampled_from([None, DatabaseUnavailable()]))],
+        CountRedelivery: [
+            draw(
+                st.builds(
+                    RedeliveryCount,
+                    st.integers(0, 15),
+                    st.integers(0, 3),
+                    st.integers(0, 3),
+                    st.booleans(),
+                )
+                | st.just(DatabaseUnavailable())
+            )
+        ],
     }
     policy = replace(
         ConsumerPolicy(),
         max_attempts=draw(st.none() | st.integers(1, 5)),
         permanent_errors=draw(st.sampled_from([(), (KeyError,)])),
+        redelivery_limit=draw(st.none() | st.integers(0, 5)),
+        retention_window=draw(st.none() | st.just(timedelta(days=7))),
+        expired_redelivery=draw(st.sampled_from(["reject", "process"])),
     )
     return arrival, answers, policy
 
@@ -376,5 +577,20 @@ def test_core_batch__every_script_ends_in_one_settlement(
         assert [p.item for p in publishes] == list(range(arrival.size))
         assert not any(script.raised[-len(publishes) :])
     if isinstance(settled, BatchProcessed):
-        assert settled.dead_lettered == tuple(index for index, _ in arrival.problems)
-        assert not any(script.raised)
+        # the messages without an identity and those kept as poison alone, confirmed
+        without = {index for index, _ in arrival.problems}
+        assert settled.dead_lettered == tuple(sorted(without | set(settled.poisoned)))
+        assert [p.item for p in publishes if p.route is Route.DEAD_LETTER] == list(
+            settled.dead_lettered
+        )
+        if publishes:
+            assert not any(script.raised[-len(publishes) :])
+        # each message kept as poison alone has its poison row, recorded
+        recorded = {
+            op.delivery.identity.message_id
+            for op, raised in zip(script.performed, script.raised, strict=True)
+            if isinstance(op, RecordPoison) and not raised
+        }
+        assert {f"ord-{index}" for index in settled.poisoned} <= recorded
+        # and was not claimed with the rest
+        assert len(settled.verdicts) == len(arrival.deliveries) - len(settled.poisoned)

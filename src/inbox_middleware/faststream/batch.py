@@ -109,19 +109,28 @@ async def _consume(
         len(items),
         declared_consumer=sub.consumer.name,
         source=sub.adapter.source,
+        delivered=tuple(
+            (index, item.deliveries) for index, item in enumerate(items) if item.deliveries
+        ),
     )
 
-    async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
-        decided = {index: verdict for (index, _), verdict in zip(deliveries, verdicts, strict=True)}
-        first = [index for index, _ in deliveries if decided[index].runs_handler]
-        view = await _view(message, first)
-        seen = _batch_items(items, deliveries, decided, rejected)
-        return await sub.body(call_next, view, seen, original=message)(session)
+    def body(op: ProcessBatch) -> Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[Any]]:
+        async def run(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
+            refused = core.first_seen_refusal(op, verdicts)
+            if refused is not None:  # the core's refusal, after the claim: rolled back
+                raise refused
+            decided = dict(zip(op.items, verdicts, strict=True))
+            first = [index for index in op.items if decided[index].runs_handler]
+            view = await _view(message, first)
+            seen = _batch_items(items, deliveries, decided, rejected)
+            return await sub.body(call_next, view, seen, original=message)(session)
+
+        return run
 
     async def perform(op: Op) -> Any:
         match op:
-            case ProcessBatch(deliveries=deliveries):
-                return await sub.storage.process_batch(list(deliveries), body)
+            case ProcessBatch(deliveries=claims):
+                return await sub.storage.process_batch(list(claims), body(op))
             case Publish(route=Route.QUARANTINE, details=details, item=index):
                 assert index is not None
                 faults.at("quarantine_publish", details.get("message_id"))
@@ -167,13 +176,20 @@ def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> No
     `outcomes.report`'s)."""
     name = sub.consumer.name
     match settlement:
-        case BatchProcessed(verdicts=verdicts, dead_lettered=indexes):
+        case BatchProcessed(verdicts=verdicts, dead_lettered=indexes, poisoned=poisoned):
             for verdict in verdicts:
                 if verdict.decision is Decision.CONFLICT and not verdict.shadow:
                     metrics.moved(name, "quarantine")
                 tally.count(name, _COUNTED[verdict.decision] if not verdict.shadow else "processed")
-            for _ in indexes:
-                tally.count(name, "no_identity")
+            for _ in settlement.expired:
+                metrics.expired(name, "processed")
+            for kept in settlement.poison:
+                if kept.reason == core.EXPIRED_REDELIVERY:
+                    metrics.expired(name, "rejected")
+                metrics.handler_failure(name, kept.reason)
+                metrics.moved(name, "poison")
+            for index in indexes:
+                tally.count(name, "poisoned" if index in poisoned else "no_identity")
         case BatchRejected(reason=reason, records=records):
             for _ in records:
                 metrics.moved(name, "poison")

@@ -43,6 +43,9 @@ class Item:
     `BrokerAdapter.earlier_broker_id`)."""
     stored_at: datetime | None = None
     """When the broker stored the message (the time in ``broker_id``)."""
+    deliveries: int | None = None
+    """How often the broker has delivered this item of a batch, this delivery included,
+    where it counts per message of a batch (JetStream); else None."""
 
 
 @dataclass(frozen=True, slots=True)

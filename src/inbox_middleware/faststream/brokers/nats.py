@@ -120,6 +120,9 @@ class NatsAdapter(BrokerAdapter):
                 # A batch is claimed whole, by its items' ids: kept in the earlier form.
                 self.earlier_broker_id(raw) or self.broker_id(raw),
                 (raw.headers or {}).get("content-type"),
+                # JetStream counts each message's deliveries: the redelivery limit applies
+                # to each message of the batch.
+                deliveries=_delivered(raw),
             )
             for raw in message.raw_message
         ]
@@ -147,8 +150,7 @@ class NatsAdapter(BrokerAdapter):
 
     def deliveries(self, message: Any) -> int | None:
         # JetStream counts every delivery, those after a hand-back included.
-        metadata = getattr(message.raw_message, "metadata", None)
-        return int(metadata.num_delivered) if metadata is not None else None
+        return _delivered(message.raw_message)
 
     async def retry_later(self, message: Any, delay: float) -> None:
         await message.nack(delay=delay)
@@ -160,6 +162,12 @@ class NatsAdapter(BrokerAdapter):
             return
         for index in indexes:
             await message.raw_message[index].term()
+
+
+def _delivered(raw: Any) -> int | None:
+    """JetStream's count of deliveries of ``raw``, this one included."""
+    metadata = getattr(raw, "metadata", None)
+    return int(metadata.num_delivered) if metadata is not None else None
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
