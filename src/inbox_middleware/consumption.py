@@ -96,8 +96,10 @@ __all__ = [
     "RunUnprotected",
     "SendOutputs",
     "Settlement",
+    "TransactionState",
     "Unfit",
     "backoff_delay",
+    "commit_refusal",
     "conflict_details",
     "describe",
     "drive",
@@ -499,6 +501,51 @@ def reason_code(exc: BaseException, permanent: tuple[type[BaseException], ...] =
         return HANDLER_TRANSACTION
     if permanent and isinstance(exc, permanent):
         return type(exc).__name__
+    return None
+
+
+class TransactionState(StrEnum):
+    """What storage saw of the claim's transaction right before its COMMIT."""
+
+    OPEN = "open"
+    """In progress and healthy: it may commit."""
+    ENDED = "ended"
+    """Ended behind the inbox (the connection's ``rollback()``, a ``ROLLBACK`` or
+    ``COMMIT`` on the driver's own connection): nothing the handler did, nor the claim,
+    is in the transaction that would commit."""
+    ABORTED = "aborted"
+    """Failed by a statement error the handler caught (PostgreSQL answers COMMIT with
+    ROLLBACK then, and no error)."""
+
+
+def commit_refusal(
+    state: TransactionState, delivery: Delivery | None
+) -> HandlerTransactionError | None:
+    """Whether the claim's transaction may commit, from what storage saw of it: None,
+    or the error the attempt fails with instead (rolled back, never acked; `reason_code`
+    then decides what the failure means: a transaction ended behind the inbox is the
+    handler's programming error, poison at once; an aborted one an ordinary failure)."""
+    names = {
+        "consumer": delivery.consumer if delivery else None,
+        "producer": delivery.identity.producer if delivery else None,
+        "message_id": delivery.identity.message_id if delivery else None,
+    }
+    match state:
+        case TransactionState.ENDED:
+            return HandlerTransactionError(
+                "the handler ended the inbox's transaction itself (the connection's "
+                "rollback(), or a statement on the driver's connection): nothing it did (nor "
+                "the claim) is in the transaction that would commit. Raise an exception to "
+                "abandon the message",
+                **names,
+            )
+        case TransactionState.ABORTED:
+            return TransactionAborted(
+                "the transaction was aborted by an earlier error that the handler caught, so "
+                "nothing it did (nor the claim) could commit. Run a statement that is expected "
+                "to fail inside session.begin_nested(), so that only its savepoint is lost",
+                **names,
+            )
     return None
 
 

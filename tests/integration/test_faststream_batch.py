@@ -210,3 +210,58 @@ async def test_faststream_batch__a_batch_that_always_fails_ends_in_poison_not_a_
     # Then after its attempts each message is kept as poison and dead-lettered, not looped
     assert sorted(poisoned()) == ["p-0", "p-1", "p-2"]
     assert len(dead) == 3
+
+
+async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_rest_applied(
+    h, pg_async_engine, pg_engine, seen
+):
+    # Given a batch subscriber whose retention window is a week, and a batch of three of
+    # which one was produced a year ago (its claim may have been purged: never seen here)
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import select
+
+    from inbox_middleware.storage import InboxSchema
+
+    inbox = FastStreamInbox(
+        pg_async_engine, retry_backoff=(0.05, 0.1), retention_window=timedelta(days=7)
+    )
+    h.broker.add_middleware(inbox.middleware)
+    inbox.guard(h.broker)
+    handled: list[list[str]] = []
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        handled.append([body["id"] for body in bodies])
+        for body in bodies:
+            await apply_credit_async(session, body["account"], body["delta"])
+
+    poison = InboxSchema().tables.poison
+    before = effects_now(pg_engine)
+    year_ago = datetime.now(UTC) - timedelta(days=365)
+
+    # When the batch arrives
+    await h.prepare_source()
+    async with h.broker:
+        for number in range(3):
+            body, headers = order(f"x-{number}", 1)
+            if number == 1:
+                headers = identity_headers(
+                    producer="orders", message_id="x-1", produced_at=year_ago
+                )
+            await h.publish(body, headers)
+        await h.broker.start()
+        dead = await h.read_at_least(f"{h.source}.dead-letter", 1)
+        await eventually(
+            lambda: effects_now(pg_engine) == before + 2, timeout=30, what="two effects"
+        )
+
+    # Then the expired message alone is kept as poison (expired_redelivery) and
+    # dead-lettered, and the other two are applied once, the handler never given it
+    with pg_engine.connect() as conn:
+        rows = [(row.message_id, row.reason_code) for row in conn.execute(select(poison))]
+    assert rows == [("x-1", "expired_redelivery")]
+    assert len(dead) == 1
+    assert all("x-1" not in ids for ids in handled)
+    assert sorted(ident for ids in handled for ident in ids) == ["x-0", "x-2"]
+    assert effects_now(pg_engine) == before + 2

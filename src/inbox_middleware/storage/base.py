@@ -32,6 +32,8 @@ from ..consumption import (
     Op,
     RecordPoison,
     RedeliveryCount,
+    TransactionState,
+    commit_refusal,
     drive,
 )
 from ..exceptions import (
@@ -39,7 +41,6 @@ from ..exceptions import (
     ConfigurationError,
     HandlerTransactionError,
     PrerequisiteError,
-    TransactionAborted,
 )
 from ..instruments import metrics
 from ..outputs import Output
@@ -214,34 +215,31 @@ class Executor:
                 self._unrecorded.popitem(last=False)
 
     def _before_commit(self, session: Session, delivery: Delivery | None) -> None:
-        """Refuse to commit an aborted transaction: PostgreSQL would answer the COMMIT
-        with ROLLBACK and no error, and the message would be acked with nothing done."""
+        """Report the transaction's state to the core, which refuses to commit one ended
+        behind the inbox or aborted (`consumption.commit_refusal`): PostgreSQL would
+        answer the COMMIT with ROLLBACK and no error, and the message would be acked with
+        nothing done."""
         leave_handler(session)
         if delivery is not None:
             faults.at("commit", delivery.identity.message_id)
-        if self.dialect == "postgresql" and _ended(session):
-            raise HandlerTransactionError(
-                "the handler ended the inbox's transaction itself (the connection's "
-                "rollback(), or a statement on the driver's connection): nothing it did (nor "
-                "the claim) is in the transaction that would commit. Raise an exception to "
-                "abandon the message",
-                consumer=delivery.consumer if delivery else None,
-                producer=delivery.identity.producer if delivery else None,
-                message_id=delivery.identity.message_id if delivery else None,
-            )
-        if self.dialect == "postgresql" and _aborted(session):
-            raise TransactionAborted(
-                "the transaction was aborted by an earlier error that the handler caught, so "
-                "nothing it did (nor the claim) could commit. Run a statement that is expected "
-                "to fail inside session.begin_nested(), so that only its savepoint is lost",
-                consumer=delivery.consumer if delivery else None,
-                producer=delivery.identity.producer if delivery else None,
-                message_id=delivery.identity.message_id if delivery else None,
-            )
+        refusal = commit_refusal(self._transaction_state(session), delivery)
+        if refusal is not None:
+            raise refusal
         kept = session.info.pop(OUTPUT_KEY, None)
         if kept is not None:  # the handler's result, written just before the COMMIT
             claim, output = kept
             self.outputs.store(session.connection(), claim, output)
+
+    def _transaction_state(self, session: Session) -> TransactionState:
+        """What the claim's transaction is in, right before its COMMIT (on PostgreSQL;
+        SQLite's is taken as open): reported, not judged."""
+        if self.dialect != "postgresql":
+            return TransactionState.OPEN
+        if _ended(session):
+            return TransactionState.ENDED
+        if _aborted(session):
+            return TransactionState.ABORTED
+        return TransactionState.OPEN
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         """Store ``output`` with ``delivery``'s claim: written in its transaction, right
