@@ -234,7 +234,7 @@ async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_
     async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
         handled.append([body["id"] for body in bodies])
         for body in bodies:
-            await apply_credit_async(session, body["account"], body["delta"])
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
 
     poison = InboxSchema().tables.poison
     before = effects_now(pg_engine)
