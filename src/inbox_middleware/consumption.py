@@ -25,7 +25,10 @@ Where the adapter sends the stored output itself before the ack (``sends_outputs
 Dramatiq's pipeline steps and callbacks), a processed or duplicate delivery with an output
 yields `SendOutputs` before it settles; a failure there is `outputs_failed_steps`'s (the
 claim stays: handed back and counted, poison ``outputs_undeliverable`` when the attempts
-run out). A batch subscriber's messages are settled as a whole by `settle_batch_steps`.
+run out). A batch subscriber's messages are settled as a whole by `settle_batch_steps`,
+each setting applied to each message of the batch as to one message (the redelivery limit
+where the broker counts each message's deliveries). Whether the claim's transaction may
+commit is decided here too, from what storage saw of it (`commit_refusal`).
 
 Settlement is total: an exception from any operation (the database at any step, a
 publish, the inbox's own bug) is decided here, never passed to the framework. An error

@@ -25,6 +25,7 @@ INBOX_TEST_UNGUARDED      "1": the broker is not wrapped with inbox.guard (the s
 INBOX_TEST_REDELIVERY_LIMIT  the consumers' redelivery_limit (default: the library's)
 INBOX_TEST_RETRY_BACKOFF  "first,limit": the hand-back backoff in seconds (default 0.1,1.0)
 INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
+INBOX_TEST_BATCH          "1": NATS only, a batch subscriber (PullSub(batch=True))
 """
 
 from __future__ import annotations
@@ -171,11 +172,18 @@ elif ENV["INBOX_TEST_BROKER"] == "kafka":
 else:
     from faststream.nats import ConsumerConfig, JStream, PullSub
 
+    batch = ENV.get("INBOX_TEST_BATCH") == "1"
+
+    async def add_credits(bodies: list[dict[str, int]], session: InboxSession) -> None:
+        for body in bodies:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+        await pause_point("in_body")
+
     broker.subscriber(
         SOURCE,
         stream=JStream(SOURCE.upper(), subjects=[SOURCE]),
         durable=f"d{SOURCE}",
-        pull_sub=PullSub(batch_size=16, timeout=0.2),
+        pull_sub=PullSub(batch_size=16, timeout=0.2, batch=batch),
         config=ConsumerConfig(ack_wait=NATS_ACK_WAIT),
         **options,
-    )(add_credit)
+    )(add_credits if batch else add_credit)

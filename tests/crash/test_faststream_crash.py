@@ -137,6 +137,44 @@ async def _killed_at(setup: Any, pg_engine: Any, point: str) -> None:
     assert await producer.leftover() == 0  # acknowledged by the second worker
 
 
+@pytest.mark.parametrize("kind", ["nats"])
+async def test_faststream_crash__a_batch_that_kills_its_worker_is_poison_per_message(
+    setup, pg_engine, kind
+):
+    # Given a NATS batch subscriber with redelivery_limit=0, whose worker is killed in the
+    # handler of the first batch of two messages (JetStream counts each one's deliveries)
+    start, producer, markers = setup
+    limits = {"INBOX_TEST_BATCH": "1", "INBOX_TEST_REDELIVERY_LIMIT": "0"}
+    first = await start(INBOX_TEST_PAUSE_AT="in_body", **limits)
+    async with producer.broker:
+        for number in (1, 2):
+            await producer.publish(
+                {"account": 7, "delta": 10},
+                identity_headers(producer="orders", message_id=f"b-{number}"),
+            )
+    await eventually((markers / "in_body.paused").exists, timeout=30, what="in_body")
+    first.kill()
+    # When a fresh worker gets the batch again (each message delivered a second time)
+    second = await start(**limits)
+    await eventually(
+        lambda: poison(pg_engine) == [("b-1", "redelivery_limit"), ("b-2", "redelivery_limit")],
+        timeout=60,
+        what="each message of the batch kept as poison by the redelivery limit",
+    )
+    await asyncio.sleep(1)
+    second.stop()
+    # Then each message is kept as poison, none applied, none left with the broker
+    assert applied(pg_engine) == 0
+    assert inbox_rows(pg_engine) == 0
+    assert await producer.leftover() == 0
+
+
+def poison(pg_engine: Any) -> list[tuple[str, str]]:
+    with pg_engine.connect() as conn:
+        rows = conn.execute(text("SELECT message_id, reason_code FROM inbox_poison"))
+        return sorted((str(row[0]), str(row[1])) for row in rows)
+
+
 async def test_faststream_crash__worker_refuses_to_start_with_ack_first(setup, pg_engine):
     start, producer, _ = setup
     # Given a message waiting, and a worker whose inbox subscriber acks first
