@@ -1001,7 +1001,8 @@ def settle_batch_steps(
             failed = yield from _batch_failed(claims, rules, exc)
             if isinstance(failed, HandedBack):
                 return failed
-            return (yield from _batch_dead_letter(batch, failed, tuple(range(batch.size)), {}))
+            everything = tuple(range(batch.size))
+            return (yield from _batch_dead_letter(batch, failed, everything, poisoned))
     verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
     try:
         for (index, claim), verdict in zip(claims, verdicts, strict=True):

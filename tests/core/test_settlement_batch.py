@@ -507,6 +507,29 @@ def test_core_batch__a_message_kept_as_poison_alone_says_why(name: str, reason: 
     assert last.items == (1,)
 
 
+def test_core_batch__a_poison_batch_after_one_kept_alone_dead_letters_that_one_as_its_own() -> None:
+    # Given a batch whose first message is over the redelivery limit, and whose rest then
+    # fails permanently
+    script = Script(
+        {
+            CountRedelivery: [RedeliveryCount(11, 0, 0, False)],
+            RecordPoison: [POISON],
+            ProcessBatch: [KeyError("gone")],
+            CountFailure: [1],
+            Publish: [CONFIRMED],
+        }
+    )
+    arrival = batch(2, delivered=((0, 12),))
+    policy = replace(ConsumerPolicy(), permanent_errors=(KeyError,))
+    settled = drive(settle_batch_steps(arrival, policy), script)
+    # Then both are dead-lettered, each with its own reason
+    assert isinstance(settled, BatchRejected)
+    assert settled.dead_lettered == (0, 1)
+    details = [op.details for op in script.performed if isinstance(op, Publish)]
+    assert details[0]["reason_code"] == REDELIVERY_LIMIT
+    assert "a poison batch (KeyError" in details[1]["detail"]
+
+
 def test_core_batch__the_process_is_going_down_the_core_lets_it() -> None:
     script = Script({ProcessBatch: [KeyboardInterrupt()]})
     with pytest.raises(KeyboardInterrupt):
