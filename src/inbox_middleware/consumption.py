@@ -966,10 +966,10 @@ def settle_batch_steps(
     - a hand-back is counted for each message, so its redelivery is no crash.
     """
     poisoned: dict[int, Poisoned] = {}
+    delivered = dict(batch.delivered)
     try:
         for index, delivery in batch.deliveries:
-            counted = dict(batch.delivered).get(index)
-            arrival = Arrival(delivery, deliveries=counted)
+            arrival = Arrival(delivery, deliveries=delivered.get(index))
             over = yield from _limit_redeliveries(arrival, delivery, rules)
             if over is not None:
                 poisoned[index] = over
