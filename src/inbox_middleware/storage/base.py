@@ -44,7 +44,7 @@ from ..exceptions import (
 from ..instruments import metrics
 from ..outputs import Output
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .driver import driver_path, on_driver
+from .driver import commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
@@ -89,6 +89,8 @@ DELIVERY_KEY = "inbox_middleware.delivery"
 BATCH_KEY = "inbox_middleware.batch"
 SHADOW_KEY = "inbox_middleware.shadow_verdict"
 OUTPUT_KEY = "inbox_middleware.output"
+MARKED_KEY = "inbox_middleware.marked"
+"""Set in a session's info when its claim marked the transaction (`CHECKED_COMMIT`)."""
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -229,7 +231,8 @@ class Executor:
                 producer=delivery.identity.producer if delivery else None,
                 message_id=delivery.identity.message_id if delivery else None,
             )
-        if self.dialect == "postgresql" and _aborted(session):
+        checked = session.info.get(MARKED_KEY) and session.connection().dialect.driver == "asyncpg"
+        if self.dialect == "postgresql" and not checked and _aborted(session):
             raise TransactionAborted(
                 "the transaction was aborted by an earlier error that the handler caught, so "
                 "nothing it did (nor the claim) could commit. Run a statement that is expected "
@@ -242,6 +245,14 @@ class Executor:
         if kept is not None:  # the handler's result, written just before the COMMIT
             claim, output = kept
             self.outputs.store(session.connection(), claim, output)
+
+    def _commit(self, session: Session) -> None:
+        """COMMIT. The claim's transaction is committed with its check (`commit_checked`),
+        in the same round trip: before any ack, the inbox knows that the transaction that
+        committed holds the claim, and that it did commit."""
+        if session.info.pop(MARKED_KEY, None) and self.dialect == "postgresql":
+            commit_checked(session.connection())
+        Session.commit(session)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         """Store ``output`` with ``delivery``'s claim: written in its transaction, right
@@ -356,6 +367,7 @@ class SingleAttempts(Attempts[Verdict]):
 
     def bind(self, session: Session, verdict: Verdict) -> None:
         session.info[DELIVERY_KEY] = self.delivery
+        session.info[MARKED_KEY] = True
         if verdict.shadow:
             session.info[SHADOW_KEY] = verdict
 

@@ -1,0 +1,186 @@
+"""Before any ack, the inbox knows that the transaction which committed is the claim's and
+that it did commit: every way a handler can end or spoil the claim's transaction, on the
+real PostgreSQL through asyncpg (`AsyncInbox`, FastStream's path) and psycopg (`Inbox`,
+Dramatiq's), including statements run on the driver's own connection, which SQLAlchemy
+never sees.
+
+Each misuse ends in a failed attempt: nothing acked without the claim and the effect
+committed together; the message is retried (or recorded as poison), never lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from inbox_middleware.exceptions import HandlerTransactionError
+from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.protocol import Decision
+from inbox_middleware.storage import AsyncInbox, Inbox
+
+from ..apps.domain import apply_credit, apply_credit_async, effects
+from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+from .test_claim import delivery, inbox_rows
+from .test_faststream import ORDER, ident
+from .test_handler_transaction import healed, healed_async, poison_rows
+
+DUPLICATE_ACCOUNT = "INSERT INTO accounts (id, balance) VALUES (1, 0)"
+
+
+async def _raw(session: Any) -> Any:
+    """asyncpg's own connection under the handler's session."""
+    return (await (await session.connection()).get_raw_connection()).driver_connection
+
+
+async def raw_failure_caught(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    try:  # noqa: SIM105 - the mistake under test
+        await (await _raw(session)).execute(DUPLICATE_ACCOUNT)
+    except Exception:
+        pass  # the transaction is aborted; SQLAlchemy never saw the error
+
+
+async def raw_rollback(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await (await _raw(session)).execute("ROLLBACK")
+
+
+async def raw_rollback_then_writes(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await (await _raw(session)).execute("ROLLBACK; BEGIN")
+    await apply_credit_async(session, "billing", 2, 5)
+
+
+async def raw_commit_then_writes(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await (await _raw(session)).execute("COMMIT; BEGIN")
+    await apply_credit_async(session, "billing", 2, 5)
+
+
+async def sql_rollback(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await session.execute(text("ROLLBACK"))
+
+
+async def sql_commit(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await session.execute(text("COMMIT"))
+    await apply_credit_async(session, "billing", 2, 5)
+
+
+async def invalidates(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await session.invalidate()
+
+
+async def connection_commit(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await (await session.connection()).commit()
+
+
+async def connection_rollback(session: Any) -> None:
+    await apply_credit_async(session, "billing", 1, 10)
+    await (await session.connection()).rollback()
+
+
+ASYNC_MISUSES = [
+    raw_failure_caught,
+    raw_rollback,
+    raw_rollback_then_writes,
+    sql_rollback,
+    sql_commit,
+    invalidates,
+    connection_commit,
+    connection_rollback,
+]
+
+
+@pytest.mark.parametrize("handler", ASYNC_MISUSES)
+async def test_claim_transaction__misuse_never_commits_apart_asyncpg(
+    handler, pg_async_engine, pg_engine
+):
+    # Given a handler that ends or spoils the claim's transaction, by any means
+    inbox = AsyncInbox(pg_async_engine)
+    # When it is processed, then the attempt fails: the caller does not ack
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process(delivery(), handler)
+    # And neither the claim nor any effect committed: the redelivery is first seen
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    outcome = await inbox.process(delivery(), healed_async)
+    assert outcome.decision is Decision.FIRST
+    assert inbox_rows(pg_engine) == 1
+
+
+async def test_claim_transaction__raw_commit_is_never_acked_asyncpg(pg_async_engine, pg_engine):
+    # Given a handler that commits on asyncpg's own connection (what it did before the
+    # COMMIT is committed with the claim, out of the inbox's reach), then writes more
+    inbox = AsyncInbox(pg_async_engine)
+    # Then the attempt fails all the same: the transaction committing is not the claim's
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process(delivery(), raw_commit_then_writes)
+    # And what followed the COMMIT did not commit
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+
+
+def raw_failure_caught_psycopg(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    raw = session.connection().connection.dbapi_connection
+    try:  # noqa: SIM105 - the mistake under test
+        raw.execute(DUPLICATE_ACCOUNT)  # type: ignore[union-attr]
+    except Exception:
+        pass
+
+
+def raw_rollback_then_begin_psycopg(session: Session) -> None:
+    apply_credit(session, "billing", 1, 10)
+    raw = session.connection().connection.dbapi_connection
+    raw.pgconn.exec_(b"ROLLBACK; BEGIN")  # type: ignore[union-attr]
+    apply_credit(session, "billing", 2, 5)
+
+
+@pytest.mark.parametrize("handler", [raw_failure_caught_psycopg, raw_rollback_then_begin_psycopg])
+def test_claim_transaction__misuse_never_commits_apart_psycopg(handler, pg_engine):
+    inbox = Inbox(pg_engine)
+    with pytest.raises(HandlerTransactionError):
+        inbox.process(delivery(), handler)
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    assert inbox.process(delivery(), healed).decision is Decision.FIRST
+
+
+@pytest.mark.parametrize("handler", [raw_failure_caught, raw_rollback_then_writes, raw_rollback])
+async def test_claim_transaction__faststream_retries_until_poison(
+    handler, pg_async_engine, pg_engine
+):
+    # Given a FastStream subscriber on RabbitMQ whose handler spoils the claim's transaction
+    # on asyncpg's own connection at every attempt (max_attempts 3)
+    seen = Seen()
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.2), max_attempts=3)
+    h = Harness("rabbit", [recorder(seen), inbox.middleware])
+    inbox.guard(h.broker)
+    try:
+
+        @h.subscribe(inbox.consumer("billing"))
+        async def handle(body: dict[str, Any], session: InboxSession) -> None:
+            await handler(session)
+
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, ident())
+            # When it is delivered, then it is never acked as processed: each attempt
+            # fails and is counted, and the last one keeps it as poison
+            await eventually(lambda: poison_rows(pg_engine), timeout=30, what="the poison row")
+    finally:
+        await h.cleanup()
+    [row] = poison_rows(pg_engine)
+    assert row["attempts"] == 3
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
