@@ -184,3 +184,30 @@ async def test_claim_transaction__faststream_retries_until_poison(
     assert inbox_rows(pg_engine) == 0
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+@pytest.mark.parametrize(
+    "message_id",
+    ["it's", "back\\slash", "$1", "%(message_id)s", "a'; DROP TABLE consumer_inbox; --", "é€𝄞"],
+)
+async def test_claim_transaction__asyncpg_claim_sent_with_its_begin_stores_values_as_sent(
+    message_id, pg_async_engine, pg_engine
+):
+    # Given the claim sent with its BEGIN as one simple-protocol message, values as literals
+    inbox = AsyncInbox(pg_async_engine)
+    owned = []
+
+    async def look(session: Any) -> None:
+        adapter = (await (await session.connection()).get_raw_connection()).dbapi_connection
+        owned.append(type(adapter._transaction).__name__)
+        await apply_credit_async(session, "billing", 1, 10)
+
+    # When it is delivered twice
+    first = await inbox.process(delivery(message_id), look)
+    second = await inbox.process(delivery(message_id), look)
+    # Then the inbox owned the transaction, and the values were stored as sent
+    assert (first.decision, second.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    assert owned == ["InboxTransaction"]
+    with pg_engine.connect() as conn:
+        stored = conn.execute(text("SELECT message_id FROM consumer_inbox")).scalars().all()
+        assert (stored, effects(conn)) == ([message_id], 1)
