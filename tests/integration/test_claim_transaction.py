@@ -12,18 +12,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import dramatiq
 import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from inbox_middleware.dramatiq import InboxMiddleware, current_session
 from inbox_middleware.exceptions import HandlerTransactionError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.protocol import Decision
 from inbox_middleware.storage import AsyncInbox, Inbox
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
+from ..support.dramatiq_worker import drain, running_worker
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
 from .test_claim import delivery, inbox_rows
+from .test_dramatiq import dead_letters, send
 from .test_faststream import ORDER, ident
 from .test_handler_transaction import healed, healed_async, poison_rows
 
@@ -211,3 +215,31 @@ async def test_claim_transaction__asyncpg_claim_sent_with_its_begin_stores_value
     with pg_engine.connect() as conn:
         stored = conn.execute(text("SELECT message_id FROM consumer_inbox")).scalars().all()
         assert (stored, effects(conn)) == ([message_id], 1)
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+@pytest.mark.parametrize("misuse", [raw_failure_caught_psycopg, raw_rollback_then_begin_psycopg])
+def test_claim_transaction__dramatiq_retries_then_applies_once(misuse, broker, queue, pg_engine):
+    # Given a Dramatiq actor on Redis whose first attempt spoils the claim's transaction on
+    # psycopg's own connection, and whose second attempt behaves
+    broker.add_middleware(InboxMiddleware(pg_engine))
+    attempts = []
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=3, min_backoff=10)
+    def add_credit(account_id: int, delta: int) -> None:
+        attempts.append(len(attempts) + 1)
+        if len(attempts) == 1:
+            misuse(current_session())
+            return
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    # When it is delivered
+    with running_worker(broker) as worker:
+        send(add_credit, 1, 10)
+        drain(broker, queue, worker)
+    # Then the spoiled attempt was not acked: it was retried, and applied once
+    assert len(attempts) == 2
+    assert dead_letters(broker, queue) == 0
+    assert inbox_rows(pg_engine) == 1
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
