@@ -25,10 +25,12 @@ types the claim has (text, timestamps, NULL). Anything else takes the cursor.
 from __future__ import annotations
 
 import datetime
+import functools
 import re
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
+from sqlalchemy.util import await_
 
 from ..exceptions import ClaimNotCommitted, TransactionAborted
 from ..protocol import Claim, Step
@@ -156,56 +158,64 @@ def claim_with_begin_asyncpg(adapter: Any, compiled: DriverStatement, args: list
     """Open the transaction and claim in one round trip on an asyncpg connection: whether
     the claim inserted its row, or None when this connection or these values must take the
     ordinary path (nothing was sent then)."""
-    from sqlalchemy.util import await_
-
     driver = adapter._connection
     if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
         return None
     if driver.get_settings().standard_conforming_strings != "on":
         return None  # a backslash in a literal would be an escape: take the parameters' path
-    literals = [_quote(value) for value in args]
-    if any(literal is None for literal in literals):
-        return None
-    sql = _begin_asyncpg(adapter) + "; " + _fill(compiled.sql, literals)
+    parts, positions = _template(compiled.sql)
+    pieces = [_begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)]
+    for part, position in zip(parts, positions, strict=False):
+        literal = _quote(args[position])
+        if literal is None:
+            return None
+        pieces += (part, literal)
+    pieces.append(parts[-1])
     adapter._transaction = InboxTransaction(driver)
     try:
-        status = await_(driver.execute(sql))
+        status = await_(driver.execute("".join(pieces)))
     except Exception as error:
         adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
     return status == "INSERT 0 1"
 
 
-def _begin_asyncpg(adapter: Any) -> str:
-    """The BEGIN asyncpg's ``transaction()`` sends for the adapter's characteristics."""
+@functools.cache
+def _begin_asyncpg(isolation_level: str | None, readonly: bool, deferrable: bool) -> str:
+    """The BEGIN asyncpg's ``transaction()`` sends for the adapter's characteristics, and
+    the separator before the claim."""
     begin = "BEGIN"
-    if adapter.isolation_level is not None:
-        begin += " ISOLATION LEVEL " + adapter.isolation_level.replace("_", " ").upper()
-    if adapter.readonly:
+    if isolation_level is not None:
+        begin += " ISOLATION LEVEL " + isolation_level.replace("_", " ").upper()
+    if readonly:
         begin += " READ ONLY"
-    if adapter.deferrable:
+    if deferrable:
         begin += " DEFERRABLE"
-    return begin
+    return begin + "; "
 
 
 def _quote(value: Any) -> str | None:
     """A SQL literal under standard_conforming_strings (a quote doubled, nothing else
     special), or None for a type the claim does not have or text PostgreSQL refuses."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, datetime.datetime):
+    if value.__class__ is not str:
+        if value is None:
+            return "NULL"
+        if not isinstance(value, datetime.datetime):
+            return None
         value = value.isoformat()
-    if not isinstance(value, str) or "\x00" in value:
+    if "\x00" in value:
         return None
-    return "'" + value.replace("'", "''") + "'"
+    return "'" + str(value).replace("'", "''") + "'"
 
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
 
-def _fill(sql: str, literals: list[Any]) -> str:
-    """``sql`` with each ``$n`` replaced by the n-th literal (SQLAlchemy's compiled claim
-    has no ``$`` anywhere else)."""
-    return _PLACEHOLDER.sub(lambda match: literals[int(match.group(1)) - 1], sql)
+@functools.cache
+def _template(sql: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``sql`` cut at each ``$n`` (SQLAlchemy's compiled claim has no ``$`` anywhere
+    else): the text around them, and each one's position in the arguments."""
+    pieces = _PLACEHOLDER.split(sql)
+    return tuple(pieces[0::2]), tuple(int(n) - 1 for n in pieces[1::2])
 
 
 def commit_checked(conn: Connection) -> bool:
@@ -244,7 +254,6 @@ def _commit_checked_psycopg(conn: Connection, dbapi: Any) -> bool:
 
 def _commit_checked_asyncpg(conn: Connection, adapter: Any) -> bool:
     import asyncpg  # type: ignore[import-untyped]
-    from sqlalchemy.util import await_
 
     transaction: InboxTransaction = adapter._transaction
     try:
