@@ -132,6 +132,26 @@ async def test_claim_transaction__raw_commit_is_never_acked_asyncpg(pg_async_eng
         assert effects(conn) == 1
 
 
+async def test_claim_transaction__a_write_after_a_raw_commit_is_refused_asyncpg(
+    pg_async_engine, pg_engine
+):
+    # Given a handler that commits on asyncpg's own connection, then writes through its
+    # session (which, with no transaction open, would commit that write on its own)
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def commits_then_writes(session: Any) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        await (await _raw(session)).execute("COMMIT")
+        await apply_credit_async(session, "billing", 2, 5)
+
+    # Then the write is refused before it is sent: only what preceded the COMMIT committed
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process(delivery(), commits_then_writes)
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+        assert conn.scalar(text("SELECT count(*) FROM ledger WHERE account_id = 2")) == 0
+
+
 def raw_failure_caught_psycopg(session: Session) -> None:
     apply_credit(session, "billing", 1, 10)
     raw = session.connection().connection.dbapi_connection

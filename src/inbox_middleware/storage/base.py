@@ -44,7 +44,7 @@ from ..exceptions import (
 from ..instruments import metrics
 from ..outputs import Output
 from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .driver import commit_checked, driver_path, on_driver
+from .driver import InboxTransaction, commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
@@ -548,11 +548,18 @@ def _check_still_open(conn: Connection, cursor: Any, *_: Any) -> None:
 
 
 def _idle(cursor: Any) -> bool:
-    """psycopg: libpq reports no transaction open on the cursor's connection (no round
-    trip). Other drivers: False (they do not say)."""
+    """No transaction open on the cursor's connection, as the driver reports it with no
+    round trip: psycopg (libpq's status), and asyncpg in a transaction the inbox began (its
+    protocol's status; in SQLAlchemy's own, the adapter would begin one for the statement).
+    Other drivers: False (they do not say)."""
     info = getattr(getattr(cursor, "connection", None), "info", None)
     status = getattr(info, "transaction_status", None)
-    return getattr(status, "name", None) == "IDLE"
+    if status is not None:
+        return getattr(status, "name", None) == "IDLE"
+    adapter = getattr(cursor, "_adapt_connection", None)
+    if isinstance(getattr(adapter, "_transaction", None), InboxTransaction):
+        return not adapter._connection.is_in_transaction()  # type: ignore[union-attr]
+    return False
 
 
 _ENDED_BEHIND = (

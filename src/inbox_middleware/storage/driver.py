@@ -40,7 +40,7 @@ from .statements import CHECKED_COMMIT, CLAIM_ENDED, ClaimStatements, DriverStat
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["commit_checked", "driver_path", "on_driver"]
+__all__ = ["InboxTransaction", "commit_checked", "driver_path", "on_driver"]
 
 _DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
 
