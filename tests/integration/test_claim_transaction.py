@@ -18,13 +18,14 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.exceptions import HandlerTransactionError
+from inbox_middleware.exceptions import HandlerTransactionError, TransactionAborted
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.protocol import Decision
 from inbox_middleware.storage import AsyncInbox, Inbox
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
 from ..support.dramatiq_worker import drain, running_worker
+from ..support.engines import async_engine
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
 from .test_claim import delivery, inbox_rows
 from .test_dramatiq import dead_letters, send
@@ -263,3 +264,25 @@ def test_claim_transaction__dramatiq_retries_then_applies_once(misuse, broker, q
     assert inbox_rows(pg_engine) == 1
     with pg_engine.connect() as conn:
         assert effects(conn) == 1
+
+
+async def test_claim_transaction__without_standard_strings_asyncpg_takes_the_parameters_path(
+    pg_engine, pg_async_url
+):
+    # Given a connection where a backslash in a literal would be an escape
+    engine = async_engine(
+        pg_async_url, connect_args={"server_settings": {"standard_conforming_strings": "off"}}
+    )
+    inbox = AsyncInbox(engine)
+    try:
+        # When a claim is sent, then its values go as parameters (stored as sent) in
+        # SQLAlchemy's own transaction, and an aborted transaction is still refused
+        outcome = await inbox.process(delivery("back\\slash"), healed_async)
+        assert outcome.decision is Decision.FIRST
+        with pytest.raises(TransactionAborted):
+            await inbox.process(delivery("other"), raw_failure_caught)
+    finally:
+        await engine.dispose()
+    with pg_engine.connect() as conn:
+        stored = conn.execute(text("SELECT message_id FROM consumer_inbox")).scalars().all()
+    assert stored == ["back\\slash"]

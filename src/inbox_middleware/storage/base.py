@@ -231,7 +231,9 @@ class Executor:
                 producer=delivery.identity.producer if delivery else None,
                 message_id=delivery.identity.message_id if delivery else None,
             )
-        checked = session.info.get(MARKED_KEY) and session.connection().dialect.driver == "asyncpg"
+        # In a transaction the inbox began on asyncpg, the checked COMMIT finds an aborted
+        # transaction itself (25P02), with no probe of its own.
+        checked = session.info.get(MARKED_KEY) and _owned(session)
         if self.dialect == "postgresql" and not checked and _aborted(session):
             raise TransactionAborted(
                 "the transaction was aborted by an earlier error that the handler caught, so "
@@ -476,6 +478,12 @@ def _aborted(session: Session) -> bool:
         return True
     conn.info.pop(ABORTED, None)
     return False
+
+
+def _owned(session: Session) -> bool:
+    """Whether the inbox began the session's transaction on asyncpg (and commits it)."""
+    adapter = session.connection().connection.dbapi_connection
+    return isinstance(getattr(adapter, "_transaction", None), InboxTransaction)
 
 
 def _ended(session: Session) -> bool:

@@ -1,5 +1,6 @@
-"""The claim and its look-up sent straight to the driver, and on psycopg the claim with
-the BEGIN of its transaction in one round trip.
+"""The claim and its look-up sent straight to the driver, the claim with the BEGIN of its
+transaction in one round trip (psycopg and asyncpg), and the COMMIT checked in one round
+trip (`commit_checked`).
 
 SQLAlchemy's execution work costs more CPU than these statements themselves, so with
 psycopg and asyncpg they go to the DBAPI connection, compiled once (`driver_path`); other
@@ -156,27 +157,36 @@ class InboxTransaction:
 
 def claim_with_begin_asyncpg(adapter: Any, compiled: DriverStatement, args: list[Any]) -> Any:
     """Open the transaction and claim in one round trip on an asyncpg connection: whether
-    the claim inserted its row, or None when this connection or these values must take the
-    ordinary path (nothing was sent then)."""
+    the claim inserted its row. None when these values must take the parameters' path (a
+    connection without standard_conforming_strings, a value no literal is written for):
+    the inbox then sends its BEGIN alone, and the cursor the claim, in its transaction.
+    None, with nothing sent, when a transaction is open already or in autocommit."""
     driver = adapter._connection
     if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
         return None
+    begin = _begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)
+    sql = _claim_sql(driver, compiled, args)
+    adapter._transaction = InboxTransaction(driver)
+    try:
+        status = await_(driver.execute(begin + sql if sql is not None else begin))
+    except Exception as error:
+        adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
+    return None if sql is None else status == "INSERT 0 1"
+
+
+def _claim_sql(driver: Any, compiled: DriverStatement, args: list[Any]) -> str | None:
+    """The claim with its values as literals, or None when they cannot be written so."""
     if driver.get_settings().standard_conforming_strings != "on":
-        return None  # a backslash in a literal would be an escape: take the parameters' path
+        return None  # a backslash in a literal would be an escape
     parts, positions = _template(compiled.sql)
-    pieces = [_begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)]
+    pieces: list[str] = []
     for part, position in zip(parts, positions, strict=False):
         literal = _quote(args[position])
         if literal is None:
             return None
         pieces += (part, literal)
     pieces.append(parts[-1])
-    adapter._transaction = InboxTransaction(driver)
-    try:
-        status = await_(driver.execute("".join(pieces)))
-    except Exception as error:
-        adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
-    return status == "INSERT 0 1"
+    return "".join(pieces)
 
 
 @functools.cache
