@@ -286,3 +286,40 @@ async def test_claim_transaction__without_standard_strings_asyncpg_takes_the_par
     with pg_engine.connect() as conn:
         stored = conn.execute(text("SELECT message_id FROM consumer_inbox")).scalars().all()
     assert stored == ["back\\slash"]
+
+
+@pytest.mark.parametrize("misuse", [raw_failure_caught, raw_rollback, raw_rollback_then_writes])
+async def test_claim_transaction__batch_misuse_never_commits_apart_asyncpg(
+    misuse, pg_async_engine, pg_engine
+):
+    # Given a batch whose handler spoils the claim's transaction on asyncpg's own connection
+    inbox = AsyncInbox(pg_async_engine)
+    batch = [delivery("m-1"), delivery("m-2")]
+
+    async def handler(session: Any, verdicts: Any) -> None:
+        await misuse(session)
+
+    # Then the batch's attempt fails, and nothing of it committed
+    with pytest.raises(HandlerTransactionError):
+        await inbox.process_batch(batch, handler)
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    # And the next attempt claims the whole batch
+    committed = await inbox.process_batch(batch, lambda session, verdicts: healed_async(session))
+    assert committed.decisions == (Decision.FIRST, Decision.FIRST)
+
+
+@pytest.mark.parametrize("misuse", [raw_failure_caught_psycopg, raw_rollback_then_begin_psycopg])
+def test_claim_transaction__batch_misuse_never_commits_apart_psycopg(misuse, pg_engine):
+    inbox = Inbox(pg_engine)
+    batch = [delivery("m-1"), delivery("m-2")]
+    with pytest.raises(HandlerTransactionError):
+        inbox.process_batch(batch, lambda session, verdicts: misuse(session))
+    assert inbox_rows(pg_engine) == 0
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 0
+    assert inbox.process_batch(batch, lambda s, v: healed(s)).decisions == (
+        Decision.FIRST,
+        Decision.FIRST,
+    )

@@ -43,8 +43,16 @@ from ..exceptions import (
 )
 from ..instruments import metrics
 from ..outputs import Output
-from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .driver import InboxTransaction, commit_checked, driver_path, on_driver
+from ..protocol import (
+    ClaimBatch,
+    Decision,
+    Delivery,
+    Step,
+    Verdict,
+    claim_batch_steps,
+    claim_steps,
+)
+from .driver import InboxTransaction, begin_owned, commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
@@ -400,6 +408,7 @@ class BatchAttempts(Attempts[tuple[Verdict, ...]]):
 
     def bind(self, session: Session, verdict: tuple[Verdict, ...]) -> None:
         session.info[BATCH_KEY] = self.deliveries
+        session.info[MARKED_KEY] = True
 
     def committed(self, verdict: tuple[Verdict, ...]) -> None:
         metrics.commit_seconds(self.delivery.consumer, perf_counter() - self.clock)
@@ -429,6 +438,8 @@ def _drive(
         compiled = direct.get(type(step))
         if compiled is not None:
             return on_driver(conn, dbapi, compiled, step, params)
+        if isinstance(step, ClaimBatch):
+            begin_owned(conn, dbapi)  # asyncpg: the inbox begins it, to commit it checked
         return statements.result(step, conn.execute(statement, params))
 
     return drive(steps, perform, observer)

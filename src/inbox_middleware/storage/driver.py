@@ -41,7 +41,7 @@ from .statements import CHECKED_COMMIT, CLAIM_ENDED, ClaimStatements, DriverStat
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["InboxTransaction", "commit_checked", "driver_path", "on_driver"]
+__all__ = ["InboxTransaction", "begin_owned", "commit_checked", "driver_path", "on_driver"]
 
 _DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
 
@@ -172,6 +172,28 @@ def claim_with_begin_asyncpg(adapter: Any, compiled: DriverStatement, args: list
     except Exception as error:
         adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
     return None if sql is None else status == "INSERT 0 1"
+
+
+def begin_owned(conn: Connection, adapter: Any) -> None:
+    """On asyncpg, send the BEGIN of a transaction the inbox then commits (a batch claim,
+    sent with parameters next): the round trip SQLAlchemy's adapter would have made."""
+    if conn.dialect.driver != "asyncpg":
+        return
+    driver = adapter._connection
+    if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
+        return
+    adapter._transaction = InboxTransaction(driver)
+    try:
+        await_(
+            driver.execute(
+                _begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)
+            )
+        )
+    except Exception as error:
+        try:
+            adapter._handle_exception(error)
+        except conn.dialect.loaded_dbapi.Error as mapped:
+            raise from_driver(mapped, conn, adapter, "BEGIN", ()) from error
 
 
 def _claim_sql(driver: Any, compiled: DriverStatement, args: list[Any]) -> str | None:

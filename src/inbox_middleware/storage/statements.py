@@ -263,7 +263,7 @@ class ClaimStatements:
             self._insert(self._inbox)
             .from_select(self._columns, ordered)
             .on_conflict_do_nothing()
-            .returning(*self._key_columns)
+            .returning(*self._key_columns, self._mark("pg_catalog.pg_current_xact_id()"))
         )
         return statement
 
@@ -278,6 +278,7 @@ class ClaimStatements:
             self._inbox.c.hash_scheme,
             self._inbox.c.handler_version,
             self._inbox.c.processed_at,
+            self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
         ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys]))
 
     def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
@@ -315,7 +316,7 @@ class ClaimStatements:
     @staticmethod
     def result(step: Step, result: CursorResult[Any]) -> object:
         if isinstance(step, ClaimBatch):
-            return {tuple(row) for row in result}
+            return {tuple(row)[:4] for row in result}
         if isinstance(step, LookUpBatch):
             rows: list[tuple[Any, ...]] = [tuple(row) for row in result]
             return {row[:4]: StoredClaim(row[4], row[5], row[6], row[7]) for row in rows}
