@@ -2,6 +2,7 @@
 
     python -m bench.hotpath                 # 3,000 messages a mode, 5 alternating reps
     python -m bench.hotpath --profile       # and the functions that cost most (cProfile)
+    python -m bench.hotpath --driver asyncpg   # AsyncInbox on asyncpg (FastStream's path)
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
 benchmark's actor (one account update on the benchmark database): each message goes
@@ -11,11 +12,18 @@ message count. Bare (the update in a transaction of its own) and inbox alternate
 each repetition. With no broker, no other threads and no GIL hand-offs, the figure moves
 by a few µs between runs: the measure to judge a change of the hot path by. The worker
 benchmark (``python -m bench``) says what the change is worth end to end.
+
+With ``--driver asyncpg``, the same loop for the asynchronous path FastStream's adapter
+takes: `AsyncInbox.process` with a handler running the update on its `AsyncSession`, one
+message after another on one event loop, against the update in an `AsyncSession`
+transaction of its own (FastStream's own part is not in it: ``python -m bench.profile
+faststream`` shows that one).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import pstats
 import statistics
@@ -32,6 +40,8 @@ from sqlalchemy.orm import Session
 
 from bench.common import prepare_database, reset_database, sqlalchemy_url
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware.protocol import Delivery
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 
@@ -111,6 +121,67 @@ def measure(count: int, reps: int, profile: bool) -> None:
         stats.sort_stats("tottime").print_stats(30)
 
 
+def measure_async(count: int, reps: int, profile: bool) -> None:
+    prepare_database()
+    reset_database()
+    cpu = asyncio.run(_measure_async(count, reps, profile))
+    _report(cpu)
+
+
+async def _measure_async(count: int, reps: int, profile: bool) -> dict[str, list[float]]:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from inbox_middleware.storage import AsyncInbox
+
+    engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2)
+    inbox = AsyncInbox(engine)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    run = uuid.uuid4().hex[:8]
+
+    async def bare(n: int) -> None:
+        async with sessions() as session, session.begin():
+            await session.execute(UPDATE, {"account": n % 100 + 1})
+
+    async def inboxed(n: int) -> None:
+        async def handler(session: Any) -> None:
+            await session.execute(UPDATE, {"account": n % 100 + 1})
+
+        payload = {"account": n % 100 + 1}
+        delivery = Delivery(
+            "hotpath", MessageIdentity("hotpath", f"{run}-{n}"), hash_json(payload, "json.v1")
+        )
+        await inbox.process(delivery, handler)
+
+    modes = {"bare": bare, "inbox": inboxed}
+    for consume in modes.values():  # warm: pool, statement caches, imports
+        for n in range(-200, 0):
+            await consume(n)
+    cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+    profiler = cProfile.Profile(time.process_time) if profile else None
+    for rep in range(reps):
+        for mode, consume in modes.items():
+            first = rep * count
+            if profiler is not None and mode == "inbox":
+                profiler.enable()
+            start = time.process_time()
+            for n in range(first, first + count):
+                await consume(n)
+            cpu[mode].append((time.process_time() - start) / count * 1e6)
+            if profiler is not None:
+                profiler.disable()
+    await engine.dispose()
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    return cpu
+
+
+def _report(cpu: dict[str, list[float]]) -> None:
+    added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
+    for mode, values in cpu.items():
+        print(f"{mode:6} {statistics.median(values):7.1f} µs CPU/msg  runs {_runs(values)}")
+    print(f"added  {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
+
+
 def _runs(values: list[float]) -> str:
     return " ".join(f"{v:.0f}" for v in values)
 
@@ -120,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
     args = parser.parse_args(argv)
-    measure(args.messages, args.reps, args.profile)
+    if args.driver == "asyncpg":
+        measure_async(args.messages, args.reps, args.profile)
+    else:
+        measure(args.messages, args.reps, args.profile)
     return 0
 
 

@@ -45,6 +45,7 @@ from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
 from .exceptions import (
+    ClaimNotCommitted,
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -494,13 +495,18 @@ def reason_code(exc: BaseException, permanent: tuple[type[BaseException], ...] =
     refused, makes a programming error that fails the same way at every attempt: poison
     at once (``handler_transaction``). Not a `TransactionAborted`: the error the handler
     swallowed may have been transient (a serialization failure, a deadlock, a lock or a
-    statement timeout), so that attempt is an ordinary failure, retried.
+    statement timeout), so that attempt is an ordinary failure, retried. Nor a
+    `ClaimNotCommitted`: the commit found that the transaction committing was not the
+    claim's (ended on the driver's own connection) or was rolled back; the attempt
+    failed, like any failed commit, and is retried.
     """
     if isinstance(exc, PermanentError):
         return exc.reason_code
     if isinstance(exc, RejectRequested):
         return HANDLER_REJECTED
-    if isinstance(exc, HandlerTransactionError) and not isinstance(exc, TransactionAborted):
+    if isinstance(exc, HandlerTransactionError) and not isinstance(
+        exc, (TransactionAborted, ClaimNotCommitted)
+    ):
         return HANDLER_TRANSACTION
     if permanent and isinstance(exc, permanent):
         return type(exc).__name__

@@ -10,6 +10,7 @@ InboxError
 ├── PayloadNotHashable            the payload has no canonical form
 ├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
 │   ├── TransactionAborted        the handler swallowed a database error: nothing can commit
+│   ├── ClaimNotCommitted         the transaction at COMMIT was not the claim's, or rolled back
 │   └── DirectPublishRefused      the handler published directly (direct_publish="refuse")
 ├── PermanentError                raised by a handler: retrying cannot help (poison message)
 ├── SchemaError                   tables missing or older than this version expects
@@ -30,6 +31,7 @@ import re
 
 __all__ = [
     "ClaimInProgress",
+    "ClaimNotCommitted",
     "ConfigurationError",
     "DatabaseUnavailable",
     "DirectPublishRefused",
@@ -116,6 +118,17 @@ class TransactionAborted(HandlerTransactionError):
     COMMIT with a rollback, without an error. The inbox checks first and fails the
     attempt instead of acknowledging a message whose effects were never committed. Run a
     statement that is expected to fail in ``session.begin_nested()``.
+    """
+
+
+class ClaimNotCommitted(HandlerTransactionError):
+    """The transaction the inbox committed was not the one that holds the claim, or its
+    COMMIT was answered with ROLLBACK.
+
+    The handler ended the claim's transaction behind the inbox (most often on the
+    driver's own connection, which SQLAlchemy never sees), or left it failed. The inbox
+    checks, in the same round trip as its COMMIT, that the transaction committing is the
+    claim's, and reads COMMIT's reply: the attempt failed and is retried, never acked.
     """
 
 

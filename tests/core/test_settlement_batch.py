@@ -42,6 +42,7 @@ from inbox_middleware.consumption import (
     settle_batch_steps,
 )
 from inbox_middleware.exceptions import (
+    ClaimNotCommitted,
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -180,6 +181,17 @@ ROWS: dict[str, Row] = {
     "a failure with attempts left: counted against each message, handed back": Row(
         batch(),
         {ProcessBatch: [Boom("no")], CountFailure: [1, 2]},
+        ["ProcessBatch", "CountFailure", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 3},
+        expect={"counted": True},
+    ),
+    "the transaction at COMMIT was not the claim's: counted against each, handed back": Row(
+        batch(),
+        {
+            ProcessBatch: [ClaimNotCommitted("ended on the driver's connection")],
+            CountFailure: [1, 2],
+        },
         ["ProcessBatch", "CountFailure", "CountFailure"],
         HandedBack,
         policy={"max_attempts": 3},

@@ -48,6 +48,7 @@ from inbox_middleware.consumption import (
     outputs_failed_steps,
 )
 from inbox_middleware.exceptions import (
+    ClaimNotCommitted,
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -645,6 +646,14 @@ ROWS: dict[str, Row] = {
         Poisoned,
         policy={"max_attempts": 10},
         expect={"reason": HANDLER_TRANSACTION},
+    ),
+    "the transaction at COMMIT was not the claim's, or rolled back: an ordinary failure": Row(
+        {},
+        {Process: [ClaimNotCommitted("ended on the driver's connection")], CountFailure: [1]},
+        ["Process", "CountFailure"],
+        HandedBack,
+        policy={"max_attempts": 10},
+        expect={"counted": True},
     ),
     "the handler left the transaction aborted (a caught error): an ordinary failure": Row(
         {},

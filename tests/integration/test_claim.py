@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -402,15 +403,25 @@ def test_claim__connection_cut_mid_transaction_commits_nothing(pg_engine, pg_url
 # -- the claim and its BEGIN in one round trip (psycopg) ----------------------------------
 
 
+CLAIMED = (b"1",)
+
+
+def _marked(row: tuple[bytes, ...]) -> bool:
+    """The claim's RETURNING: ``xid:`` and the transaction id it was given."""
+    return len(row) == 1 and re.fullmatch(rb"xid:[0-9]+", row[0]) is not None
+
+
 @pytest.fixture
 def begins(monkeypatch):
-    """What each `claim_with_begin` answered (None: it left the claim to the cursor)."""
+    """What each `claim_with_begin` answered (None: it left the claim to the cursor), a
+    claimed row written ``CLAIMED``: its value is the transaction's id, marked."""
     answers = []
     real = driver.claim_with_begin
 
     def recording(*args):
-        answers.append(real(*args))
-        return answers[-1]
+        answer = real(*args)
+        answers.append(CLAIMED if answer and _marked(answer) else answer)
+        return answer
 
     monkeypatch.setattr(driver, "claim_with_begin", recording)
     return answers
@@ -474,7 +485,7 @@ def test_claim__an_open_transaction_or_autocommit_leaves_the_claim_to_the_cursor
         dbapi.autocommit = True
         assert driver.claim_with_begin(dbapi, statement, args) is None
         dbapi.autocommit = False
-        assert driver.claim_with_begin(dbapi, statement, args) == (b"1",)
+        assert _marked(driver.claim_with_begin(dbapi, statement, args))
         dbapi.rollback()
     finally:
         raw.close()

@@ -177,7 +177,7 @@ class AsyncInbox(Executor):
 
     def _commit_and_close(self, session: Session, delivery: Delivery | None) -> None:
         self._before_commit(session, delivery)
-        Session.commit(session)
+        self._commit(session)
         Session.close(session)
 
     async def bookkeep(self, op: Op) -> Any:

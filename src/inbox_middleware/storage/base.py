@@ -44,8 +44,16 @@ from ..exceptions import (
 )
 from ..instruments import metrics
 from ..outputs import Output
-from ..protocol import Decision, Delivery, Step, Verdict, claim_batch_steps, claim_steps
-from .driver import driver_path, on_driver
+from ..protocol import (
+    ClaimBatch,
+    Decision,
+    Delivery,
+    Step,
+    Verdict,
+    claim_batch_steps,
+    claim_steps,
+)
+from .driver import InboxTransaction, begin_owned, commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
@@ -90,6 +98,8 @@ DELIVERY_KEY = "inbox_middleware.delivery"
 BATCH_KEY = "inbox_middleware.batch"
 SHADOW_KEY = "inbox_middleware.shadow_verdict"
 OUTPUT_KEY = "inbox_middleware.output"
+MARKED_KEY = "inbox_middleware.marked"
+"""Set in a session's info when its claim marked the transaction (`CHECKED_COMMIT`)."""
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -237,9 +247,20 @@ class Executor:
             return TransactionState.OPEN
         if _ended(session):
             return TransactionState.ENDED
-        if _aborted(session):
+        # In a transaction the inbox began on asyncpg, the checked COMMIT finds an aborted
+        # transaction itself (25P02), with no probe of its own.
+        checked = session.info.get(MARKED_KEY) and _owned(session)
+        if not checked and _aborted(session):
             return TransactionState.ABORTED
         return TransactionState.OPEN
+
+    def _commit(self, session: Session) -> None:
+        """COMMIT. The claim's transaction is committed with its check (`commit_checked`),
+        in the same round trip: before any ack, the inbox knows that the transaction that
+        committed holds the claim, and that it did commit."""
+        if session.info.pop(MARKED_KEY, None) and self.dialect == "postgresql":
+            commit_checked(session.connection())
+        Session.commit(session)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         """Store ``output`` with ``delivery``'s claim: written in its transaction, right
@@ -354,6 +375,7 @@ class SingleAttempts(Attempts[Verdict]):
 
     def bind(self, session: Session, verdict: Verdict) -> None:
         session.info[DELIVERY_KEY] = self.delivery
+        session.info[MARKED_KEY] = True
         if verdict.shadow:
             session.info[SHADOW_KEY] = verdict
 
@@ -384,6 +406,7 @@ class BatchAttempts(Attempts[tuple[Verdict, ...]]):
 
     def bind(self, session: Session, verdict: tuple[Verdict, ...]) -> None:
         session.info[BATCH_KEY] = self.deliveries
+        session.info[MARKED_KEY] = True
 
     def committed(self, verdict: tuple[Verdict, ...]) -> None:
         metrics.commit_seconds(self.delivery.consumer, perf_counter() - self.clock)
@@ -413,6 +436,8 @@ def _drive(
         compiled = direct.get(type(step))
         if compiled is not None:
             return on_driver(conn, dbapi, compiled, step, params)
+        if isinstance(step, ClaimBatch):
+            begin_owned(conn, dbapi)  # asyncpg: the inbox begins it, to commit it checked
         return statements.result(step, conn.execute(statement, params))
 
     return drive(steps, perform, observer)
@@ -462,6 +487,12 @@ def _aborted(session: Session) -> bool:
         return True
     conn.info.pop(ABORTED, None)
     return False
+
+
+def _owned(session: Session) -> bool:
+    """Whether the inbox began the session's transaction on asyncpg (and commits it)."""
+    adapter = session.connection().connection.dbapi_connection
+    return isinstance(getattr(adapter, "_transaction", None), InboxTransaction)
 
 
 def _ended(session: Session) -> bool:
@@ -534,11 +565,18 @@ def _check_still_open(conn: Connection, cursor: Any, *_: Any) -> None:
 
 
 def _idle(cursor: Any) -> bool:
-    """psycopg: libpq reports no transaction open on the cursor's connection (no round
-    trip). Other drivers: False (they do not say)."""
+    """No transaction open on the cursor's connection, as the driver reports it with no
+    round trip: psycopg (libpq's status), and asyncpg in a transaction the inbox began (its
+    protocol's status; in SQLAlchemy's own, the adapter would begin one for the statement).
+    Other drivers: False (they do not say)."""
     info = getattr(getattr(cursor, "connection", None), "info", None)
     status = getattr(info, "transaction_status", None)
-    return getattr(status, "name", None) == "IDLE"
+    if status is not None:
+        return getattr(status, "name", None) == "IDLE"
+    adapter = getattr(cursor, "_adapt_connection", None)
+    if isinstance(getattr(adapter, "_transaction", None), InboxTransaction):
+        return not adapter._connection.is_in_transaction()  # type: ignore[union-attr]
+    return False
 
 
 _ENDED_BEHIND = (

@@ -1,5 +1,6 @@
-"""The claim and its look-up sent straight to the driver, and on psycopg the claim with
-the BEGIN of its transaction in one round trip.
+"""The claim and its look-up sent straight to the driver, the claim with the BEGIN of its
+transaction in one round trip (psycopg and asyncpg), and the COMMIT checked in one round
+trip (`commit_checked`).
 
 SQLAlchemy's execution work costs more CPU than these statements themselves, so with
 psycopg and asyncpg they go to the DBAPI connection, compiled once (`driver_path`); other
@@ -25,18 +26,22 @@ types the claim has (text, timestamps, NULL). Anything else takes the cursor.
 from __future__ import annotations
 
 import datetime
+import functools
+import re
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
+from sqlalchemy.util import await_
 
+from ..exceptions import ClaimNotCommitted, TransactionAborted
 from ..protocol import Claim, Step
 from .errors import from_driver
-from .statements import ClaimStatements, DriverStatement, begin_command
+from .statements import CHECKED_COMMIT, CLAIM_ENDED, ClaimStatements, DriverStatement, begin_command
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["driver_path", "on_driver"]
+__all__ = ["InboxTransaction", "begin_owned", "commit_checked", "driver_path", "on_driver"]
 
 _DIRECT_DRIVERS = frozenset({"psycopg", "asyncpg"})
 
@@ -61,6 +66,10 @@ def on_driver(
             found = claim_with_begin(dbapi, compiled, args)
             if found is not None:
                 return ClaimStatements.answer(step, found or None)
+        elif isinstance(step, Claim):
+            inserted = claim_with_begin_asyncpg(dbapi, compiled, args)
+            if inserted is not None:
+                return inserted
         cursor = dbapi.cursor()
         try:
             cursor.execute(compiled.sql, args)
@@ -112,3 +121,218 @@ def _literals(escaping: Any, args: dict[str, Any], encoding: str) -> dict[bytes,
     except UnicodeEncodeError:
         return None
     return literals
+
+
+# -- asyncpg: the inbox owns BEGIN and COMMIT ------------------------------------------------
+#
+# SQLAlchemy's asyncpg adapter begins a transaction with asyncpg's ``transaction()``
+# (its own round trip) before the first statement, and refuses one it did not start. The
+# inbox takes its place: it sends ``BEGIN ...; INSERT ...`` as one simple-protocol message
+# (the values as literals), whose status, ``INSERT 0 1`` or ``INSERT 0 0``, is the claim's
+# answer, and hands the adapter an `InboxTransaction` where it keeps asyncpg's: the
+# session's statements then run in that transaction, and its commit and rollback go
+# through the inbox. The inbox commits with `CHECKED_COMMIT`, reading COMMIT's reply.
+
+
+class InboxTransaction:
+    """The claim's transaction on an asyncpg connection, as the adapter holds it."""
+
+    __slots__ = ("connection", "done")
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.done = False
+
+    async def commit(self) -> None:
+        """SQLAlchemy's commit after the inbox's own (done); else a plain COMMIT."""
+        if not self.done and self.connection.is_in_transaction():
+            await self.connection.execute("COMMIT")
+        self.done = True
+
+    async def rollback(self) -> None:
+        self.done = True
+        if self.connection.is_in_transaction():  # not when it ended behind the inbox
+            await self.connection.execute("ROLLBACK")
+
+
+def claim_with_begin_asyncpg(adapter: Any, compiled: DriverStatement, args: list[Any]) -> Any:
+    """Open the transaction and claim in one round trip on an asyncpg connection: whether
+    the claim inserted its row. None when these values must take the parameters' path (a
+    connection without standard_conforming_strings, a value no literal is written for):
+    the inbox then sends its BEGIN alone, and the cursor the claim, in its transaction.
+    None, with nothing sent, when a transaction is open already or in autocommit."""
+    driver = adapter._connection
+    if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
+        return None
+    begin = _begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)
+    sql = _claim_sql(driver, compiled, args)
+    adapter._transaction = InboxTransaction(driver)
+    try:
+        status = await_(driver.execute(begin + sql if sql is not None else begin))
+    except Exception as error:
+        adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
+    return None if sql is None else status == "INSERT 0 1"
+
+
+def begin_owned(conn: Connection, adapter: Any) -> None:
+    """On asyncpg, send the BEGIN of a transaction the inbox then commits (a batch claim,
+    sent with parameters next): the round trip SQLAlchemy's adapter would have made."""
+    if conn.dialect.driver != "asyncpg":
+        return
+    driver = adapter._connection
+    if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
+        return
+    adapter._transaction = InboxTransaction(driver)
+    try:
+        await_(
+            driver.execute(
+                _begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)
+            )
+        )
+    except Exception as error:
+        try:
+            adapter._handle_exception(error)
+        except conn.dialect.loaded_dbapi.Error as mapped:
+            raise from_driver(mapped, conn, adapter, "BEGIN", ()) from error
+
+
+def _claim_sql(driver: Any, compiled: DriverStatement, args: list[Any]) -> str | None:
+    """The claim with its values as literals, or None when they cannot be written so."""
+    if driver.get_settings().standard_conforming_strings != "on":
+        return None  # a backslash in a literal would be an escape
+    parts, positions = _template(compiled.sql)
+    pieces: list[str] = []
+    for part, position in zip(parts, positions, strict=False):
+        literal = _quote(args[position])
+        if literal is None:
+            return None
+        pieces += (part, literal)
+    pieces.append(parts[-1])
+    return "".join(pieces)
+
+
+@functools.cache
+def _begin_asyncpg(isolation_level: str | None, readonly: bool, deferrable: bool) -> str:
+    """The BEGIN asyncpg's ``transaction()`` sends for the adapter's characteristics, and
+    the separator before the claim."""
+    begin = "BEGIN"
+    if isolation_level is not None:
+        begin += " ISOLATION LEVEL " + isolation_level.replace("_", " ").upper()
+    if readonly:
+        begin += " READ ONLY"
+    if deferrable:
+        begin += " DEFERRABLE"
+    return begin + "; "
+
+
+def _quote(value: Any) -> str | None:
+    """A SQL literal under standard_conforming_strings (a quote doubled, nothing else
+    special), or None for a type the claim does not have or text PostgreSQL refuses."""
+    if value.__class__ is not str:
+        if value is None:
+            return "NULL"
+        if not isinstance(value, datetime.datetime):
+            return None
+        value = value.isoformat()
+    if "\x00" in value:
+        return None
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+@functools.cache
+def _template(sql: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``sql`` cut at each ``$n`` (SQLAlchemy's compiled claim has no ``$`` anywhere
+    else): the text around them, and each one's position in the arguments."""
+    pieces = _PLACEHOLDER.split(sql)
+    return tuple(pieces[0::2]), tuple(int(n) - 1 for n in pieces[1::2])
+
+
+def commit_checked(conn: Connection) -> bool:
+    """COMMIT the claim's transaction on ``conn`` with `CHECKED_COMMIT`, in one round
+    trip, and read the reply; False when this connection must commit the ordinary way
+    (asyncpg in a transaction the inbox did not begin; other drivers).
+
+    Raises `TransactionAborted` when the transaction was failed (25P02), and
+    `ClaimNotCommitted` when it was not the claim's or COMMIT answered ROLLBACK: nothing
+    of the attempt committed with its claim, and the caller must not ack.
+    """
+    driver = conn.dialect.driver
+    dbapi = conn.connection.dbapi_connection
+    if driver == "psycopg":
+        return _commit_checked_psycopg(conn, dbapi)
+    if driver == "asyncpg" and isinstance(getattr(dbapi, "_transaction", None), InboxTransaction):
+        return _commit_checked_asyncpg(conn, dbapi)
+    return False
+
+
+def _commit_checked_psycopg(conn: Connection, dbapi: Any) -> bool:
+    from psycopg import errors, pq
+
+    pgconn = dbapi.pgconn
+    try:
+        result = pgconn.exec_(_CHECKED_COMMIT_BYTES)
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            state = result.error_field(pq.DiagnosticField.SQLSTATE)
+            _refuse((state or b"").decode(), result.error_message.decode(errors="replace"))
+            raise errors.error_from_result(result, encoding=dbapi.info.encoding)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise from_driver(exc, conn, dbapi, CHECKED_COMMIT, ()) from exc
+    _read_reply((result.command_status or b"").decode())
+    return True
+
+
+def _commit_checked_asyncpg(conn: Connection, adapter: Any) -> bool:
+    import asyncpg  # type: ignore[import-untyped]
+
+    transaction: InboxTransaction = adapter._transaction
+    try:
+        status = await_(transaction.connection.execute(CHECKED_COMMIT))
+    except asyncpg.PostgresError as exc:
+        _refuse(str(getattr(exc, "sqlstate", "")), str(exc))
+        try:
+            adapter._handle_exception(exc)
+        except conn.dialect.loaded_dbapi.Error as mapped:
+            raise from_driver(mapped, conn, adapter, CHECKED_COMMIT, ()) from exc
+        raise
+    except Exception as exc:  # the connection's own trouble (lost, closed)
+        try:
+            adapter._handle_exception(exc)
+        except conn.dialect.loaded_dbapi.Error as mapped:
+            raise from_driver(mapped, conn, adapter, CHECKED_COMMIT, ()) from exc
+        raise
+    transaction.done = True
+    _read_reply(status)
+    return True
+
+
+_CHECKED_COMMIT_BYTES = CHECKED_COMMIT.encode()
+_IN_FAILED_TRANSACTION = "25P02"
+_UNDEFINED_OBJECT = "42704"
+
+
+def _refuse(state: str, message: str) -> None:
+    """Raise the inbox's error for a checked COMMIT that failed on its check."""
+    if state == _IN_FAILED_TRANSACTION:
+        raise TransactionAborted(
+            "the transaction was aborted by an earlier error that the handler caught, so "
+            "nothing it did (nor the claim) could commit. Run a statement that is expected "
+            "to fail inside session.begin_nested(), so that only its savepoint is lost"
+        )
+    if state == _UNDEFINED_OBJECT and CLAIM_ENDED in message:
+        raise ClaimNotCommitted(_NOT_THE_CLAIMS)
+
+
+def _read_reply(status: str) -> None:
+    if status != "COMMIT":  # ROLLBACK: the server rolled the transaction back
+        raise ClaimNotCommitted(f"the COMMIT was answered {status!r}: " + _NOT_THE_CLAIMS)
+
+
+_NOT_THE_CLAIMS = (
+    "the transaction the inbox committed is not the one that holds the claim (the handler "
+    "ended the claim's transaction behind the inbox, for example on the driver's own "
+    "connection): nothing the handler did before is committed with the claim. The attempt "
+    "failed and the message is retried; raise an exception to abandon a message"
+)

@@ -192,7 +192,7 @@ class Inbox(Executor):
                 self._before_commit(session, attempts.delivery)
                 attempts.clock = perf_counter()
                 with tracing.phase("inbox.commit"):
-                    Session.commit(session)
+                    self._commit(session)
                 attempts.committed(verdict)
                 faults.at("after_commit", attempts.delivery.identity.message_id)
                 return verdict, result, attempts.number

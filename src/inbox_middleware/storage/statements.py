@@ -47,12 +47,41 @@ from ..protocol import (
 )
 from .tables import InboxSchema
 
-__all__ = ["TRANSACTION_PROBE", "ClaimStatements", "DriverStatement"]
+__all__ = [
+    "CHECKED_COMMIT",
+    "CLAIM_ENDED",
+    "TRANSACTION_PROBE",
+    "ClaimStatements",
+    "DriverStatement",
+]
 
 _TIMESTAMP = DateTime(timezone=True)
 
 TRANSACTION_PROBE = "SELECT 1"
 """Does nothing in a healthy transaction; fails with 25P02 in an aborted one."""
+
+# The claim's transaction, marked in the transaction itself: the claim's RETURNING (only a
+# row it inserted) records the transaction id it was given, ``pg_current_xact_id()``; the
+# look-up of a duplicate records ``pg_current_xact_id_if_assigned()`` (None when the
+# transaction has written nothing yet: it must not assign one). The setting is local to
+# the transaction: once that transaction ends, by a COMMIT or a ROLLBACK wherever it was
+# sent, it is gone, and any transaction begun since has none.
+_MARK = "inbox_middleware.claim_xid"
+_MARKED = f"pg_catalog.set_config('{_MARK}', 'xid:' || coalesce({{xid}}::text, ''), true)"
+CLAIM_ENDED = "inbox_middleware.claim_transaction_ended"
+"""The name in the error the checked COMMIT raises when the transaction is not the claim's."""
+CHECKED_COMMIT = (
+    # The transaction committing is the claim's: its mark is there, and names the
+    # transaction's own id (or none, when the look-up ran before the transaction had
+    # one). Otherwise the SELECT fails (an unknown setting, named for what happened), the
+    # COMMIT after it in the same message is never run, and the attempt fails. In an
+    # aborted transaction the SELECT fails with 25P02. Both go in one simple-protocol
+    # message, so that the check costs no round trip of its own; COMMIT's reply (COMMIT,
+    # or ROLLBACK) is read by the caller.
+    f"SELECT CASE WHEN pg_catalog.current_setting('{_MARK}', true) IN "
+    f"('xid:', 'xid:' || coalesce(pg_catalog.pg_current_xact_id_if_assigned()::text, '')) "
+    f"THEN 0 ELSE pg_catalog.current_setting('{CLAIM_ENDED}')::int END; COMMIT"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +154,7 @@ class ClaimStatements:
             insert(inbox)
             .from_select([column.name for column in columns], rows)
             .on_conflict_do_nothing()
-            .returning(literal_column("1"))
+            .returning(self._mark("pg_catalog.pg_current_xact_id()"))
         )
 
         self.look_up: Executable = select(
@@ -133,6 +162,7 @@ class ClaimStatements:
             inbox.c.hash_scheme,
             inbox.c.handler_version,
             inbox.c.processed_at,
+            self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
         ).where(*(column == bindparam(column.name) for column in key))
 
         record = insert(quarantine).values(
@@ -189,6 +219,13 @@ class ClaimStatements:
         parameter = bindparam(name, type_=_TIMESTAMP)
         return cast(parameter, _TIMESTAMP) if self._dialect == "postgresql" else parameter
 
+    def _mark(self, xid: str) -> Any:
+        """Mark the transaction as the claim's (PostgreSQL; `CHECKED_COMMIT`), or a
+        constant column (SQLite)."""
+        if self._dialect != "postgresql":
+            return literal_column("1")
+        return literal_column(_MARKED.format(xid=xid))
+
     @staticmethod
     def _setting() -> Any:
         return select(
@@ -226,7 +263,7 @@ class ClaimStatements:
             self._insert(self._inbox)
             .from_select(self._columns, ordered)
             .on_conflict_do_nothing()
-            .returning(*self._key_columns)
+            .returning(*self._key_columns, self._mark("pg_catalog.pg_current_xact_id()"))
         )
         return statement
 
@@ -241,6 +278,7 @@ class ClaimStatements:
             self._inbox.c.hash_scheme,
             self._inbox.c.handler_version,
             self._inbox.c.processed_at,
+            self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
         ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys]))
 
     def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
@@ -278,7 +316,7 @@ class ClaimStatements:
     @staticmethod
     def result(step: Step, result: CursorResult[Any]) -> object:
         if isinstance(step, ClaimBatch):
-            return {tuple(row) for row in result}
+            return {tuple(row)[:4] for row in result}
         if isinstance(step, LookUpBatch):
             rows: list[tuple[Any, ...]] = [tuple(row) for row in result]
             return {row[:4]: StoredClaim(row[4], row[5], row[6], row[7]) for row in rows}
@@ -291,7 +329,7 @@ class ClaimStatements:
         if isinstance(step, Claim):
             return row is not None
         if isinstance(step, LookUp):
-            return None if row is None else StoredClaim(*row)
+            return None if row is None else StoredClaim(*row[:4])
         assert isinstance(step, RecordConflict)
         assert row is not None
         return QuarantineRecord(*row)
