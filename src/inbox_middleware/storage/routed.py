@@ -47,7 +47,9 @@ from ..exceptions import (
     DatabaseUnavailable,
     RouteUnavailable,
     TransientError,
+    UnknownTenant,
 )
+from ..instruments import metrics
 from ..outputs import Output
 from ..protocol import Delivery
 from ..tenancy import Router
@@ -152,6 +154,19 @@ class _Routes:
     def route(self, delivery: Delivery) -> str:
         return self.router.route(delivery.identity)
 
+    def resolve(self, delivery: Delivery) -> str:
+        """The core's `ResolveRoute`: the database, counted by database and outcome."""
+        try:
+            database = self.route(delivery)
+        except UnknownTenant:
+            metrics.route(delivery.consumer, "none", "unknown_tenant")
+            raise
+        except Exception:
+            metrics.route(delivery.consumer, "none", "unresolved")
+            raise
+        metrics.route(delivery.consumer, database, "routed")
+        return database
+
     def _admit(self, database: str, busy: Callable[[str], bool]) -> list[str]:
         """Mark ``database`` used now; answer the idle databases to close to stay in the
         budget. Raises `RouteUnavailable` when every other open database is busy."""
@@ -203,19 +218,22 @@ class _Routes:
             return DatabaseUnavailable(text)
         return RouteUnavailable(text)
 
-    def _went_down(self, database: str) -> None:
+    def _went_down(self, database: str, consumer: str = "") -> None:
         """Remember that ``database`` does not answer: for ``down_pause`` seconds its
         deliveries are handed back at once, without a connection attempt, so that a
         database whose packets are dropped does not hold the worker's threads (or its
         event loop's slots) for a connect timeout each, while other databases wait."""
         with self._lock:
             self._down_until[database] = time.monotonic() + self.down_pause
+        if consumer:
+            metrics.route(consumer, database, "unavailable")
 
-    def _refuse_if_down(self, database: str) -> None:
+    def _refuse_if_down(self, database: str, consumer: str) -> None:
         until = self._down_until.get(database)
         if until is None:
             return
         if time.monotonic() < until:
+            metrics.route(consumer, database, "unavailable")
             raise DatabaseUnavailable(
                 f"database {database!r} did not answer; tried again within {self.down_pause}s"
             )
@@ -281,7 +299,7 @@ class RoutedInbox(_Routes):
 
     def _use(self, delivery: Delivery) -> Inbox:
         database = self.route(delivery)
-        self._refuse_if_down(database)
+        self._refuse_if_down(database, delivery.consumer)
         inbox = self.inbox(database)
         for name in self._admit(database, self._busy):
             self._inboxes[name].engine.dispose()
@@ -300,7 +318,7 @@ class RoutedInbox(_Routes):
         try:
             return inbox.process(delivery, handler, **kw)
         except DatabaseUnavailable:
-            self._went_down(self.route(delivery))
+            self._went_down(self.route(delivery), delivery.consumer)
             raise
 
     def process_batch(self, deliveries: Sequence[Delivery], handler: Callable[..., R]) -> Any:
@@ -308,7 +326,7 @@ class RoutedInbox(_Routes):
 
     def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
-            return self.route(op.delivery)
+            return self.resolve(op.delivery)
         delivery = getattr(op, "delivery", None)
         if delivery is None:
             raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
@@ -402,7 +420,7 @@ class AsyncRoutedInbox(_Routes):
 
     async def _use(self, delivery: Delivery) -> AsyncInbox:
         database = self.route(delivery)
-        self._refuse_if_down(database)
+        self._refuse_if_down(database, delivery.consumer)
         inbox = self.inbox(database)
         for name in self._admit(database, self._busy):
             await self._inboxes[name].engine.dispose()
@@ -421,7 +439,7 @@ class AsyncRoutedInbox(_Routes):
         try:
             return await inbox.process(delivery, handler, **kw)
         except DatabaseUnavailable:
-            self._went_down(self.route(delivery))
+            self._went_down(self.route(delivery), delivery.consumer)
             raise
 
     async def process_batch(
@@ -432,7 +450,7 @@ class AsyncRoutedInbox(_Routes):
 
     async def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
-            return self.route(op.delivery)
+            return self.resolve(op.delivery)
         delivery = getattr(op, "delivery", None)
         if delivery is None:
             raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
