@@ -89,12 +89,15 @@ class DatabaseMap:
       tenants: tenant -> database name.
       ranges: `TenantRange` entries, asked in order after ``tenants``.
       resolver: a function of the identity, asked first.
+      paused: tenants whose deliveries are handed back whatever the map says (while
+        their rows move to another database: docs/how-to/many-databases.md).
     """
 
     databases: Mapping[str, str]
     tenants: Mapping[str, str] = field(default_factory=dict)
     ranges: tuple[TenantRange, ...] = ()
     resolver: Resolver | None = None
+    paused: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.databases:
@@ -102,6 +105,7 @@ class DatabaseMap:
         for name in self.databases:
             _check_name(name)
         object.__setattr__(self, "ranges", tuple(self.ranges))
+        object.__setattr__(self, "paused", frozenset(self.paused))
         targets = [*self.tenants.values(), *(r.database for r in self.ranges)]
         unknown = sorted({name for name in targets if name not in self.databases})
         if unknown:
@@ -111,7 +115,14 @@ class DatabaseMap:
 
     def route(self, identity: MessageIdentity) -> str:
         """The name of the database that serves ``identity``; raises `UnknownTenant`
-        when nothing maps it, `RouteUnavailable` when the resolver raised."""
+        when nothing maps it, `RouteUnavailable` when the resolver raised or the tenant is
+        paused."""
+        if identity.tenant in self.paused:
+            raise RouteUnavailable(
+                f"tenant {identity.tenant!r} is paused (moving to another database)",
+                producer=identity.producer,
+                message_id=identity.message_id,
+            )
         if self.resolver is not None:
             try:
                 found = self.resolver(identity)
@@ -173,6 +184,7 @@ class DatabaseMap:
                 tenants={str(k): str(v) for k, v in dict(data.get("tenants", {})).items()},
                 ranges=ranges,
                 resolver=resolver,
+                paused=frozenset(str(t) for t in data.get("paused", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigurationError(f"not a database map: {exc!r}") from None

@@ -241,6 +241,7 @@ PUBLIC = {
         "RoutedInbox",
         "database_url",
     },
+    "inbox_middleware.storage.tenants": {"TENANT_TABLES", "copy_tenant", "delete_tenant"},
     "inbox_middleware.storage.engines": {
         "DEFAULT_CONNECTIONS",
         "async_engine",

@@ -137,3 +137,12 @@ def test_tenancy__the_connection_budget_bounds_open_databases():
     assert inbox._admit("b", lambda name: True) == []  # already open: no new connections
     with pytest.raises(ConfigurationError):
         RoutedInbox(DatabaseMap(DATABASES), pool_size=4, connection_budget=2)
+
+
+def test_tenancy__a_paused_tenant_is_handed_back_the_others_route():
+    routes = DatabaseMap.from_dict(
+        {"databases": DATABASES, "tenants": {"acme": "a", "globex": "a"}, "paused": ["acme"]}
+    )
+    with pytest.raises(RouteUnavailable):
+        routes.route(ident("acme"))
+    assert routes.route(ident("globex")) == "a"
