@@ -223,6 +223,7 @@ PUBLIC = {
         "connect",
         "database",
         "database_options",
+        "map_options",
         "naming_from",
         "naming_options",
     },
