@@ -5,6 +5,10 @@ duplicate after it; nothing of the tenant stays behind."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from typing import Any
+
 import pytest
 from sqlalchemy import Connection, create_engine, text
 
@@ -12,7 +16,6 @@ from inbox_middleware import DatabaseMap, MessageIdentity, RouteUnavailable
 from inbox_middleware.identity import hash_json
 from inbox_middleware.protocol import Decision, Delivery
 from inbox_middleware.storage.routed import RoutedInbox
-from inbox_middleware.storage.tenants import copy_tenant, delete_tenant
 
 from ..apps.domain import apply_credit
 from ..support.tenants import TenantDatabases
@@ -34,7 +37,17 @@ def credit(inbox: RoutedInbox, message_id: str, delta: int) -> Decision:
     return committed.verdict.decision
 
 
-def move_business_rows(source: Connection, target: Connection) -> None:
+def guide() -> Any:
+    """The guide's snippet, as the page shows it."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "many_databases.py"
+    spec = importlib.util.spec_from_file_location("snippet_many_databases", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def move_business_rows(source: Connection, target: Connection, tenant: str) -> None:
     """The user's part: the tenant's own rows (here: account 300 and its ledger)."""
     for table, key in (("accounts", "id"), ("ledger", "account_id")):
         rows = source.execute(text(f"SELECT * FROM {table} WHERE {key} = 300")).mappings().all()
@@ -58,17 +71,16 @@ def test_move_tenant__its_claims_move_with_its_rows(tenant_databases: TenantData
     with pytest.raises(RouteUnavailable):
         credit(paused, "m-2", 5)
     # ... and its rows move: the business rows and the inbox rows, in one transaction
+    with create_engine(urls["db0"]).connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
     source_engine, target_engine = (create_engine(urls[name]) for name in ("db0", "db1"))
     try:
-        with source_engine.begin() as source, target_engine.begin() as target:
-            copied = copy_tenant(source, target, "t3")
-            move_business_rows(source, target)
-            deleted = delete_tenant(source, "t3")
+        guide().move_tenant(source_engine, target_engine, "t3", move_business_rows)
     finally:
         source_engine.dispose()
         target_engine.dispose()
-    assert copied["inbox"] == deleted["inbox"] == 1
-    assert copied["quarantine"] == deleted["quarantine"] == 1
+    with create_engine(urls["db1"]).connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
     # Then, routed to db1, the message applied before the move is a duplicate there
     after = RoutedInbox(DatabaseMap(urls, tenants={"t3": "db1"}))
     try:

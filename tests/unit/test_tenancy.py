@@ -146,3 +146,25 @@ def test_tenancy__a_paused_tenant_is_handed_back_the_others_route():
     with pytest.raises(RouteUnavailable):
         routes.route(ident("acme"))
     assert routes.route(ident("globex")) == "a"
+
+
+def test_tenancy__the_guides_set_ups_build_without_connecting():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "many_databases.py"
+    spec = importlib.util.spec_from_file_location("snippet_many_databases", path)
+    assert spec is not None and spec.loader is not None
+    snippet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(snippet)
+    databases = snippet.fleet_map()
+    assert databases.route(ident("acme")) == "us-1"
+    assert databases.route(ident("globex")) == "eu-1"
+    assert databases.route(ident("umbrella")) == "eu-2"
+    middleware = snippet.dramatiq_fleet(databases)
+    assert middleware.inbox.engines == {}  # nothing opened before a delivery
+    inbox = snippet.faststream_fleet(databases)
+    assert inbox.storage.engines == {}
+    assert snippet.resolved.route(ident("eu:acme")) in ("eu-1", "eu-2")
+    assert snippet.resolved.route(ident("us:acme")) == "us-1"
+    with pytest.raises(UnknownTenant):
+        snippet.resolved.route(ident("acme"))
