@@ -25,7 +25,9 @@ broker = RedisBroker(
     heartbeat_timeout=5000,
 )
 broker.add_middleware(
-    InboxMiddleware(router=MapFile(ENV["BENCH_TENANTS_MAP"]), lock_timeout=5, count_interval=None)
+    InboxMiddleware(
+        router=MapFile(ENV["BENCH_TENANTS_MAP"]), pool_size=4, lock_timeout=5, count_interval=None
+    )
 )
 dramatiq.set_broker(broker)
 

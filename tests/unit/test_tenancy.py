@@ -168,3 +168,15 @@ def test_tenancy__the_guides_set_ups_build_without_connecting():
     assert snippet.resolved.route(ident("us:acme")) == "us-1"
     with pytest.raises(UnknownTenant):
         snippet.resolved.route(ident("acme"))
+
+
+def test_tenancy__a_database_holds_at_most_its_pool_of_a_workers_deliveries():
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4)
+    with inbox._slot("a", "billing"), inbox._slot("a", "billing"):
+        # a third delivery to the same database is handed back, never waits for it
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        with inbox._slot("b", "billing"):  # the other databases are not held up
+            pass
+    with inbox._slot("a", "billing"):  # released
+        pass

@@ -31,11 +31,12 @@ databases (no two-phase commit). Write to another tenant through the outbox.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Engine, create_engine
@@ -146,6 +147,7 @@ class _Routes:
         self._open: OrderedDict[str, None] = OrderedDict()
         self._checked: set[str] = set()
         self._down_until: dict[str, float] = {}
+        self._in_flight: dict[str, int] = {}
         self.down_pause = down_pause
 
     routed = True
@@ -217,6 +219,32 @@ class _Routes:
             self._went_down(database)
             return DatabaseUnavailable(text)
         return RouteUnavailable(text)
+
+    @contextlib.contextmanager
+    def _slot(self, database: str, consumer: str) -> Iterator[None]:
+        """One of the database's ``pool_size`` places for a delivery of this worker; none
+        free: handed back at once (`RouteUnavailable`), never waited for. So a database
+        that hangs (packets dropped: a connect or a query that never answers) holds at
+        most ``pool_size`` of the worker's threads or tasks, and the others go on serving
+        the other databases."""
+        with self._lock:
+            taken = self._in_flight.get(database, 0)
+            if taken >= self.pool_size:
+                busy = True
+            else:
+                busy = False
+                self._in_flight[database] = taken + 1
+        if busy:
+            metrics.route(consumer, database, "busy")
+            raise RouteUnavailable(
+                f"database {database!r} holds {self.pool_size} deliveries of this worker "
+                "already (its pool): handed back rather than wait"
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[database] -= 1
 
     def _went_down(self, database: str, consumer: str = "") -> None:
         """Remember that ``database`` does not answer: for ``down_pause`` seconds its
@@ -314,15 +342,19 @@ class RoutedInbox(_Routes):
     # -- what the adapters call -------------------------------------------------------------
 
     def process(self, delivery: Delivery, handler: Callable[[Session], R], **kw: Any) -> Any:
-        inbox = self._use(delivery)
-        try:
-            return inbox.process(delivery, handler, **kw)
-        except DatabaseUnavailable:
-            self._went_down(self.route(delivery), delivery.consumer)
-            raise
+        database = self.route(delivery)
+        with self._slot(database, delivery.consumer):
+            inbox = self._use(delivery)  # refused at once while the database is down
+            try:
+                return inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable:
+                self._went_down(database, delivery.consumer)
+                raise
 
     def process_batch(self, deliveries: Sequence[Delivery], handler: Callable[..., R]) -> Any:
-        return self._use(_one_database(self, deliveries)).process_batch(deliveries, handler)
+        first = _one_database(self, deliveries)
+        with self._slot(self.route(first), first.consumer):
+            return self._use(first).process_batch(deliveries, handler)
 
     def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -333,7 +365,8 @@ class RoutedInbox(_Routes):
         if isinstance(op, CountHandBack) and op.unreachable:
             database = self.route(delivery)  # remembered in memory only, no connection
             return self.inbox(database).bookkeep(op)
-        return self._use(delivery).bookkeep(op)
+        with self._slot(self.route(delivery), delivery.consumer):
+            return self._use(delivery).bookkeep(op)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)
@@ -435,18 +468,22 @@ class AsyncRoutedInbox(_Routes):
     async def process(
         self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]], **kw: Any
     ) -> Any:
-        inbox = await self._use(delivery)
-        try:
-            return await inbox.process(delivery, handler, **kw)
-        except DatabaseUnavailable:
-            self._went_down(self.route(delivery), delivery.consumer)
-            raise
+        database = self.route(delivery)
+        with self._slot(database, delivery.consumer):
+            inbox = await self._use(delivery)  # refused at once while the database is down
+            try:
+                return await inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable:
+                self._went_down(database, delivery.consumer)
+                raise
 
     async def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]]
     ) -> Any:
-        inbox = await self._use(_one_database(self, deliveries))
-        return await inbox.process_batch(deliveries, handler)
+        first = _one_database(self, deliveries)
+        with self._slot(self.route(first), first.consumer):
+            inbox = await self._use(first)
+            return await inbox.process_batch(deliveries, handler)
 
     async def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -456,7 +493,8 @@ class AsyncRoutedInbox(_Routes):
             raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
         if isinstance(op, CountHandBack) and op.unreachable:
             return await self.inbox(self.route(delivery)).bookkeep(op)
-        return await (await self._use(delivery)).bookkeep(op)
+        with self._slot(self.route(delivery), delivery.consumer):
+            return await (await self._use(delivery)).bookkeep(op)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)
