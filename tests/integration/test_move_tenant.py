@@ -37,6 +37,15 @@ def credit(inbox: RoutedInbox, message_id: str, delta: int) -> Decision:
     return committed.verdict.decision
 
 
+def quarantined(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) or 0)
+    finally:
+        engine.dispose()
+
+
 def guide() -> Any:
     """The guide's snippet, as the page shows it."""
     path = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "many_databases.py"
@@ -71,16 +80,14 @@ def test_move_tenant__its_claims_move_with_its_rows(tenant_databases: TenantData
     with pytest.raises(RouteUnavailable):
         credit(paused, "m-2", 5)
     # ... and its rows move: the business rows and the inbox rows, in one transaction
-    with create_engine(urls["db0"]).connect() as conn:
-        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+    assert quarantined(urls["db0"]) == 1
     source_engine, target_engine = (create_engine(urls[name]) for name in ("db0", "db1"))
     try:
         guide().move_tenant(source_engine, target_engine, "t3", move_business_rows)
     finally:
         source_engine.dispose()
         target_engine.dispose()
-    with create_engine(urls["db1"]).connect() as conn:
-        assert conn.scalar(text("SELECT count(*) FROM inbox_quarantine")) == 1
+    assert quarantined(urls["db1"]) == 1
     # Then, routed to db1, the message applied before the move is a duplicate there
     after = RoutedInbox(DatabaseMap(urls, tenants={"t3": "db1"}))
     try:
