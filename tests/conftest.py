@@ -23,6 +23,7 @@ from .support.engines import async_engine, sync_engine
 pytest_plugins = [
     "pytester",  # the plugin's own tests run users' suites
     "tests.support.outage",  # the outage PostgreSQL fixture
+    "tests.support.tenants",  # the three tenant databases
 ]
 
 

@@ -23,14 +23,17 @@ from .exceptions import (
     PayloadNotHashable,
     PermanentError,
     PrerequisiteError,
+    RouteUnavailable,
     SchemaError,
     TransactionConflict,
     TransientError,
+    UnknownTenant,
 )
 from .identity import MessageIdentity, PayloadHash
 from .protocol import Decision, Delivery
 from .storage import Committed, Inbox, InboxSchema, Outcome, current_delivery, migrate
 from .storage.engines import engine_from_url
+from .tenancy import DatabaseMap, MapFile, TenantRange, load_map
 
 if TYPE_CHECKING:
     from .storage.aio import AsyncInbox
@@ -40,6 +43,7 @@ __all__ = [
     "ClaimInProgress",
     "Committed",
     "ConfigurationError",
+    "DatabaseMap",
     "DatabaseUnavailable",
     "Decision",
     "Delivery",
@@ -49,6 +53,7 @@ __all__ = [
     "InboxError",
     "InboxSchema",
     "InvalidIdentity",
+    "MapFile",
     "MessageIdentity",
     "MissingIdentity",
     "Outcome",
@@ -56,12 +61,16 @@ __all__ = [
     "PayloadNotHashable",
     "PermanentError",
     "PrerequisiteError",
+    "RouteUnavailable",
     "SchemaError",
+    "TenantRange",
     "TransactionConflict",
     "TransientError",
+    "UnknownTenant",
     "canonical_json",
     "current_delivery",
     "engine_from_url",
+    "load_map",
     "migrate",
 ]
 

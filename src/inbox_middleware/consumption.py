@@ -9,6 +9,10 @@ tells the broker, in one ``match``::
     Arrival ──> held (the start-up check has not passed)? ──> CountHandBack ──> HandedBack
        ├──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
        │                         └─ reject ──> Publish(dead letter) ──────> DeadLettered
+       ├──> routed over many databases? ──> ResolveRoute
+       │      ├─ unknown tenant ──> Publish(dead letter) ─────────────────> DeadLettered
+       │      ├─ raised (resolver, map reloading, budget) ─> CountHandBack ─> HandedBack
+       │      └─ the tenant's database: every operation below goes there
        ├──> redelivered without outcome too often? ──> RecordPoison ──────> Poisoned
        ├──> claimed under its earlier broker id since it was stored? ─────> Duplicate
        └──> Process (claim, handler, commit, in one transaction)
@@ -55,6 +59,7 @@ from .exceptions import (
     SchemaError,
     TransactionAborted,
     TransientError,
+    UnknownTenant,
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
 from .policy import ConsumerPolicy
@@ -69,6 +74,7 @@ __all__ = [
     "REMEMBERED_MESSAGES",
     "RETRIES_EXHAUSTED",
     "UNIDENTIFIED_KEY_BYTES",
+    "UNKNOWN_TENANT",
     "Arrival",
     "BatchArrival",
     "BatchProcessed",
@@ -94,6 +100,7 @@ __all__ = [
     "RecordPoison",
     "RefusedFirstSeen",
     "RejectRequested",
+    "ResolveRoute",
     "RetryBudget",
     "Route",
     "Rules",
@@ -124,6 +131,9 @@ EXPIRED_REDELIVERY = ReasonCode.EXPIRED_REDELIVERY
 HANDLER_REJECTED = ReasonCode.HANDLER_REJECTED
 HANDLER_TRANSACTION = ReasonCode.HANDLER_TRANSACTION
 INBOX_ERROR = ReasonCode.INBOX_ERROR
+
+UNKNOWN_TENANT = "unknown_tenant"
+"""The reason of a dead letter whose tenant no database of the map serves."""
 
 _ERROR_TEXT = 2000  # longest error text kept
 
@@ -204,6 +214,10 @@ class Arrival:
     """Why the inbox cannot settle anything yet: the start-up check, run at the first
     message (FastStream without ``guard``), failed (the database down, the schema not
     migrated). The delivery is handed back before anything else, counted as a hand-back."""
+    routed: bool = False
+    """Whether the adapter serves many databases (a `DatabaseMap`): the core then asks
+    for the delivery's database first (`ResolveRoute`), and decides what an unknown
+    tenant or a failed resolution means."""
 
     @property
     def consumer(self) -> str | None:
@@ -250,6 +264,16 @@ class Process:
     """Raised, after the claim and instead of the handler, when the claim is first seen
     (an expired redelivery the policy rejects): rolled back, then decided like any
     permanent failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveRoute:
+    """Choose the database of ``delivery``'s tenant, where every later operation of this
+    delivery goes (the claim, the handler's session, outputs, attempts, poison,
+    quarantine); answer its name. Raise `UnknownTenant` when no database serves the
+    tenant, anything else when it cannot be chosen now."""
+
+    delivery: Delivery
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +399,7 @@ Op = (
     | Publish
     | ProcessBatch
     | SendOutputs
+    | ResolveRoute
 )
 
 
@@ -595,6 +620,21 @@ def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, 
         return (yield from _held(arrival, arrival.held))
     if delivery is None:
         return (yield from _without_identity(arrival, rules))
+    if arrival.routed:
+        try:
+            yield ResolveRoute(delivery)
+        except UnknownTenant as exc:
+            # No database holds this tenant's data, so none can keep a record of it: the
+            # dead letter, with its reason, is the durable record. Never a default database.
+            details = rejection_details(exc, arrival.consumer, arrival.source)
+            details["tenant"] = exc.tenant
+            return (yield from _reject(DeadLettered(UNKNOWN_TENANT, exc), details))
+        except Exception as exc:
+            # The resolver's or the map's trouble, or the connection budget: no fault of
+            # the message, and no database to count the hand-back in but this process.
+            with contextlib.suppress(Exception):
+                yield CountHandBack(delivery, unreachable=True)
+            return HandedBack(exc, counted=False)
     try:
         poisoned = yield from _limit_redeliveries(arrival, delivery, rules)
     except Exception as exc:  # the database's trouble: the same as at the claim

@@ -8,6 +8,7 @@ InboxError
 │   ├── MissingIdentity           no producer or message id on the message
 │   └── InvalidIdentity           a value is too long, empty, not text, ...
 ├── PayloadNotHashable            the payload has no canonical form
+├── UnknownTenant                 no database serves the message's tenant; never retried
 ├── HandlerTransactionError       the handler tried to end the inbox's transaction itself
 │   ├── TransactionAborted        the handler swallowed a database error: nothing can commit
 │   ├── ClaimNotCommitted         the transaction at COMMIT was not the claim's, or rolled back
@@ -17,7 +18,8 @@ InboxError
 └── TransientError                the attempt rolled back; the message must be retried later
     ├── ClaimInProgress           another delivery of the message holds the claim (lock_timeout)
     ├── TransactionConflict       serialization failure or deadlock, after the in-process retries
-    └── DatabaseUnavailable       the database could not be reached or dropped the connection
+    ├── DatabaseUnavailable       the database could not be reached or dropped the connection
+    └── RouteUnavailable          the tenant's database cannot be chosen now (resolver, map)
 ```
 
 Driver errors become these types in exactly one place, `inbox_middleware.storage.errors`:
@@ -44,10 +46,12 @@ __all__ = [
     "PayloadNotHashable",
     "PermanentError",
     "PrerequisiteError",
+    "RouteUnavailable",
     "SchemaError",
     "TransactionAborted",
     "TransactionConflict",
     "TransientError",
+    "UnknownTenant",
 ]
 
 
@@ -100,6 +104,18 @@ class PayloadNotHashable(InboxError):
 
     def __init__(self, message: str | None = None, *, path: str = "$", **kw: str | None) -> None:
         self.path = path
+        super().__init__(message, **kw)
+
+
+class UnknownTenant(InboxError):
+    """No database of the map serves the message's tenant.
+
+    A durable rejection: the message is dead-lettered with this reason (there is no
+    database of that tenant to keep a record in), never claimed in another database.
+    """
+
+    def __init__(self, message: str | None = None, *, tenant: str = "", **kw: str | None):
+        self.tenant = tenant
         super().__init__(message, **kw)
 
 
@@ -179,3 +195,8 @@ class TransactionConflict(TransientError):
 
 class DatabaseUnavailable(TransientError):
     """The database could not be reached, or the connection broke mid-transaction."""
+
+
+class RouteUnavailable(TransientError):
+    """The database of the message's tenant cannot be chosen or reached now: the resolver
+    raised, the map is being reloaded, or the connection budget is spent. Retried later."""

@@ -1,4 +1,6 @@
-"""A TCP proxy on 127.0.0.1 that a test can break: refuse new connections, cut live ones.
+"""A TCP proxy on 127.0.0.1 that a test can break: refuse new connections, cut live ones,
+or black-hole them (bytes taken and never passed on, nothing answered: what a network
+that drops packets does to a client without a timeout).
 
 Pointing an engine at the proxy turns "the database is down" and "the connection dropped
 mid-transaction" into real network failures, without stopping the shared server.
@@ -10,6 +12,7 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 
 class Proxy:
@@ -21,6 +24,8 @@ class Proxy:
         self._links: list[socket.socket] = []
         self._accepting = True
         self._closed = False
+        self._holed = False
+        self._held: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     # -- faults ---------------------------------------------------------------------------
@@ -43,6 +48,21 @@ class Proxy:
     def up(self) -> None:
         self._accepting = True
 
+    def blackhole(self) -> None:
+        """From now on nothing passes either way and nothing is answered: live connections
+        hang, new ones are accepted and never served."""
+        self._holed = True
+
+    def unblackhole(self) -> None:
+        """End the black hole: the connections it swallowed bytes of are reset (their
+        peers would wait forever otherwise); new ones are served again."""
+        self._holed = False
+        self.cut()
+        with self._lock:
+            held, self._held = self._held, []
+        for sock in held:
+            _reset(sock)
+
     def close(self) -> None:
         self._closed = True
         self.down()
@@ -59,6 +79,10 @@ class Proxy:
             if not self._accepting:
                 _reset(client)
                 continue
+            if self._holed:
+                with self._lock:
+                    self._held.append(client)
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
                 server.settimeout(None)
@@ -68,13 +92,19 @@ class Proxy:
             with self._lock:
                 self._links += [client, server]
             for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        _pump(source, sink, lambda: self._holed)
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def _pump(
+    source: socket.socket, sink: socket.socket, holed: Callable[[], bool] = lambda: False
+) -> None:
     with contextlib.suppress(OSError):
         while data := source.recv(65536):
-            sink.sendall(data)
+            if not holed():
+                sink.sendall(data)
     _reset(sink)
     _reset(source)
 

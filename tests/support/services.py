@@ -16,7 +16,9 @@ a Redis with an append-only file fsynced on every write; ``INBOX_TEST_POSTGRES_P
 ``host:port`` of a PostgreSQL primary and of its synchronous streaming standby, comma
 separated (two local clusters, restarted and promoted by the failover tests, see
 `tests.support.servers`); ``INBOX_TEST_POSTGRES_OUTAGE``, a PostgreSQL the outage tests
-stop and start (`tests.support.outage`).
+stop and start (`tests.support.outage`); ``INBOX_TEST_POSTGRES_TENANTS``, three
+PostgreSQL servers of the many-databases tests (comma-separated URLs), which they stop and
+start (`tests.support.tenants`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ POSTGRES_PAIR = os.environ.get("INBOX_TEST_POSTGRES_PAIR", "127.0.0.1:5433,127.0
 POSTGRES_OUTAGE = os.environ.get(
     "INBOX_TEST_POSTGRES_OUTAGE", "postgresql://postgres@127.0.0.1:5446/postgres"
 )
+# Three PostgreSQL servers of the many-databases tests (a fleet over a database per shard).
+POSTGRES_TENANTS = os.environ.get(
+    "INBOX_TEST_POSTGRES_TENANTS",
+    ",".join(f"postgresql://postgres@127.0.0.1:{port}/postgres" for port in (5450, 5451, 5452)),
+).split(",")
 RABBITMQ = os.environ.get("INBOX_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS = os.environ.get("INBOX_TEST_NATS", "nats://127.0.0.1:4222")
 KAFKA = os.environ.get("INBOX_TEST_KAFKA", "127.0.0.1:9092")  # bootstrap servers

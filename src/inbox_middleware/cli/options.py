@@ -3,7 +3,12 @@ naming, and the connection. Other modules may import this one (and only this one
 the command line.
 
 Every command takes ``--database-url`` (or ``INBOX_DATABASE_URL``) and the table naming
-(``--schema``, ``--prefix``, or ``INBOX_SCHEMA`` / ``INBOX_PREFIX``).
+(``--schema``, ``--prefix``, or ``INBOX_SCHEMA`` / ``INBOX_PREFIX``). A fleet over many
+databases gives ``--map FILE`` (or ``INBOX_DATABASE_MAP``: the `DatabaseMap` file its
+workers read) instead of the URL: the command then runs on every database of the map, one
+after the other, or on the database of one tenant (``--tenant``); each database's output
+follows a line ``== database NAME`` on standard error, a database that fails is reported
+and the others still run, and the command fails at the end if any did.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = [
     "connect",
     "database",
     "database_options",
+    "map_options",
     "naming_from",
     "naming_options",
 ]
@@ -134,7 +140,23 @@ def database_options(command: F) -> F:
     """``--database-url``, ``--schema`` and ``--prefix``. The command runs where the URL's
     driver works: with asyncpg only, in the greenlet SQLAlchemy's asyncio driver needs."""
 
+    # A command with a tenant of its own (explain: the identity's) routes by that one.
+    own_tenant = any(p.name == "tenant" for p in getattr(command, "__click_params__", []))
+
     @functools.wraps(command)
+    def per_database(*args: Any, **kwargs: Any) -> Any:
+        map_file = kwargs.pop("map_file")
+        tenant = kwargs.get("tenant") if own_tenant else kwargs.pop("tenant")
+        if map_file is None:
+            if tenant is not None and not own_tenant:
+                raise click.UsageError("--tenant needs --map (the database map)")
+            if kwargs["database_url"] is None:
+                raise click.UsageError("Missing option '--database-url' (or --map).")
+            return under_driver(*args, **kwargs)
+        if kwargs["database_url"] is not None:
+            raise click.UsageError("give --database-url or --map, not both")
+        return _each_database(map_file, tenant, under_driver, args, kwargs)
+
     def under_driver(*args: Any, **kwargs: Any) -> Any:
         try:
             url = parse_url(kwargs["database_url"])
@@ -150,12 +172,69 @@ def database_options(command: F) -> F:
         "--database-url",
         envvar="INBOX_DATABASE_URL",
         show_envvar=True,
-        required=True,
+        default=None,
         help="SQLAlchemy URL of the database holding the inbox tables (postgresql://, "
         "postgres://, postgresql+asyncpg://, sqlite:///); used through whichever "
         "PostgreSQL driver is installed.",
-    )(naming_options(under_driver))
+    )(naming_options(map_options(per_database, tenant=not own_tenant)))
     return wrapped  # type: ignore[return-value]
+
+
+def map_options(command: F, *, tenant: bool = True) -> F:
+    """``--map`` and ``--tenant``: every database of a fleet's map, or one tenant's."""
+    if tenant:
+        command = click.option(
+            "--tenant",
+            default=None,
+            help="With --map: only the database that serves this tenant.",
+        )(command)
+    return click.option(
+        "--map",
+        "map_file",
+        envvar="INBOX_DATABASE_MAP",
+        show_envvar=True,
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="A database map file (JSON or TOML, as DatabaseMap reads it): run on every "
+        "database it names, instead of --database-url.",
+    )(command)
+
+
+def _each_database(
+    map_file: str,
+    tenant: str | None,
+    run: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Run the command on each database of the map (or the tenant's); report each failure
+    and go on, then fail when any did."""
+    from sqlalchemy.exc import DBAPIError
+
+    from ..exceptions import InboxError
+    from ..tenancy import load_map
+
+    if click.get_current_context().command_path.endswith("outbox run"):
+        raise click.UsageError(
+            "a dispatcher runs until stopped: start one `outbox run` per database "
+            "(--database-url), or one per database and tenant group"
+        )
+    routes = load_map(map_file)
+    names = routes.databases_of(tenant)
+    failed: list[str] = []
+    for name in names:
+        click.echo(f"== database {name}", err=True)
+        try:
+            run(*args, **{**kwargs, "database_url": routes.url(name)})
+        except (InboxError, DBAPIError, click.ClickException) as exc:
+            text = str(exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc)
+            first = (text.strip().splitlines() or [type(exc).__name__])[0]
+            click.echo(f"error: database {name}: {first}", err=True)
+            failed.append(name)
+    if failed:
+        raise click.ClickException(
+            f"{len(failed)} of {len(names)} databases failed: {', '.join(failed)}"
+        )
 
 
 def naming_from(schema: str | None, prefix: str) -> InboxSchema:

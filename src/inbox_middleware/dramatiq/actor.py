@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from ..policy import ConsumerPolicy
     from ..storage import Inbox
     from ..storage.aio import AsyncInbox
+    from ..storage.routed import AsyncRoutedInbox, RoutedInbox
     from ..tracing import NoTracing, Tracing
 
 __all__ = ["SKIPPED", "ActorHost", "InboxActor", "Pending"]
@@ -95,8 +96,8 @@ class ActorHost(Protocol):
     """What an inbox actor needs of the `InboxMiddleware` that wraps it (which builds the
     actors, so this module does not import it)."""
 
-    inbox: Inbox | None
-    async_inbox: AsyncInbox | None
+    inbox: Inbox | RoutedInbox | None
+    async_inbox: AsyncInbox | AsyncRoutedInbox | None
     policy: ConsumerPolicy
     canonical_form: Any
     quarantine_queue: str
@@ -199,6 +200,8 @@ class InboxActor:
             "sends_outputs": True,  # pipeline steps and on_success, before the ack
             "declared_consumer": self.consumer,
             "source": message.queue_name,
+            # Over many databases, the core chooses the delivery's database first.
+            "routed": bool(getattr(self._storage, "routed", False)),
         }
         try:
             return Arrival(self.delivery(message), **common)

@@ -29,8 +29,16 @@ from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience
 if TYPE_CHECKING:
     from ..storage import Inbox
     from ..storage.aio import AsyncInbox
+    from ..storage.routed import RoutedInbox
 
-__all__ = ["EXIT_STATUS", "QuietSkips", "WorkerBootError", "check_database", "refuse_boot"]
+__all__ = [
+    "EXIT_STATUS",
+    "QuietSkips",
+    "WorkerBootError",
+    "check_database",
+    "check_routed",
+    "refuse_boot",
+]
 
 logger = logging.getLogger("inbox_middleware.dramatiq")
 
@@ -43,6 +51,17 @@ def refuse_boot(reason: str) -> None:
 class WorkerBootError(ConfigurationError, MiddlewareError):
     """The worker must not start: the database is unreachable, or the inbox's schema or
     database settings are wrong."""
+
+
+def check_routed(inbox: RoutedInbox) -> None:
+    """The start-up check over many databases: every database the map names is checked;
+    one that does not answer is left to its first delivery (it must not keep the fleet
+    from starting), one that refuses (schema, settings) refuses the start."""
+    try:
+        inbox.check()
+    except Exception as exc:
+        refuse_boot(_boot_error(exc))
+        raise WorkerBootError(_boot_error(exc)) from exc
 
 
 def check_database(

@@ -64,11 +64,18 @@ from ..outputs import Output
 from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
 from ..storage import Inbox, InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..storage.routed import (
+    DEFAULT_CONNECTION_BUDGET,
+    DEFAULT_POOL_SIZE,
+    AsyncRoutedInbox,
+    RoutedInbox,
+)
 from ..storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
 from ..tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
+from ..tenancy import Router
 from ..tracing import tracing_for
 from .actor import SKIPPED, InboxActor, Pending
-from .boot import QuietSkips, WorkerBootError, check_database
+from .boot import QuietSkips, WorkerBootError, check_database, check_routed
 from .context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
 from .counts import count_flusher
 from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
@@ -163,6 +170,10 @@ class InboxMiddleware(dramatiq.Middleware):
         up; ``retry_backoff`` does not apply (hand-backs wait as Retries' backoff says).
       **settings: any `ConsumerPolicy` setting by name, changing ``policy``
         (``redelivery_limit=5``, ``shadow=True``).
+      router: instead of an engine, a `DatabaseMap` (or `MapFile`): each delivery is
+        claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
+        ``pool_size`` connections per open database, ``connection_budget`` over all of them
+        (`inbox_middleware.storage.routed`).
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
     ``inbox_handler_version``, ``inbox_canonical_form``, ``inbox_quarantine_queue``, and
@@ -195,6 +206,9 @@ class InboxMiddleware(dramatiq.Middleware):
         startup_patience: float = DEFAULT_STARTUP_PATIENCE,
         count_interval: float | None = DEFAULT_COUNT_INTERVAL,
         policy: ConsumerPolicy | None = None,
+        router: Router | None = None,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
         **settings: Unpack[PolicySettings],
     ) -> None:
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
@@ -206,14 +220,26 @@ class InboxMiddleware(dramatiq.Middleware):
             "lock_timeout": lock_timeout,
             "serialization_retries": serialization_retries,
         }
-        self.inbox = Inbox(engine, **storage) if engine is not None else None
-        self.async_inbox: AsyncInbox | None = None
+        self.inbox: Inbox | RoutedInbox | None = (
+            Inbox(engine, **storage) if engine is not None else None
+        )
+        self.async_inbox: AsyncInbox | AsyncRoutedInbox | None = None
         if async_engine is not None:
             from ..storage.aio import AsyncInbox
 
             self.async_inbox = AsyncInbox(async_engine, **storage)
+        self.routed = router is not None
+        if router is not None:
+            if self.inbox is not None or self.async_inbox is not None:
+                raise ConfigurationError("give InboxMiddleware an engine or a router, not both")
+            budget: dict[str, Any] = {
+                "pool_size": pool_size,
+                "connection_budget": connection_budget,
+            }
+            self.inbox = RoutedInbox(router, **storage, **budget)
+            self.async_inbox = AsyncRoutedInbox(router, **storage, **budget)
         if self.inbox is None and self.async_inbox is None:
-            raise ConfigurationError("InboxMiddleware needs an Engine or an AsyncEngine")
+            raise ConfigurationError("InboxMiddleware needs an Engine, an AsyncEngine or a router")
         # Dramatiq's Retries bounds the attempts (see retry_budget), unless one is set here.
         self.policy = (policy or ConsumerPolicy(max_attempts=None)).override(**settings)
         self.quarantine_queue = quarantine_queue
@@ -542,9 +568,17 @@ class InboxMiddleware(dramatiq.Middleware):
         self.tracing.warn_if_inert()
         if not (self.check_database and self._actors):
             return
+        if isinstance(self.inbox, RoutedInbox):
+            check_routed(self.inbox)
+            return
+        assert not isinstance(self.async_inbox, AsyncRoutedInbox)
         check_database(self.inbox, self.async_inbox, worker.worker_threads, self.startup_patience)
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if self.routed:
+            return  # settlement counts are written per database by no one yet
+        assert not isinstance(self.inbox, RoutedInbox)
+        assert not isinstance(self.async_inbox, AsyncRoutedInbox)
         if self._actors and self._counts is None:
             self._counts = count_flusher(self.inbox, self.async_inbox, self.count_interval)
 
@@ -558,8 +592,13 @@ class InboxMiddleware(dramatiq.Middleware):
         from dramatiq.asyncio import get_event_loop_thread
 
         loop_thread = get_event_loop_thread()
+        if isinstance(self.inbox, RoutedInbox):
+            self.inbox.dispose()
         if self.async_inbox is not None and loop_thread and loop_thread.loop.is_running():
-            loop_thread.run_coroutine(self.async_inbox.engine.dispose())
+            if isinstance(self.async_inbox, AsyncRoutedInbox):
+                loop_thread.run_coroutine(self.async_inbox.dispose())
+            else:
+                loop_thread.run_coroutine(self.async_inbox.engine.dispose())
 
 
 def _leave_the_barrier(message: MessageProxy) -> None:

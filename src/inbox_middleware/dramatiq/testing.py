@@ -34,6 +34,7 @@ from ..harness import (
 )
 from ..storage import InboxSchema
 from ..storage.inspection import claim_queries
+from ..storage.routed import AsyncRoutedInbox, RoutedInbox
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -79,6 +80,10 @@ class DramatiqCheck:
         self.consumer: str = bound.consumer
         self.asynchronous: bool = bound.is_async
         self._async_engine: AsyncEngine | None = None
+        if isinstance(middleware.inbox, RoutedInbox) or isinstance(
+            middleware.async_inbox, AsyncRoutedInbox
+        ):
+            raise ConfigurationError("this test tool serves a middleware of one database")
         if bound.is_async:
             assert middleware.async_inbox is not None
             self.naming: InboxSchema = middleware.async_inbox.naming

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ..consumption import HandBackDelays
     from ..policy import ConsumerPolicy
     from ..storage.aio import AsyncInbox
+    from ..storage.routed import AsyncRoutedInbox
     from ..tracing import NoTracing, Tracing
     from .brokers import BrokerAdapter
     from .consumer import InboxConsumer
@@ -63,7 +64,7 @@ class BatchSubscription(Protocol):
     dead_letter: str | None
     policy: ConsumerPolicy
     quarantine: str
-    storage: AsyncInbox
+    storage: AsyncInbox | AsyncRoutedInbox
     tracing: Tracing | NoTracing
 
     def delivery(self, item: Item) -> Delivery: ...

@@ -28,8 +28,10 @@ from ..identity import MAX_NAME_LENGTH, validate_name
 from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
 from ..storage import InboxSchema
 from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from ..storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
 from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
 from ..tally import DEFAULT_COUNT_INTERVAL, AsyncCountFlusher, check_interval
+from ..tenancy import Router
 from ..tracing import tracing_for
 from .boot import refuse_start, watch_supervisor
 from .brokers import adapter_for
@@ -87,6 +89,10 @@ class FastStreamInbox:
         publishes), documented there once.
       **settings: any `ConsumerPolicy` setting by name, changing ``policy``
         (``max_attempts=5``, ``shadow=True``).
+      router: instead of ``engine``, a `DatabaseMap` (or `MapFile`): each delivery is
+        claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
+        ``pool_size`` connections per open database, ``connection_budget`` over all of them
+        (`inbox_middleware.storage.routed`).
 
     The consumer name and handler version come from ``inbox.consumer(...)``, which also
     overrides any consumer setting for its subscriber.
@@ -94,7 +100,7 @@ class FastStreamInbox:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | None = None,
         *,
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
@@ -107,16 +113,33 @@ class FastStreamInbox:
         tracing: Any = False,
         count_interval: float | None = DEFAULT_COUNT_INTERVAL,
         policy: ConsumerPolicy | None = None,
+        router: Router | None = None,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
         **settings: Unpack[PolicySettings],
     ) -> None:
         from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
-        self.storage: AsyncInbox = AsyncInbox(
-            engine,
-            naming=naming,
-            lock_timeout=lock_timeout,
-            serialization_retries=serialization_retries,
-        )
+        if (engine is None) == (router is None):
+            raise ConfigurationError("give FastStreamInbox an AsyncEngine or a router")
+        self.storage: AsyncInbox | AsyncRoutedInbox
+        if router is not None:
+            self.storage = AsyncRoutedInbox(
+                router,
+                naming=naming,
+                lock_timeout=lock_timeout,
+                serialization_retries=serialization_retries,
+                pool_size=pool_size,
+                connection_budget=connection_budget,
+            )
+        else:
+            assert engine is not None
+            self.storage = AsyncInbox(
+                engine,
+                naming=naming,
+                lock_timeout=lock_timeout,
+                serialization_retries=serialization_retries,
+            )
         self.policy = (policy or ConsumerPolicy()).override(**settings)
         self.quarantine = quarantine
         self.dead_letter = dead_letter
@@ -127,7 +150,8 @@ class FastStreamInbox:
         self.backoff = HandBackDelays(*self.policy.retry_backoff)
         self.tracing = tracing_for(tracing)
         self.counts: AsyncCountFlusher | None = None
-        if (interval := check_interval(count_interval)) is not None:
+        interval = check_interval(count_interval)
+        if engine is not None and interval is not None:  # one database: counts there
             self.counts = AsyncCountFlusher.for_engine(engine, self.storage.naming, interval)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""

@@ -105,6 +105,7 @@ from .payload import delivery as read_delivery
 
 if TYPE_CHECKING:
     from ..storage.aio import AsyncInbox
+    from ..storage.routed import AsyncRoutedInbox
 
 __all__ = ["Subscription"]
 
@@ -120,7 +121,7 @@ class Subscription:
     def __init__(
         self,
         *,
-        storage: AsyncInbox,
+        storage: AsyncInbox | AsyncRoutedInbox,
         consumer: InboxConsumer,
         adapter: BrokerAdapter,
         policy: ConsumerPolicy,
@@ -236,6 +237,8 @@ class Subscription:
             or (self.replies and bool(getattr(message, "reply_to", None))),
             "declared_consumer": self.consumer.name,
             "source": self.adapter.source,
+            # Over many databases, the core chooses the delivery's database first.
+            "routed": bool(getattr(self.storage, "routed", False)),
         }
         try:
             claim = self.delivery(item)

@@ -1,0 +1,545 @@
+"""The inbox over many databases: one `Inbox` (or `AsyncInbox`) per database of a
+`DatabaseMap`, chosen for each delivery by its identity.
+
+`RoutedInbox` and `AsyncRoutedInbox` are what the adapters hold in place of one
+`Inbox`: ``process``, ``transaction``, ``bookkeep``, ``keep_output`` and ``check`` go to
+the database of the delivery they concern, so the claim, the handler's session, the stored
+output, the attempts, the poison and the quarantine rows of a delivery all land in its
+tenant's database. The consumption core asks for the route first (`ResolveRoute`,
+answered by ``bookkeep``) and decides what an unknown tenant or a failed resolution means.
+
+**Connection budget.** Engines are created lazily, at a database's first delivery, each
+with a small pool (``pool_size`` connections, no overflow). At most
+``connection_budget // pool_size`` databases hold connections at once: when another one
+is needed, the least recently used database whose connections are all idle is closed
+(its engine disposed; it reopens on its next delivery). When every open database is busy,
+the delivery is handed back (`RouteUnavailable`) rather than exceed the budget. So a
+worker never holds more than ``connection_budget`` connections, however many databases
+the map names; a fleet over hundreds of databases should also put PgBouncer in front of
+them (cold connects then cost a pooler round trip, not a PostgreSQL backend start).
+
+**Start-up check.** ``check`` verifies every database the map names: a schema not
+migrated or settings that break the guarantee refuse the start, as with one database; a
+database that does not answer is left to its first delivery (checked then, lazily, like a
+database only a resolver names), so one database down never keeps the fleet from
+starting. A database not checked yet is checked before its first claim; while that fails
+its deliveries are handed back.
+
+A handler works in its own tenant's database only: there is no transaction over two
+databases (no two-phase commit). Write to another tenant through the outbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session
+
+from ..consumption import CountHandBack, Op, ResolveRoute
+from ..exceptions import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    RouteUnavailable,
+    TransientError,
+    UnknownTenant,
+)
+from ..instruments import metrics
+from ..outputs import Output
+from ..protocol import Delivery
+from ..tenancy import Router
+from .engines import pooler_connect_args
+from .errors import Failure, classify
+from .executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES, Inbox
+from .tables import InboxSchema
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+    from .aio import AsyncInbox
+
+__all__ = [
+    "DEFAULT_CONNECTION_BUDGET",
+    "DEFAULT_POOL_SIZE",
+    "AsyncRoutedInbox",
+    "RoutedInbox",
+    "database_url",
+]
+
+logger = logging.getLogger("inbox_middleware")
+
+DEFAULT_POOL_SIZE = 4
+"""Connections per open database."""
+DEFAULT_CONNECTION_BUDGET = 64
+"""Connections a worker process holds at most over all its databases."""
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds a connection attempt to a database waits: a database whose packets are
+dropped must not hold a worker thread for the kernel's TCP timeout (minutes)."""
+
+DEFAULT_DOWN_PAUSE = 1.0
+"""Seconds a database that did not answer is not tried again (its deliveries are handed
+back at once meanwhile)."""
+
+R = TypeVar("R")
+
+
+def database_url(url: str, asynchronous: bool) -> Any:
+    """The map's URL with the driver the inbox uses: asyncpg for an async inbox, else
+    psycopg (or whichever sync driver is installed)."""
+    from .engines import parse_url, postgresql_driver
+
+    parsed = parse_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return parsed
+    if asynchronous:
+        return parsed.set(drivername="postgresql+asyncpg")
+    driver = postgresql_driver(parsed.set(drivername="postgresql"))
+    if driver == "asyncpg":
+        raise ConfigurationError("a synchronous routed inbox needs psycopg or psycopg2")
+    return parsed.set(drivername=f"postgresql+{driver}")
+
+
+class _Routes:
+    """What both routed inboxes share: the map, the open databases in order of use, and
+    the budget rule. ``_open`` holds the databases that may hold connections, least
+    recently used first."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        naming: InboxSchema | None,
+        lock_timeout: float | None,
+        serialization_retries: int,
+        pool_size: int,
+        connection_budget: int,
+        connect_timeout: float,
+        engine_options: dict[str, Any] | None,
+        down_pause: float,
+    ) -> None:
+        if not isinstance(router, Router):
+            raise ConfigurationError(
+                f"router must be a DatabaseMap (or a Router), got {type(router).__name__}"
+            )
+        if pool_size < 1:
+            raise ConfigurationError("pool_size must be one connection or more")
+        if connection_budget < pool_size:
+            raise ConfigurationError("connection_budget must hold one database's pool")
+        self.router = router
+        self.naming = naming or InboxSchema()
+        self.pool_size = pool_size
+        self.connection_budget = connection_budget
+        self.max_open = connection_budget // pool_size
+        self.connect_timeout = connect_timeout
+        self.engine_options = dict(engine_options or {})
+        self.storage_options: dict[str, Any] = {
+            "naming": self.naming,
+            "lock_timeout": lock_timeout,
+            "serialization_retries": serialization_retries,
+        }
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, None] = OrderedDict()
+        self._checked: set[str] = set()
+        self._down_until: dict[str, float] = {}
+        self._in_flight: dict[str, int] = {}
+        self.down_pause = down_pause
+
+    routed = True
+    """What the adapters read to mark their arrivals routed."""
+
+    def route(self, delivery: Delivery) -> str:
+        return self.router.route(delivery.identity)
+
+    def resolve(self, delivery: Delivery) -> str:
+        """The core's `ResolveRoute`: the database, counted by database and outcome."""
+        try:
+            database = self.route(delivery)
+        except UnknownTenant:
+            metrics.route(delivery.consumer, "none", "unknown_tenant")
+            raise
+        except Exception:
+            metrics.route(delivery.consumer, "none", "unresolved")
+            raise
+        metrics.route(delivery.consumer, database, "routed")
+        return database
+
+    def _admit(self, database: str, busy: Callable[[str], bool]) -> list[str]:
+        """Mark ``database`` used now; answer the idle databases to close to stay in the
+        budget. Raises `RouteUnavailable` when every other open database is busy."""
+        with self._lock:
+            if database in self._open:
+                self._open.move_to_end(database)
+                return []
+            closing: list[str] = []
+            for name in list(self._open):
+                if len(self._open) - len(closing) < self.max_open:
+                    break
+                if not busy(name):
+                    closing.append(name)
+            if len(self._open) - len(closing) >= self.max_open:
+                raise RouteUnavailable(
+                    f"the connection budget ({self.connection_budget} connections, "
+                    f"{self.max_open} databases of {self.pool_size}) is spent: every open "
+                    f"database is busy; database {database!r} waits"
+                )
+            for name in closing:
+                del self._open[name]
+            self._open[database] = None
+            return closing
+
+    def _options(self, url: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "pool_size": self.pool_size,
+            "max_overflow": 0,
+            "pool_timeout": 30,
+            "pool_pre_ping": True,
+        }
+        options.update(self.engine_options)
+        driver = url.get_driver_name()
+        connect = pooler_connect_args(driver) if url.get_backend_name() == "postgresql" else {}
+        if driver == "asyncpg":
+            connect["timeout"] = self.connect_timeout
+        elif url.get_backend_name() == "postgresql":
+            connect["connect_timeout"] = max(1, round(self.connect_timeout))
+        if url.get_backend_name() == "sqlite":
+            options = {k: v for k, v in options.items() if k not in ("pool_size", "max_overflow")}
+        options["connect_args"] = connect | dict(options.get("connect_args", {}))
+        return options
+
+    def _unchecked_failure(self, database: str, exc: Exception) -> TransientError:
+        logger.warning("inbox database %s failed its check: %s", database, exc)
+        text = f"database {database!r} is not checked yet: {exc}"
+        if _unanswered(exc):
+            self._went_down(database)
+            return DatabaseUnavailable(text)
+        return RouteUnavailable(text)
+
+    @contextlib.contextmanager
+    def _slot(self, database: str, consumer: str) -> Iterator[None]:
+        """One of the database's ``pool_size`` places for a delivery of this worker; none
+        free: handed back at once (`RouteUnavailable`), never waited for. So a database
+        that hangs (packets dropped: a connect or a query that never answers) holds at
+        most ``pool_size`` of the worker's threads or tasks, and the others go on serving
+        the other databases."""
+        with self._lock:
+            taken = self._in_flight.get(database, 0)
+            if taken >= self.pool_size:
+                busy = True
+            else:
+                busy = False
+                self._in_flight[database] = taken + 1
+        if busy:
+            metrics.route(consumer, database, "busy")
+            raise RouteUnavailable(
+                f"database {database!r} holds {self.pool_size} deliveries of this worker "
+                "already (its pool): handed back rather than wait"
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[database] -= 1
+
+    def _went_down(self, database: str, consumer: str = "") -> None:
+        """Remember that ``database`` does not answer: for ``down_pause`` seconds its
+        deliveries are handed back at once, without a connection attempt, so that a
+        database whose packets are dropped does not hold the worker's threads (or its
+        event loop's slots) for a connect timeout each, while other databases wait."""
+        with self._lock:
+            self._down_until[database] = time.monotonic() + self.down_pause
+        if consumer:
+            metrics.route(consumer, database, "unavailable")
+
+    def _refuse_if_down(self, database: str, consumer: str) -> None:
+        until = self._down_until.get(database)
+        if until is None:
+            return
+        if time.monotonic() < until:
+            metrics.route(consumer, database, "unavailable")
+            raise DatabaseUnavailable(
+                f"database {database!r} did not answer; tried again within {self.down_pause}s"
+            )
+        with self._lock:
+            self._down_until.pop(database, None)
+
+
+class RoutedInbox(_Routes):
+    """`Inbox` over the databases of a `DatabaseMap` (sync engines: psycopg).
+
+    Parameters as `Inbox`, and: ``router``, the `DatabaseMap` (or `MapFile`);
+    ``pool_size``, connections per open database; ``connection_budget``, connections
+    over all databases (see the module for the rule); ``connect_timeout``, seconds a
+    connection attempt waits; ``engine_options``, more `create_engine` options;
+    ``check_lazily``, whether a database is checked before its first claim."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        engine_options: dict[str, Any] | None = None,
+        check_lazily: bool = True,
+        down_pause: float = DEFAULT_DOWN_PAUSE,
+    ) -> None:
+        super().__init__(
+            router,
+            naming=naming,
+            lock_timeout=lock_timeout,
+            serialization_retries=serialization_retries,
+            pool_size=pool_size,
+            connection_budget=connection_budget,
+            connect_timeout=connect_timeout,
+            engine_options=engine_options,
+            down_pause=down_pause,
+        )
+        self.check_lazily = check_lazily
+        self._inboxes: dict[str, Inbox] = {}
+
+    def inbox(self, database: str) -> Inbox:
+        """The `Inbox` of one database, its engine created at the first call."""
+        with self._lock:
+            found = self._inboxes.get(database)
+            if found is None:
+                url = database_url(self.router.url(database), asynchronous=False)
+                engine = create_engine(url, **self._options(url))
+                found = self._inboxes[database] = Inbox(engine, **self.storage_options)
+            return found
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        """The engines created so far, by database."""
+        return {name: inbox.engine for name, inbox in self._inboxes.items()}
+
+    def _busy(self, database: str) -> bool:
+        inbox = self._inboxes.get(database)
+        return inbox is not None and inbox.engine.pool.checkedout() > 0  # type: ignore[attr-defined]
+
+    def _use(self, delivery: Delivery) -> Inbox:
+        database = self.route(delivery)
+        self._refuse_if_down(database, delivery.consumer)
+        inbox = self.inbox(database)
+        for name in self._admit(database, self._busy):
+            self._inboxes[name].engine.dispose()
+        if self.check_lazily and database not in self._checked:
+            try:
+                inbox.check()
+            except Exception as exc:  # down, or refused: its deliveries wait for a fix
+                raise self._unchecked_failure(database, exc) from exc
+            self._checked.add(database)
+        return inbox
+
+    # -- what the adapters call -------------------------------------------------------------
+
+    def process(self, delivery: Delivery, handler: Callable[[Session], R], **kw: Any) -> Any:
+        database = self.route(delivery)
+        with self._slot(database, delivery.consumer):
+            inbox = self._use(delivery)  # refused at once while the database is down
+            try:
+                return inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable:
+                self._went_down(database, delivery.consumer)
+                raise
+
+    def process_batch(self, deliveries: Sequence[Delivery], handler: Callable[..., R]) -> Any:
+        first = _one_database(self, deliveries)
+        with self._slot(self.route(first), first.consumer):
+            return self._use(first).process_batch(deliveries, handler)
+
+    def bookkeep(self, op: Op) -> Any:
+        if isinstance(op, ResolveRoute):
+            return self.resolve(op.delivery)
+        delivery = getattr(op, "delivery", None)
+        if delivery is None:
+            raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
+        if isinstance(op, CountHandBack) and op.unreachable:
+            database = self.route(delivery)  # remembered in memory only, no connection
+            return self.inbox(database).bookkeep(op)
+        with self._slot(self.route(delivery), delivery.consumer):
+            return self._use(delivery).bookkeep(op)
+
+    def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
+        self.inbox(self.route(delivery)).keep_output(session, delivery, output)
+
+    def transaction(self, handler: Callable[[Session], R]) -> R:
+        raise ConfigurationError(
+            "a routed inbox has no database for a message without an identity (its tenant "
+            "says where it goes): use missing_identity='reject'"
+        )
+
+    def check(self, databases: Sequence[str] | None = None) -> None:
+        """Check every database the map names (see the module for what a failure means)."""
+        for database in databases or self.router.names():
+            try:
+                self.inbox(database).check()
+            except Exception as exc:
+                if not _unanswered(exc):
+                    raise
+                logger.warning(
+                    "inbox database %s does not answer (%s): checked at its first delivery",
+                    database,
+                    exc,
+                )
+                continue
+            self._checked.add(database)
+
+    def dispose(self) -> None:
+        for inbox in list(self._inboxes.values()):
+            inbox.engine.dispose()
+
+
+class AsyncRoutedInbox(_Routes):
+    """`AsyncInbox` over the databases of a `DatabaseMap` (asyncpg); parameters as
+    `RoutedInbox`."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        engine_options: dict[str, Any] | None = None,
+        check_lazily: bool = True,
+        down_pause: float = DEFAULT_DOWN_PAUSE,
+    ) -> None:
+        super().__init__(
+            router,
+            naming=naming,
+            lock_timeout=lock_timeout,
+            serialization_retries=serialization_retries,
+            pool_size=pool_size,
+            connection_budget=connection_budget,
+            connect_timeout=connect_timeout,
+            engine_options=engine_options,
+            down_pause=down_pause,
+        )
+        self.check_lazily = check_lazily
+        self._inboxes: dict[str, AsyncInbox] = {}
+
+    def inbox(self, database: str) -> AsyncInbox:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        from .aio import AsyncInbox
+
+        with self._lock:
+            found = self._inboxes.get(database)
+            if found is None:
+                url = database_url(self.router.url(database), asynchronous=True)
+                engine = create_async_engine(url, **self._options(url))
+                found = self._inboxes[database] = AsyncInbox(engine, **self.storage_options)
+            return found
+
+    @property
+    def engines(self) -> dict[str, AsyncEngine]:
+        return {name: inbox.engine for name, inbox in self._inboxes.items()}
+
+    def _busy(self, database: str) -> bool:
+        inbox = self._inboxes.get(database)
+        return inbox is not None and inbox.engine.pool.checkedout() > 0  # type: ignore[attr-defined]
+
+    async def _use(self, delivery: Delivery) -> AsyncInbox:
+        database = self.route(delivery)
+        self._refuse_if_down(database, delivery.consumer)
+        inbox = self.inbox(database)
+        for name in self._admit(database, self._busy):
+            await self._inboxes[name].engine.dispose()
+        if self.check_lazily and database not in self._checked:
+            try:
+                await inbox.check()
+            except Exception as exc:
+                raise self._unchecked_failure(database, exc) from exc
+            self._checked.add(database)
+        return inbox
+
+    async def process(
+        self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]], **kw: Any
+    ) -> Any:
+        database = self.route(delivery)
+        with self._slot(database, delivery.consumer):
+            inbox = await self._use(delivery)  # refused at once while the database is down
+            try:
+                return await inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable:
+                self._went_down(database, delivery.consumer)
+                raise
+
+    async def process_batch(
+        self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]]
+    ) -> Any:
+        first = _one_database(self, deliveries)
+        with self._slot(self.route(first), first.consumer):
+            inbox = await self._use(first)
+            return await inbox.process_batch(deliveries, handler)
+
+    async def bookkeep(self, op: Op) -> Any:
+        if isinstance(op, ResolveRoute):
+            return self.resolve(op.delivery)
+        delivery = getattr(op, "delivery", None)
+        if delivery is None:
+            raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
+        if isinstance(op, CountHandBack) and op.unreachable:
+            return await self.inbox(self.route(delivery)).bookkeep(op)
+        with self._slot(self.route(delivery), delivery.consumer):
+            return await (await self._use(delivery)).bookkeep(op)
+
+    def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
+        self.inbox(self.route(delivery)).keep_output(session, delivery, output)
+
+    async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
+        raise ConfigurationError(
+            "a routed inbox has no database for a message without an identity (its tenant "
+            "says where it goes): use missing_identity='reject'"
+        )
+
+    async def check(self, databases: Sequence[str] | None = None) -> None:
+        for database in databases or self.router.names():
+            try:
+                await self.inbox(database).check()
+            except Exception as exc:
+                if not _unanswered(exc):
+                    raise
+                logger.warning(
+                    "inbox database %s does not answer (%s): checked at its first delivery",
+                    database,
+                    exc,
+                )
+                continue
+            self._checked.add(database)
+
+    async def dispose(self) -> None:
+        for inbox in list(self._inboxes.values()):
+            await inbox.engine.dispose()
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database does not answer (left to the first delivery),
+    not that it refuses (a schema, a setting: the start is refused)."""
+    return isinstance(exc, TransientError) or classify(exc) is Failure.DISCONNECTED
+
+
+def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
+    """A batch is claimed in one transaction, so in one database: its deliveries must
+    all route there (give each database's tenants their own queue or partition)."""
+    if not deliveries:
+        raise ConfigurationError("an empty batch")
+    databases = {routes.route(delivery) for delivery in deliveries}
+    if len(databases) > 1:
+        raise RouteUnavailable(
+            f"a batch spans databases {', '.join(sorted(databases))}: one transaction "
+            "cannot claim in several (no two-phase commit)"
+        )
+    return deliveries[0]

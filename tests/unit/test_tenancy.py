@@ -1,0 +1,182 @@
+"""The database map: which database serves an identity, as a pure function of it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from inbox_middleware import (
+    ConfigurationError,
+    DatabaseMap,
+    MapFile,
+    MessageIdentity,
+    RouteUnavailable,
+    TenantRange,
+    UnknownTenant,
+    load_map,
+)
+from inbox_middleware.storage.routed import RoutedInbox, database_url
+
+DATABASES = {"a": "postgresql://h/a", "b": "postgresql://h/b", "c": "postgresql://h/c"}
+
+
+def ident(tenant: str, message_id: str = "m-1") -> MessageIdentity:
+    return MessageIdentity("orders", message_id, tenant)
+
+
+def test_tenancy__exact_tenants_then_ranges_in_order():
+    routes = DatabaseMap(
+        DATABASES,
+        tenants={"acme": "c"},
+        ranges=(TenantRange("a", "m~", "a"), TenantRange("n", "z~", "b")),
+    )
+    assert routes.route(ident("acme")) == "c"  # the exact entry wins over the range
+    assert routes.route(ident("globex")) == "a"
+    assert routes.route(ident("umbrella")) == "b"
+
+
+def test_tenancy__an_unknown_tenant_is_refused_never_defaulted():
+    routes = DatabaseMap(DATABASES, tenants={"acme": "a"})
+    with pytest.raises(UnknownTenant) as raised:
+        routes.route(ident("initech"))
+    assert raised.value.tenant == "initech"
+    with pytest.raises(UnknownTenant):
+        routes.route(ident(""))  # no tenant at all: no database either
+
+
+def test_tenancy__the_resolver_is_asked_first_and_none_falls_through():
+    def resolver(identity: MessageIdentity) -> str | None:
+        return "b" if identity.tenant.startswith("eu-") else None
+
+    routes = DatabaseMap(DATABASES, tenants={"eu-acme": "a", "acme": "c"}, resolver=resolver)
+    assert routes.route(ident("eu-acme")) == "b"
+    assert routes.route(ident("acme")) == "c"
+
+
+def test_tenancy__a_resolver_that_raises_is_transient_one_naming_nothing_known_is_not():
+    def broken(identity: MessageIdentity) -> str | None:
+        raise LookupError("the tenant directory is down")
+
+    with pytest.raises(RouteUnavailable):
+        DatabaseMap(DATABASES, resolver=broken).route(ident("acme"))
+    with pytest.raises(UnknownTenant):
+        DatabaseMap(DATABASES, resolver=lambda identity: "zz").route(ident("acme"))
+
+
+def test_tenancy__the_route_is_a_function_of_the_identity_alone():
+    routes = DatabaseMap(DATABASES, ranges=(TenantRange("", "~", "a"),))
+    assert {routes.route(ident("t-1", f"m-{n}")) for n in range(50)} == {"a"}
+
+
+def test_tenancy__a_map_naming_unknown_databases_or_bad_names_is_refused():
+    with pytest.raises(ConfigurationError):
+        DatabaseMap(DATABASES, tenants={"acme": "zz"})
+    with pytest.raises(ConfigurationError):
+        DatabaseMap({"bad name": "postgresql://h/x"})
+    with pytest.raises(ConfigurationError):
+        DatabaseMap({})
+
+
+def test_tenancy__the_commands_reach_every_database_or_one_tenants():
+    routes = DatabaseMap(DATABASES, tenants={"acme": "b"})
+    assert routes.databases_of(None) == ("a", "b", "c")
+    assert routes.databases_of("acme") == ("b",)
+
+
+def test_tenancy__map_files_in_json_and_toml(tmp_path: Path):
+    data = {
+        "databases": DATABASES,
+        "tenants": {"acme": "a"},
+        "ranges": [{"first": "b", "last": "b~", "database": "c"}],
+    }
+    (tmp_path / "map.json").write_text(json.dumps(data))
+    (tmp_path / "map.toml").write_text(
+        '[databases]\na = "postgresql://h/a"\nc = "postgresql://h/c"\n'
+        '[tenants]\nacme = "a"\n[[ranges]]\nfirst = "b"\nlast = "b~"\ndatabase = "c"\n'
+    )
+    for name in ("map.json", "map.toml"):
+        routes = load_map(tmp_path / name)
+        assert routes.route(ident("acme")) == "a"
+        assert routes.route(ident("bob")) == "c"
+
+
+def test_tenancy__a_map_file_being_rewritten_hands_back_then_routes_by_the_new_map(
+    tmp_path: Path,
+):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"databases": DATABASES, "tenants": {"acme": "a"}}))
+    routes = MapFile(path)
+    assert routes.route(ident("acme")) == "a"
+    path.write_text('{"databases": {"a": ')  # half written
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(RouteUnavailable):
+        routes.route(ident("acme"))
+    path.write_text(json.dumps({"databases": DATABASES, "tenants": {"acme": "b"}}))
+    os.utime(path, ns=(2, 2))
+    assert routes.route(ident("acme")) == "b"
+
+
+def test_tenancy__urls_get_the_inbox_driver():
+    assert database_url("postgresql://u@h:5450/a", True).drivername == "postgresql+asyncpg"
+    assert database_url("postgresql://u@h:5450/a", False).drivername == "postgresql+psycopg"
+
+
+def test_tenancy__the_connection_budget_bounds_open_databases():
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4)
+    assert inbox.max_open == 2
+    assert inbox._admit("a", lambda name: False) == []
+    assert inbox._admit("b", lambda name: False) == []
+    # a third database closes the least recently used idle one
+    assert inbox._admit("c", lambda name: False) == ["a"]
+    # every open database busy: the delivery waits, the budget holds
+    with pytest.raises(RouteUnavailable):
+        inbox._admit("a", lambda name: True)
+    assert inbox._admit("b", lambda name: True) == []  # already open: no new connections
+    with pytest.raises(ConfigurationError):
+        RoutedInbox(DatabaseMap(DATABASES), pool_size=4, connection_budget=2)
+
+
+def test_tenancy__a_paused_tenant_is_handed_back_the_others_route():
+    routes = DatabaseMap.from_dict(
+        {"databases": DATABASES, "tenants": {"acme": "a", "globex": "a"}, "paused": ["acme"]}
+    )
+    with pytest.raises(RouteUnavailable):
+        routes.route(ident("acme"))
+    assert routes.route(ident("globex")) == "a"
+
+
+def test_tenancy__the_guides_set_ups_build_without_connecting():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "many_databases.py"
+    spec = importlib.util.spec_from_file_location("snippet_many_databases", path)
+    assert spec is not None and spec.loader is not None
+    snippet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(snippet)
+    databases = snippet.fleet_map()
+    assert databases.route(ident("acme")) == "us-1"
+    assert databases.route(ident("globex")) == "eu-1"
+    assert databases.route(ident("umbrella")) == "eu-2"
+    middleware = snippet.dramatiq_fleet(databases)
+    assert middleware.inbox.engines == {}  # nothing opened before a delivery
+    inbox = snippet.faststream_fleet(databases)
+    assert inbox.storage.engines == {}
+    assert snippet.resolved.route(ident("eu:acme")) in ("eu-1", "eu-2")
+    assert snippet.resolved.route(ident("us:acme")) == "us-1"
+    with pytest.raises(UnknownTenant):
+        snippet.resolved.route(ident("acme"))
+
+
+def test_tenancy__a_database_holds_at_most_its_pool_of_a_workers_deliveries():
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4)
+    with inbox._slot("a", "billing"), inbox._slot("a", "billing"):
+        # a third delivery to the same database is handed back, never waits for it
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        with inbox._slot("b", "billing"):  # the other databases are not held up
+            pass
+    with inbox._slot("a", "billing"):  # released
+        pass
