@@ -1,0 +1,2 @@
+-- Reserved: the migration of this number is another change's. This file holds its place
+-- until that change lands, and is then replaced by it (no statement: nothing to undo).
