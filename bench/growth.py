@@ -338,6 +338,11 @@ OLD_PURGE_SQL = """DELETE FROM consumer_inbox WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM consumer_inbox
     WHERE processed_at < now() - make_interval(secs => %(seconds)s::float8)
     LIMIT %(limit)s FOR UPDATE SKIP LOCKED))"""
+SHORT = {
+    "old": "old: a seq scan per batch",
+    "new": "block ranges, unpaced",
+    "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
+}
 PURGES = {
     "old": "the old purge: a sequential scan per batch, unpaced",
     "new": "block ranges, unpaced",
@@ -579,7 +584,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
 
     written: list[Path] = []
     rows = [
-        (f"{shape}: {PURGES[how]}", x)
+        (f"{shape} ids, {SHORT[how]}", x)
         for shape, purges in report["purge"].items()
         for how, x in purges["under_load"].items()
     ]
@@ -592,12 +597,14 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
     for index, ratio in enumerate(ratios):
         ax.text(ratio, index, f" {ratio:,.1f}x", va="center", fontsize=9)
     ax.axvline(3, color="black", linestyle="--", linewidth=1)
-    ax.text(3, -0.7, " target: 3x", fontsize=8)
+    ax.text(3, len(rows) - 0.45, " target: 3x", fontsize=8)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("rows removed a second, purge and the VACUUM after it, ÷ claims a second")
-    ax.set_title("Does the purge outrun ingest? (claims at half their saturation rate)")
+    ax.set_xlabel("rows removed a second (the purge and the VACUUM after it)\n÷ claims a second")
+    ax.set_title(
+        "Does the purge outrun ingest?\n(claims held at half their saturation rate)", fontsize=11
+    )
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     written.append(out / "purge-rate.png")
@@ -615,7 +622,9 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("claim p99, ms (bar: the target, +20%)")
-    ax.set_title("What the purge does to the claims beside it: p99 before and during")
+    ax.set_title(
+        "What the purge does to the claims beside it:\ntheir p99 before and during", fontsize=11
+    )
     ax.legend(fontsize=8, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
