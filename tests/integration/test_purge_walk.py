@@ -9,6 +9,7 @@ the dead rows of the batches before it, and the last one reads the rest of the t
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 
 from inbox_middleware.retention import purge, purgeable
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware.storage import InboxSchema, migrate
 
 from ..support.engines import sync_engine
 
@@ -144,3 +145,26 @@ def test_migration__the_inbox_is_vacuumed_after_a_purge_of_a_hundredth_of_it(
         "autovacuum_vacuum_threshold=10000",
         "autovacuum_vacuum_insert_scale_factor=0.05",
     } <= set(options)
+
+
+def test_purge__walks_the_claims_table_of_a_configured_schema_and_prefix(pg_engine: Engine) -> None:
+    name = f"Walk_{uuid.uuid4().hex[:8]}"  # a capital: the quotes must keep it
+    naming = InboxSchema(schema=name, prefix="svc_")
+    migrate(pg_engine, naming)
+    try:
+        with pg_engine.begin() as conn:
+            conn.execute(
+                text(
+                    f'INSERT INTO "{name}".svc_consumer_inbox (consumer_name, producer_name, '
+                    "tenant, message_id, payload_sha256, hash_scheme, processed_at) "
+                    "SELECT 'c', 'p', '', 'm' || n, 'x', 's', "
+                    "now() - n * interval '1 day' + interval '1 hour' "
+                    "FROM generate_series(1, 100) n"
+                )
+            )
+        with pg_engine.connect() as conn:
+            assert purgeable(conn, naming, timedelta(days=30)) == 70
+        assert purge(pg_engine, naming, timedelta(days=30), batch_size=9) == 70
+    finally:
+        with pg_engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{name}" CASCADE')
