@@ -301,6 +301,8 @@ def check_window(
 DEFAULT_PURGE_RATE = 20_000.0
 """Rows a second the purge deletes at most unless told otherwise: see the performance
 page (the purge under claims held at half their saturation rate) for how it was chosen."""
+_MAX_RANGE = 2_048
+"""Blocks a batch reads at most (16 MB of 8 kB blocks), across blocks without old claims."""
 _COUNT_BLOCKS = 16_384
 """Blocks a counting statement reads (128 MB of 8 kB blocks)."""
 _ROWS_PER_BLOCK = 40
@@ -357,14 +359,18 @@ def purge(
         with engine.connect() as conn:
             statements = _postgresql_statements(conn, naming)
             blocks, density = conn.execute(statements.extent).one()
-        step = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
-        low = 0
+        base = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
+        low, step = 0, base
         while low < blocks:
             with engine.begin() as conn:
                 ranged = params | {"low": low, "high": low + step}
                 deleted = conn.execute(statements.batch, ranged).rowcount
             if deleted < batch_size:  # else the range may hold more: take it again
                 low += step
+            # Across young blocks (no old claim) the ranges grow, up to _MAX_RANGE blocks,
+            # so that a mostly young table costs few statements; a range that held old
+            # claims brings them back to a batch's worth.
+            step = min(max(step * 2, base), _MAX_RANGE) if not deleted else base
             batch_done(deleted)
     else:
         statements = purge_statements(naming, engine.dialect.name)
