@@ -46,11 +46,15 @@ from sqlalchemy import create_engine
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from bench.common import PG, ROOT, percentile
-from inbox_middleware.retention import purge
+from inbox_middleware.retention import DEFAULT_PURGE_RATE, purge
 from inbox_middleware.storage import InboxSchema, migrate
 from inbox_middleware.storage.statements import ClaimStatements
 
 DATABASE = os.environ.get("BENCH_GROWTH_DATABASE", "inbox_growth")
+SERVER = os.environ.get("BENCH_GROWTH_POSTGRES", PG)
+"""The server: the shared test PostgreSQL by default (the quick mode, in CI); for the
+figures of the performance page, the production-like one (``scripts/services
+growth-postgres``, ``--server postgresql://postgres@127.0.0.1:5470``)."""
 CONSUMER, PRODUCER, SCHEME = "growth", "orders", "v1"
 WINDOW = timedelta(days=14)
 """The generated rows' processed_at spans this window, oldest first."""
@@ -69,7 +73,7 @@ SETTINGS = (
 
 
 def _url(database: str) -> str:
-    return f"{PG}/{database}"
+    return f"{SERVER}/{database}"
 
 
 def _compiled(statement: Any) -> str:
@@ -294,6 +298,7 @@ def _reset() -> None:
     migrate(engine)
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
         conn.execute(
             "INSERT INTO bench_accounts SELECT n, 0 FROM generate_series(1, %s) n", (ACCOUNTS,)
@@ -326,72 +331,147 @@ def sizes_of(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     }
 
 
-def _purge_tenth(tenth: int) -> tuple[int, float]:
-    """Purge the ``tenth``-th oldest tenth of the generated rows with the library's purge;
+# The purge as it was before it walked the heap by block ranges (kept here only, to compare):
+# each batch a sequential scan with LIMIT, resumed where the last one stopped only by
+# synchronized scans.
+OLD_PURGE_SQL = """DELETE FROM consumer_inbox WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM consumer_inbox
+    WHERE processed_at < now() - make_interval(secs => %(seconds)s::float8)
+    LIMIT %(limit)s FOR UPDATE SKIP LOCKED))"""
+SHORT = {
+    "old": "old: a seq scan per batch",
+    "new": "block ranges, unpaced",
+    "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
+}
+PURGES = {
+    "old": "the old purge: a sequential scan per batch, unpaced",
+    "new": "block ranges, unpaced",
+    "paced": f"block ranges, paced at {DEFAULT_PURGE_RATE:,.0f} rows a second (the default)",
+}
+
+
+def _old_purge(older_than: timedelta, batch_size: int = 5000) -> int:
+    total = 0
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        while True:
+            params = {"seconds": older_than.total_seconds(), "limit": batch_size}
+            deleted = conn.execute(OLD_PURGE_SQL, params).rowcount
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+
+def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
+    """Purge the ``tenth``-th oldest tenth of the generated rows, ``how``: one of `PURGES`;
     answer (rows deleted, seconds)."""
+    # Row n was processed at oldest + n * WINDOW / top: keep what is younger than the end
+    # of this tenth.
+    older_than = WINDOW * (1 - (tenth + 1) / 10)
+    began = time.monotonic()
+    if how == "old":
+        return _old_purge(older_than), time.monotonic() - began
     engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
     try:
-        # Row n was processed at oldest + n * WINDOW / top: keep what is younger than the
-        # end of this tenth.
-        older_than = WINDOW * (1 - (tenth + 1) / 10)
-        began = time.monotonic()
-        deleted = purge(engine, InboxSchema(), older_than)
+        rate = DEFAULT_PURGE_RATE if how == "paced" else None
+        deleted = purge(engine, InboxSchema(), older_than, rows_per_second=rate)
         return deleted, time.monotonic() - began
     finally:
         engine.dispose()
 
 
-def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, float]:
+def _dead_tuples(conn: psycopg.Connection[Any]) -> int:
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    row = conn.execute(
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'consumer_inbox'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """The VACUUM the purge leaves (run now, unthrottled, as autovacuum would run it when
+    its thresholds are met): its time, its WAL, and the table afterwards."""
+    dead = _dead_tuples(conn)
     wal0, _ = _server_counters(conn)
     began = time.monotonic()
     conn.execute("VACUUM consumer_inbox")
     seconds = time.monotonic() - began
     wal1, _ = _server_counters(conn)
-    return {"vacuum_seconds": round(seconds, 2), "vacuum_wal_bytes": wal1 - wal0}
+    sizes = sizes_of(conn)
+    return {
+        "dead_tuples_before_vacuum": dead,
+        "vacuum_seconds": round(seconds, 2),
+        "vacuum_wal_bytes": wal1 - wal0,
+        "dead_tuples_after_vacuum": _dead_tuples(conn),
+        "bytes_per_live_row_after": sizes["bytes_per_row"],
+        "table_bytes_per_live_row_after": sizes["table_bytes_per_row"],
+        "index_bytes_per_live_row_after": round(sizes["index_bytes"] / max(sizes["rows"], 1), 1),
+        "free_heap_fraction_after": _free_fraction(conn),
+    }
 
 
-def measure_purge(shape: str, top: int, claim_rate: float, threads: int) -> dict[str, Any]:
-    """The oldest tenth purged alone, then the next tenth under claims at half their rate."""
-    result: dict[str, Any] = {}
+def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
+    """The heap's free space over its size, from the free space map (bloat left behind)."""
+    row = conn.execute(
+        """SELECT sum(avail)::float8 / nullif(pg_relation_size('consumer_inbox'), 0)
+           FROM pg_freespace('consumer_inbox')"""
+    ).fetchone()
+    return round(float(row[0]), 3) if row and row[0] is not None else None
+
+
+def _one_purge(tenth: int, how: str) -> dict[str, Any]:
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         wal0, _ = _server_counters(conn)
-        deleted, seconds = _purge_tenth(0)
+        deleted, seconds = _purge_tenth(tenth, how)
         wal1, _ = _server_counters(conn)
-        result["alone"] = {
+        result: dict[str, Any] = {
+            "purge": how,
             "rows": deleted,
             "seconds": round(seconds, 2),
             "rows_per_second": round(deleted / seconds) if seconds else None,
             "wal_bytes_per_row": round((wal1 - wal0) / max(deleted, 1), 1),
         } | _vacuum(conn)
-        dead = conn.execute(
-            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'consumer_inbox'"
-        ).fetchone()
-        result["alone"]["dead_tuples_after_vacuum"] = int(dead[0]) if dead else None
+    total = result["seconds"] + result["vacuum_seconds"]
+    result["rows_per_second_with_vacuum"] = round(deleted / total) if total else None
+    return result
 
+
+def measure_purge(shape: str, top: int, claim_rate: float, threads: int) -> dict[str, Any]:
+    """Each purge (`PURGES`) removes one tenth of the rows, oldest first, alone; then each
+    the next tenth while claims run at half their measured rate."""
+    result: dict[str, Any] = {"alone": {}, "under_load": {}}
+    tenth = 0
+    for how in ("old", "new"):
+        result["alone"][how] = _one_purge(tenth, how)
+        tenth += 1
     fresh = Counter(top * 2)
     half = claim_rate / 2
     baseline = run_load("claim", shape, top, fresh, threads=threads, seconds=5, rate=half)
-    purged: dict[str, Any] = {}
-
-    def purge_now() -> None:
-        deleted, seconds = _purge_tenth(1)
-        purged.update(rows=deleted, seconds=round(seconds, 2))
-        purged["rows_per_second"] = round(deleted / seconds) if seconds else None
-
-    during = run_load(
-        "claim", shape, top, fresh, threads=threads, seconds=0, rate=half, during=purge_now
-    )
-    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
-        purged |= _vacuum(conn)
+    base_p50 = percentile(baseline.latencies_ms, 0.5)
     base_p99 = percentile(baseline.latencies_ms, 0.99)
-    load_p99 = percentile(during.latencies_ms, 0.99)
-    result["under_load"] = purged | {
-        "claim_rate": round(half, 1),
-        "claim_p99_ms_without": round(base_p99, 3),
-        "claim_p99_ms_during": round(load_p99, 3),
-        "claim_p99_rise": round(load_p99 / base_p99 - 1, 3) if base_p99 else None,
-        "ingest_rows_per_second": round(during.rate, 1),
-    }
+    for how in ("old", "new", "paced"):
+        purged: dict[str, Any] = {}
+
+        def purge_now(tenth: int = tenth, how: str = how, purged: dict[str, Any] = purged) -> None:
+            purged.update(_one_purge(tenth, how))
+
+        during = run_load(
+            "claim", shape, top, fresh, threads=threads, seconds=0, rate=half, during=purge_now
+        )
+        tenth += 1
+        p50, p99 = percentile(during.latencies_ms, 0.5), percentile(during.latencies_ms, 0.99)
+        with_vacuum = purged["rows_per_second_with_vacuum"] or 0
+        result["under_load"][how] = purged | {
+            "claim_rate": round(half, 1),
+            "claim_p50_ms_without": round(base_p50, 3),
+            "claim_p99_ms_without": round(base_p99, 3),
+            "claim_p50_ms_during": round(p50, 3),
+            "claim_p99_ms_during": round(p99, 3),
+            "claim_p99_rise": round(p99 / base_p99 - 1, 3) if base_p99 else None,
+            "ingest_rows_per_second": round(during.rate, 1),
+            "purge_and_vacuum_over_ingest": round(with_vacuum / during.rate, 1)
+            if during.rate
+            else None,
+        }
     return result
 
 
@@ -400,6 +480,7 @@ def run(shapes: list[str], sizes: list[int], seconds: float, threads: int) -> di
     top = max(sizes)
     with psycopg.connect(_url("postgres"), autocommit=True) as conn:
         report["server"] = {name: _setting(conn, name) for name in SETTINGS}
+        report["server"]["address"] = SERVER.rsplit("@", 1)[-1]
     for shape in shapes:
         _reset()
         stored = 0
@@ -465,6 +546,108 @@ def table(report: dict[str, Any]) -> Iterator[str]:
         )
 
 
+def purge_table(report: dict[str, Any]) -> Iterator[str]:
+    """The purges, side by side, as Markdown tables: their speed, the claims beside them,
+    what they leave behind."""
+    brief = {"old": "old", "new": "ranges", "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s"}
+    purges = report["purge"]
+    yield "| ids, purge | rows/s | vacuum: s, WAL MB | with the vacuum, rows/s | ÷ claims/s |"
+    yield "|---|---|---|---|---|"
+    for shape in purges:
+        for phase in ("alone", "under_load"):
+            for how, x in purges[shape][phase].items():
+                loaded = phase == "under_load"
+                yield (
+                    f"| {shape}, {brief[how]}{', claims' if loaded else ', alone'} "
+                    f"| {x['rows_per_second']:,} "
+                    f"| {x['vacuum_seconds']}, {x['vacuum_wal_bytes'] / 1e6:.0f} "
+                    f"| {x['rows_per_second_with_vacuum']:,} "
+                    f"| {x['purge_and_vacuum_over_ingest'] if loaded else '-'} |"
+                )
+    yield ""
+    yield "| ids, purge | claims/s | p50 ms | p99 ms | p99 |"
+    yield "|---|---|---|---|---|"
+    for shape in purges:
+        for how, x in purges[shape]["under_load"].items():
+            yield (
+                f"| {shape}, {brief[how]} | {x['claim_rate']:.0f} "
+                f"| {x['claim_p50_ms_without']:.1f} → {x['claim_p50_ms_during']:.1f} "
+                f"| {x['claim_p99_ms_without']:.1f} → {x['claim_p99_ms_during']:.1f} "
+                f"| {x['claim_p99_rise']:+.0%} |"
+            )
+    yield ""
+    yield "| ids, purge | dead tuples before the vacuum | bytes a live row after it |"
+    yield "|---|---|---|"
+    for shape in purges:
+        for phase in ("alone", "under_load"):
+            for how, x in purges[shape][phase].items():
+                loaded = phase == "under_load"
+                yield (
+                    f"| {shape}, {brief[how]}{', claims' if loaded else ', alone'} "
+                    f"| {x['dead_tuples_before_vacuum']:,} | {x['bytes_per_live_row_after']:.0f} |"
+                )
+
+
+def charts(report: dict[str, Any], out: Path) -> list[Path]:
+    """One chart a question: does the purge, its vacuum included, outrun ingest
+    (purge-rate.png)? What does it do to the claims beside it (purge-p99.png)?"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    rows = [
+        (f"{shape} ids, {SHORT[how]}", x)
+        for shape, purges in report["purge"].items()
+        for how, x in purges["under_load"].items()
+    ]
+    if not rows:
+        return written
+    labels = [label for label, _ in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.8))
+    ratios = [x["purge_and_vacuum_over_ingest"] or 0 for _, x in rows]
+    ax.barh(range(len(rows)), ratios, color="#2f6db3", height=0.6)
+    for index, ratio in enumerate(ratios):
+        ax.text(ratio, index, f" {ratio:,.1f}x", va="center", fontsize=9)
+    ax.axvline(3, color="black", linestyle="--", linewidth=1)
+    ax.text(3, len(rows) - 0.45, " target: 3x", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("rows removed a second (the purge and the VACUUM after it)\n÷ claims a second")
+    ax.set_title(
+        "Does the purge outrun ingest?\n(claims held at half their saturation rate)", fontsize=11
+    )
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    written.append(out / "purge-rate.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.8))
+    for index, (_, x) in enumerate(rows):
+        before, during = x["claim_p99_ms_without"], x["claim_p99_ms_during"]
+        ax.plot([before, during], [index, index], color="#9aa9b8", zorder=1)
+        ax.plot([before], [index], "o", color="#9aa9b8", label="before" if not index else None)
+        ax.plot([during], [index], "o", color="#2f6db3", label="during" if not index else None)
+        ax.plot([before * 1.2], [index], "|", color="black", markersize=12)
+        ax.text(during, index - 0.25, f" {x['claim_p99_rise']:+.0%}", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("claim p99, ms (bar: the target, +20%)")
+    ax.set_title(
+        "What the purge does to the claims beside it:\ntheir p99 before and during", fontsize=11
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    written.append(out / "purge-p99.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="empty and 10^6 rows, 3 s loads")
@@ -472,6 +655,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="random,ordered")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument(
+        "--server",
+        default=None,
+        help="PostgreSQL URL without a database (default: BENCH_GROWTH_POSTGRES, else "
+        "BENCH_POSTGRES, else 127.0.0.1:5432)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
@@ -480,6 +669,9 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         if shape not in _ID_SQL:
             parser.error(f"unknown shape {shape!r}: random or ordered")
+    if args.server:
+        global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
+        SERVER = args.server.rstrip("/")
     began = time.monotonic()
     report = run(shapes, sizes, seconds, args.threads)
     report["settings"] = {"sizes": sizes, "seconds": seconds, "threads": args.threads}
@@ -487,6 +679,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "growth.json").write_text(json.dumps(report, indent=2, default=str))
     print("\n".join(table(report)))
+    print("\n".join(purge_table(report)))
+    for chart in charts(report, args.out):
+        print(f"chart: {chart}")
     print(json.dumps({"sizes": report["sizes"], "purge": report["purge"]}, indent=2))
     print(f"server: {report['server']}")
     print(f"elapsed: {report['elapsed_seconds']} s; written to {args.out / 'growth.json'}")

@@ -42,13 +42,22 @@ def test_growth__measures_claims_duplicates_and_the_purge_on_a_filled_table(
         assert 60 < report["sizes"][f"{shape}/20000"]["bytes_per_row"] < 2000
         # Row n was processed at (oldest + n steps): the oldest tenth is 2,000 rows, and
         # the clock moves by less than a step (a minute) during the run.
-        alone = report["purge"][shape]["alone"]
-        assert alone["rows"] in (2000, 2001)
-        assert report["purge"][shape]["under_load"]["rows"] in (2000, 2001)
+        # Each purge takes a tenth: the old statement and the block-range walk alone, then
+        # the old, the unpaced and the paced walk beside claims.
+        purges = report["purge"][shape]
+        assert set(purges["alone"]) == {"old", "new"}
+        assert set(purges["under_load"]) == {"old", "new", "paced"}
+        for result in [*purges["alone"].values(), *purges["under_load"].values()]:
+            assert result["rows"] in (2000, 2001)
+            assert result["dead_tuples_after_vacuum"] == 0
+            assert result["vacuum_wal_bytes"] > 0
+        assert purges["under_load"]["paced"]["ingest_rows_per_second"] > 0
+    assert (tmp_path / "purge-rate.png").stat().st_size > 0
+    assert (tmp_path / "purge-p99.png").stat().st_size > 0
     assert all(load["tps"] > 0 for load in report["loads"])
     # The claims themselves went in: every claim transaction inserted a row.
     with psycopg.connect(f"{PG}/{database}") as conn:
         row = conn.execute("SELECT count(*) FROM consumer_inbox").fetchone()
     assert row is not None
-    assert row[0] > 20000 - 2 * 2001
+    assert row[0] > 20000 - 5 * 2001
     assert list(growth.table(report))[2].startswith("| random | 0 |")

@@ -145,6 +145,14 @@ def show_command(database_url: str, schema: str | None, prefix: str, consumer: s
     help="Seconds between batches.",
 )
 @click.option(
+    "--rate",
+    type=click.FloatRange(0, min_open=True),
+    default=retention.DEFAULT_PURGE_RATE,
+    show_default=True,
+    help="Claims deleted a second at most, on average (keeps live claims' latency).",
+)
+@click.option("--unpaced", is_flag=True, help="Delete as fast as the database allows (no --rate).")
+@click.option(
     "--force",
     is_flag=True,
     help="Purge even without a recorded policy, or below its minimum window.",
@@ -158,6 +166,8 @@ def purge_command(
     consumer: str | None,
     batch_size: int,
     pause: float,
+    rate: float,
+    unpaced: bool,
     force: bool,
     dry_run: bool,
 ) -> None:
@@ -199,6 +209,7 @@ def purge_command(
                     consumer=decision.consumer,
                     batch_size=batch_size,
                     pause=pause,
+                    rows_per_second=None if unpaced else rate,
                     on_batch=advance,
                 )
     finally:

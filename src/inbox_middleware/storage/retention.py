@@ -2,8 +2,17 @@
 
 ``retention`` decides (the minimum window, the refusal of a shorter one) and drives the
 purge batch by batch; these build and run the SQL, on the caller's connection. A purge
-batch deletes at most ``limit`` claims older than ``seconds`` (PostgreSQL: by ``ctid``,
-skipping rows locked by a concurrent purge), then the failure counts older than that go.
+batch deletes at most ``limit`` claims older than ``seconds``, skipping rows locked by a
+concurrent purge, then the failure counts older than that go.
+
+On PostgreSQL the purge walks the heap by block ranges: each batch reads only the blocks
+``low`` to ``high - 1`` (``ctid >= '(low,0)' AND ctid < '(high,0)'``, a TID range scan,
+PostgreSQL 14 and later; before that, the ``ctid = ANY`` of every line pointer those
+blocks can hold, a TID scan). The cost of a batch is therefore its range's, whatever the
+planner, the table's size or synchronized scans do: a batch taken by a sequential scan
+with ``LIMIT`` is fast only while PostgreSQL resumes each scan where the last one stopped,
+reads again the rows the batches before it left behind otherwise, and its last batch reads
+the rest of the table. The count walks the same ranges, without parallel workers.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from .tables import InboxSchema
 
 __all__ = [
+    "TID_RANGE_SCAN",
     "PurgeStatements",
     "all_policy_rows",
     "consumers_with_rows",
@@ -42,15 +52,26 @@ __all__ = [
 ]
 
 
+TID_RANGE_SCAN = (14,)
+"""The first PostgreSQL version with TID range scans."""
+TUPLES_PER_BLOCK = 291
+"""MaxHeapTuplesPerPage for 8 kB blocks: the line pointers one heap block can hold."""
+
+
 class PurgeStatements(NamedTuple):
     batch: Any
-    """Deletes one batch of old claims (parameters ``seconds``, ``consumer``, ``limit``)."""
+    """Deletes one batch of old claims (parameters ``seconds``, ``consumer``, ``limit``;
+    on PostgreSQL also ``low`` and ``high``, the block range)."""
     failures: Any
     """Deletes the failure counts older than the window."""
     count: Any
-    """Counts the claims a purge would delete now."""
+    """Counts the claims a purge would delete now (PostgreSQL: in blocks ``low`` to
+    ``high - 1``)."""
     outputs: Any
     """Deletes the stored outputs older than the window (each as old as its claim)."""
+    extent: Any
+    """PostgreSQL: the inbox's blocks now and its live rows per block (from its statistics;
+    NULL before the first ANALYZE). None on SQLite."""
 
 
 def write_policy(
@@ -121,8 +142,11 @@ def consumers_with_rows(conn: Connection, naming: InboxSchema) -> list[str]:
 
 
 @cache
-def purge_statements(naming: InboxSchema, dialect: str) -> PurgeStatements:
-    """The purge's statements for one naming and dialect, built once."""
+def purge_statements(
+    naming: InboxSchema, dialect: str, *, tid_range_scan: bool = True
+) -> PurgeStatements:
+    """The purge's statements for one naming and dialect, built once; ``tid_range_scan``
+    False: for a PostgreSQL before 14, which has none."""
     inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
@@ -133,24 +157,54 @@ def purge_statements(naming: InboxSchema, dialect: str) -> PurgeStatements:
         or_(consumer.is_(None), inbox.c.consumer_name == consumer),
     )
     limit = bindparam("limit", type_=Integer)
+    extent: Any = None
     if dialect == "postgresql":
         ctid: Any = literal_column("ctid")
-        doomed = select(ctid).select_from(inbox).where(old).limit(limit)
+        blocks = _block_range(tid_range_scan)
+        doomed = select(ctid).select_from(inbox).where(blocks, old).limit(limit)
         doomed = doomed.with_for_update(skip_locked=True)
         batch = delete(inbox).where(ctid == func.any(func.array(doomed.scalar_subquery())))
+        count: Any = select(func.count()).select_from(inbox).where(blocks, old)
+        extent = _extent(naming)
     else:
         key = tuple_(
             inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id
         )
         doomed = select(*key.clauses).where(old).limit(limit)
         batch = delete(inbox).where(key.in_(doomed))
+        count = select(func.count()).select_from(inbox).where(old)
     failures = delete(attempts).where(
         attempts.c.last_failure_at < cutoff,
         or_(consumer.is_(None), attempts.c.consumer_name == consumer),
     )
-    count = select(func.count()).select_from(inbox).where(old)
     stored = delete(outputs).where(
         outputs.c.created_at < cutoff,
         or_(consumer.is_(None), outputs.c.consumer_name == consumer),
     )
-    return PurgeStatements(batch, failures, count, stored)
+    return PurgeStatements(batch, failures, count, stored, extent)
+
+
+def _block_range(tid_range_scan: bool) -> Any:
+    """``low <= block < high``: a TID range scan's condition, or (before PostgreSQL 14)
+    the list of every tuple identifier in those blocks, which a TID scan fetches."""
+    if tid_range_scan:
+        return text(
+            "ctid >= format('(%s,0)', CAST(:low AS bigint))::tid "
+            "AND ctid < format('(%s,0)', CAST(:high AS bigint))::tid"
+        )
+    return text(
+        "ctid = ANY (ARRAY(SELECT format('(%s,%s)', block, line)::tid "
+        "FROM generate_series(CAST(:low AS bigint), CAST(:high AS bigint) - 1) AS block, "
+        f"generate_series(1, {TUPLES_PER_BLOCK}) AS line))"
+    )
+
+
+def _extent(naming: InboxSchema) -> Any:
+    # validated identifiers (InboxSchema): quoting them is enough, and keeps their case
+    inbox = naming.tables.inbox
+    name = f'"{inbox.schema}"."{inbox.name}"' if inbox.schema else f'"{inbox.name}"'
+    return text(
+        "SELECT pg_relation_size(c.oid) / current_setting('block_size')::bigint, "
+        "CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END "
+        "FROM pg_class c WHERE c.oid = CAST(:table AS regclass)"
+    ).bindparams(table=name)

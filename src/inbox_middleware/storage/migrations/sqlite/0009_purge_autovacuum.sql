@@ -1,0 +1,2 @@
+-- PostgreSQL only (per-table autovacuum options for the purge); SQLite has no autovacuum
+-- of this kind: nothing to do, the number is kept so both dialects share their versions.
