@@ -372,3 +372,206 @@ def test_paths__dramatiq_processes_started_during_a_restart_wait_and_lose_nothin
         for key in broker.client.scan_iter(f"{namespace}*"):
             broker.client.delete(key)
         broker.close()
+
+
+# -- handler misuse, dynamic subscribers ------------------------------------------------------
+
+PATHS_APP = "tests.faults.app_paths:app"
+REFUSED = "handler_transaction"
+COMMON_MISUSES = (
+    "sql_rollback",
+    "sql_commit",
+    "connection_commit",
+    "connection_rollback",
+    "session_commit",
+    "session_rollback",
+    "invalidate",
+    "ack",
+    "nack",
+    "reject",
+)
+MISUSES = {
+    # RabbitMQ: aio-pika's own message settled behind the inbox, detected after the handler
+    "rabbit": (*COMMON_MISUSES, "raw_ack"),
+    # NATS: ack_sync, and nats-py's own message, refused
+    "nats": (*COMMON_MISUSES, "ack_sync", "raw_ack"),
+}
+
+
+def _accounts(engine: Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return dict(
+            conn.execute(text("SELECT account_id, count(*) FROM ledger GROUP BY account_id")).all()
+        )
+
+
+def _poison(engine: Engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text("SELECT message_id, reason_code FROM inbox_poison")).all())
+
+
+def _settled_or_poisoned(engine: Engine, ids: set[str]) -> bool:
+    return not _settlement(engine, ids)["missing"]
+
+
+async def _misuse_row(
+    kind: str,
+    misuses: tuple[str, ...],
+    outage_postgres: OutagePostgres,
+    db: Engine,
+    tmp_path: Path,
+    *,
+    batched: int = 0,
+    reason: str | None = REFUSED,
+    patience: float = 30,
+) -> None:
+    """Two workers; for each misuse, two messages whose handler credits an account of its
+    own then misuses the session or the message (and two well-behaved ones); ``batched``
+    messages to a batch subscriber acking FastStream's context message (NATS). Each
+    misuse must be refused: no effect, a poison row (``reason``; None: any), nothing left."""
+    services.require(services.RABBITMQ if kind == "rabbit" else services.NATS, kind)
+    source, batch = Harness(kind, []), Harness(kind, [])
+    await source.prepare_source()
+    if batched:
+        await batch.prepare_source()
+    env = {
+        "INBOX_TEST_DATABASE_URL": outage_postgres.async_url,
+        "INBOX_TEST_BROKER": kind,
+        "INBOX_TEST_BROKER_URL": services.RABBITMQ if kind == "rabbit" else services.NATS,
+        "INBOX_TEST_SOURCE": source.name,
+        "FAULTS_BATCH_SOURCE": batch.name if batched else "",
+        "FAULTS_PATH": "misuse",
+    }
+    worker = FastStreamWorker(PATHS_APP, env, tmp_path / "fs.log", options=("--workers", "2"))
+    kinds = ("none", *misuses)
+    plan = {f"mu-{n:02d}-{m}": (m, 100 + n) for n, m in enumerate(kinds * 2)}
+    batch_plan = {f"mb-{n}": 900 + n for n in range(batched)}
+    try:
+        subscribers = 2 if batched else 1
+        await eventually(
+            lambda: worker.output().count("waiting for messages") >= 2 * subscribers,
+            timeout=60,
+            what="two workers",
+        )
+        async with source.broker:
+            for message_id, (misuse, account) in plan.items():
+                headers = identity_headers(producer="orders", message_id=message_id)
+                await source.publish({"account": account, "delta": 1, "misuse": misuse}, headers)
+        if batch_plan:
+            async with batch.broker:
+                for message_id, account in batch_plan.items():
+                    headers = identity_headers(producer="orders", message_id=message_id)
+                    await batch.publish({"account": account, "delta": 1}, headers)
+        ids = set(plan) | set(batch_plan)
+        await eventually(
+            lambda: _settled_or_poisoned(db, ids), timeout=patience, what="every message settled"
+        )
+        await asyncio.sleep(1.5)
+    finally:
+        worker.stop()
+    output = worker.output()
+    accounts, poison = _accounts(db), _poison(db)
+    # Then each misuse is refused: rolled back (no effect), kept as poison at once
+    wrong = {
+        message_id: (misuse, accounts.get(account, 0), poison.get(message_id))
+        for message_id, (misuse, account) in plan.items()
+        if (
+            (accounts.get(account, 0), poison.get(message_id)) != (1, None)
+            if misuse == "none"
+            else accounts.get(account, 0) != 0
+            or poison.get(message_id) is None
+            or reason not in (None, poison[message_id])
+        )
+    }
+    wrong |= {
+        message_id: ("batch msg.ack()", accounts.get(account, 0), poison.get(message_id))
+        for message_id, account in batch_plan.items()
+        if accounts.get(account, 0) != 0 or message_id not in poison
+    }
+    assert wrong == {}, f"(misuse, effects, poison) not as documented: {wrong}\n{output[-6000:]}"
+    # And nothing is left with the broker: every poison went to the dead letters
+    assert await source.leftover() == 0
+    if batch_plan:
+        assert await batch.leftover() == 0
+    await source.cleanup()
+    if batch_plan:
+        await batch.cleanup()
+
+
+@pytest.mark.parametrize("kind", ["rabbit", "nats"])
+async def test_paths__handler_misuse_is_refused_without_loss(
+    kind: str, outage_postgres: OutagePostgres, db: Engine, tmp_path: Path
+) -> None:
+    batched = 4 if kind == "nats" else 0
+    await _misuse_row(kind, MISUSES[kind], outage_postgres, db, tmp_path, batched=batched)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 27, item 2: on asyncpg, COMMIT of a transaction a caught failure on the "
+    "driver's own connection aborted answers ROLLBACK, unread: acked with neither effect "
+    "nor claim (the checked COMMIT of the transaction work fixes it: drop this mark then)",
+)
+async def test_paths__a_failure_caught_on_the_drivers_own_connection_is_never_acked(
+    outage_postgres: OutagePostgres, db: Engine, tmp_path: Path
+) -> None:
+    # A failed attempt each time (the attempt's COMMIT did not commit): poison once
+    # max_attempts is spent, never an ack without a record
+    await _misuse_row(
+        "rabbit", ("raw_failure_caught",), outage_postgres, db, tmp_path, reason=None, patience=15
+    )
+
+
+@pytest.mark.parametrize("kind", ["rabbit", "nats"])
+async def test_paths__dynamic_subscribers_are_checked_and_guarded_without_loss(
+    kind: str, outage_postgres: OutagePostgres, db: Engine, tmp_path: Path
+) -> None:
+    services.require(services.RABBITMQ if kind == "rabbit" else services.NATS, kind)
+    queues = [Harness(kind, []) for _ in range(4)]
+    for queue in queues:
+        await queue.prepare_source()
+    added, routed, acking_first, replaced = queues
+    env = {
+        "INBOX_TEST_DATABASE_URL": outage_postgres.async_url,
+        "INBOX_TEST_BROKER": kind,
+        "INBOX_TEST_BROKER_URL": services.RABBITMQ if kind == "rabbit" else services.NATS,
+        "INBOX_TEST_SOURCE": added.name,
+        "FAULTS_PATH": "dynamic",
+        "FAULTS_QUEUES": ",".join(q.name for q in queues),
+    }
+    # Given two workers of a guarded broker whose subscribers are added once it runs
+    worker = FastStreamWorker(PATHS_APP, env, tmp_path / "fs.log", options=("--workers", "2"))
+    ids: dict[str, set[str]] = {}
+    try:
+        await eventually(
+            lambda: worker.output().count("dynamic subscribers started") >= 2,
+            timeout=60,
+            what="the dynamic subscribers of both workers",
+        )
+        # When each queue gets its messages, each twice
+        for n, queue in enumerate(queues):
+            ids[queue.name] = {f"dy-{n}-{k:02d}" for k in range(8)}
+            async with queue.broker:
+                for message_id in sorted(ids[queue.name]) * 2:
+                    headers = identity_headers(producer="orders", message_id=message_id)
+                    await queue.publish({"account": 7, "delta": 1}, headers)
+        protected = ids[added.name] | ids[routed.name] | ids[replaced.name]
+        await eventually(
+            lambda: _settled(db, protected), timeout=60, what="the protected queues settled"
+        )
+        await asyncio.sleep(1.5)
+    finally:
+        worker.stop()
+    output = worker.output()
+    # Then the added, the routed and the replacing subscribers apply every message once
+    _assert_applied_once(db, protected, output[-6000:])
+    # And the ACK_FIRST one was refused as it started, in both workers, having consumed
+    # nothing: its messages all wait in its queue
+    assert output.count("refused as it started") == 2, output[-6000:]
+    assert "AckPolicy.ACK_FIRST" in output
+    assert _settlement(db, ids[acking_first.name])["claimed"] == set()
+    assert await acking_first.leftover() == 16
+    for queue in (added, routed, replaced):
+        assert await queue.leftover() == 0, queue.name
+    for queue in queues:
+        await queue.cleanup()
