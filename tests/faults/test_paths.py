@@ -265,10 +265,17 @@ async def test_paths__faststream_workers_started_during_a_restart_wait_and_lose_
         assert UNCHECKED not in output
 
 
-@pytest.mark.parametrize("fs_row", ["rabbit"], indirect=True)
+@pytest.mark.parametrize(
+    ("fs_row", "ending"),
+    [("rabbit", "kill"), ("rabbit", "term-while-held")],
+    ids=["kill", "term-while-held"],
+    indirect=["fs_row"],
+)
 async def test_paths__item_1_backlog_unguarded_workers_restart_and_outages_lose_nothing(
-    fs_row: FastStreamRow, outage_postgres: OutagePostgres, db: Engine
+    fs_row: FastStreamRow, ending: str, outage_postgres: OutagePostgres, db: Engine
 ) -> None:
+    """``kill``: a worker SIGKILLed once PostgreSQL is back; ``term-while-held``: a worker
+    SIGTERMed (a graceful stop) while the outage has it holding messages."""
     count = int(os.environ.get("FAULTS_BACKLOG_INTENTS", "405"))
     rng = random.Random(os.environ.get("FAULTS_SEED", "27"))
     ids = _ids("bl", count)
@@ -283,19 +290,25 @@ async def test_paths__item_1_backlog_unguarded_workers_restart_and_outages_lose_
     worker = fs_row.start("--workers", "2", INBOX_TEST_UNGUARDED="1")
     await eventually(lambda: len(worker.children()) == 2, timeout=30, what="two workers")
     outage_postgres.stop()
-    await asyncio.sleep(3)
-    outage_postgres.start()
-    # And a worker is SIGKILLed while the backlog is worked off, respawned by the
-    # command, the rest of the intents sent, and PostgreSQL stops for 3 s again right
-    # after the new worker starts
-    await asyncio.sleep(rng.uniform(0.2, 1.5))
-    victim = rng.choice(worker.children())
-    os.kill(victim, signal.SIGKILL)
+    if ending == "term-while-held":
+        await asyncio.sleep(1.5)
+        victim = rng.choice(worker.children())
+        os.kill(victim, signal.SIGTERM)
+        await asyncio.sleep(1.5)
+        outage_postgres.start()
+    else:
+        await asyncio.sleep(3)
+        outage_postgres.start()
+        await asyncio.sleep(rng.uniform(0.2, 1.5))
+        victim = rng.choice(worker.children())
+        os.kill(victim, signal.SIGKILL)
+    # And the worker ended is respawned by the command, the rest of the intents sent,
+    # and PostgreSQL stops for 3 s again right after the new worker starts
     await fs_row.publish(sends[:later])
     await eventually(
         lambda: len(worker.children()) == 2 and victim not in worker.children(),
         timeout=30,
-        what="the killed worker respawned",
+        what="the ended worker respawned",
     )
     outage_postgres.stop()
     await asyncio.sleep(3)
