@@ -21,7 +21,8 @@ nothing left in the broker. Run under the fault lock::
     flock /tmp/inbox-fault.lock .venv/bin/pytest tests/faults/test_paths.py
 
 ``FAULTS_CPU_BURN=2`` runs that many CPU burners beside the row (the outside report's
-"heavy CPU load"); ``FAULTS_BACKLOG_INTENTS`` changes the backlog row's 405.
+"heavy CPU load"); ``FAULTS_BACKLOG_INTENTS`` changes the backlog row's 405,
+``FAULTS_BACKLOG_LIMIT`` its redelivery_limit (10), ``FAULTS_SEED`` its draws.
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ def _settlement(engine: Engine, ids: set[str]) -> dict[str, Any]:
     """What became of the row's intents: applied (with how many effects), poisoned."""
     with engine.connect() as conn:
         claimed = {m for (m,) in conn.execute(text("SELECT message_id FROM consumer_inbox"))}
-        poison = dict(conn.execute(text("SELECT message_id, reason_code FROM inbox_poison")).all())
+        poison = {
+            m: f"{reason} after {attempts} ({error})"
+            for m, reason, attempts, error in conn.execute(
+                text("SELECT message_id, reason_code, attempts, error FROM inbox_poison")
+            )
+        }
         effects = int(conn.scalar(text("SELECT count(*) FROM ledger")) or 0)
     return {
         "claimed": claimed & ids,
@@ -295,7 +301,10 @@ async def test_paths__item_1_backlog_unguarded_workers_restart_and_outages_lose_
     # PostgreSQL stops for 3 s as its workers start: their start-up check fails at the
     # first messages, which they hold
     worker = fs_row.start(
-        "--workers", "2", INBOX_TEST_UNGUARDED="1", INBOX_TEST_REDELIVERY_LIMIT="10"
+        "--workers",
+        "2",
+        INBOX_TEST_UNGUARDED="1",
+        INBOX_TEST_REDELIVERY_LIMIT=os.environ.get("FAULTS_BACKLOG_LIMIT", "10"),
     )
     await eventually(lambda: len(worker.children()) == 2, timeout=30, what="two workers")
     outage_postgres.stop()
