@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,11 +16,20 @@ READY = "started successfully"
 
 
 class FastStreamWorker:
-    def __init__(self, app: str, env: dict[str, str], log: Path, *, cwd: Path = ROOT) -> None:
+    def __init__(
+        self,
+        app: str,
+        env: dict[str, str],
+        log: Path,
+        *,
+        cwd: Path = ROOT,
+        options: tuple[str, ...] = (),
+    ) -> None:
+        """``options``: more of the command's options (``--workers 2``)."""
         self.log = log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "faststream", "run", app],
+                [sys.executable, "-m", "faststream", "run", app, *options],
                 cwd=cwd,
                 env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
                 stdout=out,
@@ -50,5 +60,22 @@ class FastStreamWorker:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def children(self) -> list[int]:
+        """The process ids of the command's live worker processes (``--workers``), as
+        its supervisor logs them when it starts (or restarts) one."""
+        pids = [
+            int(pid) for pid in re.findall(r"Started child process[^\[]*\[(\d+)\]", self.output())
+        ]
+        return [pid for pid in pids if _alive(pid)]
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -74,11 +74,12 @@ class OutagePostgres:
     def async_url(self) -> str:
         return services.with_database(services.POSTGRES_OUTAGE, self.name, driver="asyncpg")
 
-    def stop(self) -> None:
-        """A fast shutdown (connections cut, nothing lost), and wait until it is down."""
+    def stop(self, mode: str = "fast") -> None:
+        """A shutdown (fast: connections cut, nothing lost; immediate: as a crash, WAL
+        replayed at the next start), and wait until it is down."""
         if not answering(_port()):
             return
-        _ctl("stop", "-m", "fast")
+        _ctl("stop", "-m", mode)
         _wait(lambda: not answering(_port()), 30, "the outage PostgreSQL to stop")
 
     def start(self) -> None:
