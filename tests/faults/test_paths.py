@@ -537,12 +537,6 @@ async def test_paths__handler_misuse_is_refused_without_loss(
     await _misuse_row(kind, MISUSES[kind], outage_postgres, db, tmp_path, batched=batched)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 27, item 2: on asyncpg, COMMIT of a transaction a caught failure on the "
-    "driver's own connection aborted answers ROLLBACK, unread: acked with neither effect "
-    "nor claim (the checked COMMIT of the transaction work fixes it: drop this mark then)",
-)
 async def test_paths__a_failure_caught_on_the_drivers_own_connection_is_never_acked(
     outage_postgres: OutagePostgres, db: Engine, tmp_path: Path
 ) -> None:
