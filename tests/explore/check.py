@@ -11,8 +11,9 @@ For every intent sent with an identity:
   * an intent whose handler does nothing wrong is poisoned only by a limit the
     configuration sets (``poison-reason``); a committed intent has no poison row
     (``poisoned-and-applied``: "every message ends in exactly one place", as
-    docs/how-to/failures.md says) and exactly one claim, and every claim has its effect
-    (``record-contradicts``).
+    docs/how-to/failures.md says) unless a later copy applied it, which marks the earlier
+    copy's row recovered (``poisoned-copy-pending``), and exactly one claim, and every
+    claim has its effect (``record-contradicts``).
 Every conflict sent is recorded in ``inbox_quarantine`` as a pending identity conflict
 and published to the quarantine destination (``conflict-unrecorded``), and its payload
 never applied. A message without identity is dead-lettered and not applied when the
@@ -35,6 +36,10 @@ from .run import History
 __all__ = ["Finding", "check"]
 
 LIMIT_REASONS = {"retries_exhausted", "redelivery_limit"}
+LEAD = 2.0
+"""Seconds a pending poison row must come before its intent's first effect to be a
+finding: the handlers do not sleep, so a row written that long before the effect was
+there before the applying copy's claim, which must have marked it recovered."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +149,21 @@ def check(history: History) -> list[Finding]:
         "intents poisoned for a reason their configuration does not explain",
     )
     # A later copy of an intent whose earlier copy was poisoned is a first delivery of its
-    # own (docs/explanation/limits.md, "A poisoned copy and a later copy"): applied once, the
-    # earlier copy's poison row left as it is. One copy sent, applied and poisoned: a finding.
+    # own (docs/explanation/limits.md, "A poisoned copy and a later copy"): applied once,
+    # and its claim marks the earlier copy's pending row recovered. One copy sent, applied
+    # and poisoned: a finding. Several copies: a row still pending that was written well
+    # before the intent's first effect (so before the claim of the copy that applied it)
+    # is one too; a row written while that copy was in flight is the documented race.
     copies = Counter(key for _, key, kind, _ in history.sent if kind != "conflict")
+    problem(
+        "poisoned-copy-pending",
+        (
+            f"{k} (row written {history.poison_lead[k]:.1f}s before the effect)"
+            for k in identified
+            if k in effects and copies[k] > 1 and history.poison_lead.get(k, 0.0) > LEAD
+        ),
+        "applied intents whose earlier copy's poison row stayed pending (not recovered)",
+    )
     problem(
         "poisoned-and-applied",
         (

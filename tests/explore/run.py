@@ -70,6 +70,9 @@ class History:
     """(message id, decision, reason) of every quarantine row."""
     poison: list[tuple[str, str, str]] = field(default_factory=list)
     """(message id, reason, decision) of every poison row."""
+    poison_lead: dict[str, float] = field(default_factory=dict)
+    """For each pending poison row of an applied intent: how many seconds its last write
+    came before the intent's first effect."""
     destinations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     leftover: dict[str, int] = field(default_factory=dict)
     remaining: list[dict[str, Any]] | None = None
@@ -670,6 +673,14 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                         "SELECT message_id, reason_code, decision FROM inbox_poison"
                     )  # type: ignore[misc]
                 ]
+                history.poison_lead = {
+                    m: float(lead)
+                    for m, lead in admin.query(
+                        "SELECT p.message_id, extract(epoch FROM min(e.at) - p.last_failure_at)"
+                        " FROM inbox_poison p JOIN explore_effects e ON e.key = p.message_id"
+                        " WHERE p.decision = 'pending' GROUP BY p.message_id, p.last_failure_at"
+                    )
+                }
             finally:
                 admin.close()
         (folder / "events.txt").write_text("\n".join(history.events) + "\n\n" + fleet.tails())

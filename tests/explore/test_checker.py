@@ -138,6 +138,12 @@ def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented(
     history.poison = [("a", "retries_exhausted", "pending"), ("b", "explore_refused", "pending")]
     # Then that is the documented limit, not a finding
     assert "poisoned-and-applied" not in _kinds(history)
+    # Unless its row, still pending, was written well before the effect: the applying
+    # copy's claim must have marked it recovered
+    history.poison_lead = {"a": 5.0}
+    assert "poisoned-copy-pending" in _kinds(history)
+    history.poison_lead = {"a": 0.3}
+    assert "poisoned-copy-pending" not in _kinds(history)
     # But one copy sent, applied and poisoned is one
     history.sent = [s for s in history.sent if s[2] != "duplicate"]
     assert "poisoned-and-applied" in _kinds(history)

@@ -23,7 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, bindparam, delete, func, literal, or_, select, update
+from sqlalchemy import (
+    Connection,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..consumption import RedeliveryCount
@@ -68,6 +79,16 @@ class FailureRecorder:
         ).returning(attempts.c.attempts)
 
         poison = tables.poison
+        # A later copy of this message that committed already (same identity, same payload)
+        # applied the intent: the row is written recovered, not pending (the claim of a
+        # copy that commits later marks a pending row recovered itself: `statements`).
+        inbox = tables.inbox
+        applied = exists().where(
+            *(inbox.c[name] == bindparam(name) for name in key),
+            inbox.c.payload_sha256 == bindparam("payload_sha256"),
+        )
+        decision = case((applied, "recovered"), else_="pending")
+        recovered_at = case((applied, func.now()), else_=None)
         record = insert(poison).values(
             **{name: bindparam(name) for name in key},
             payload_sha256=bindparam("payload_sha256"),
@@ -82,7 +103,8 @@ class FailureRecorder:
             first_failure_at=func.now(),
             last_failure_at=func.now(),
             handler_version=bindparam("handler_version"),
-            decision="pending",
+            decision=decision,
+            recovered_at=recovered_at,
         )
         # A message redriven after a repair that fails again is pending once more: the
         # row keeps its first failure time and takes everything else from this failure.
@@ -105,7 +127,8 @@ class FailureRecorder:
                     )
                 },
                 "last_failure_at": func.now(),
-                "decision": "pending",
+                "decision": decision,
+                "recovered_at": recovered_at,
                 "decided_by": None,
                 "decided_at": None,
                 "decision_note": None,
@@ -145,7 +168,6 @@ class FailureRecorder:
         )
         self._reset = delete(attempts).where(*(attempts.c[name] == bindparam(name) for name in key))
 
-        inbox = tables.inbox
         self._claimed = select(literal(1)).where(
             *(inbox.c[name] == bindparam(name) for name in key)
         )

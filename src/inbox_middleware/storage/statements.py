@@ -29,6 +29,7 @@ from sqlalchemy import (
     true,
     tuple_,
     union_all,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -150,12 +151,18 @@ class ClaimStatements:
             # the wait is bounded without a separate SET round trip per message.
             rows = rows.select_from(self._setting())
             self._lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
-        self.claim: Executable = (
+        claim: Any = (
             insert(inbox)
             .from_select([column.name for column in columns], rows)
             .on_conflict_do_nothing()
             .returning(self._mark("pg_catalog.pg_current_xact_id()"))
         )
+        self._poison = tables.poison
+        if dialect == "postgresql":
+            claim = claim.add_cte(
+                self._recover([bindparam(name) for name in [*self._key_names, "payload_sha256"]])
+            )
+        self.claim: Executable = claim
 
         self.look_up: Executable = select(
             inbox.c.payload_sha256,
@@ -212,6 +219,27 @@ class ClaimStatements:
             },
         ).returning(quarantine.c.id, quarantine.c.attempts)
 
+    def _recover(self, *keys: list[Any]) -> Any:
+        """An UPDATE, run as a CTE of the claim: a pending poison row of the same identity
+        and payload is marked recovered. A poisoned copy leaves no claim (its attempt
+        rolled back), so a later copy is a first delivery of its own; when it commits, the
+        intent is applied and the earlier copy's row must not wait for a redrive that would
+        only publish it again. The claim's transaction holds the mark: a copy that rolls
+        back leaves the row pending. A copy with another payload is not the poisoned
+        message: its row stays for the operator (PostgreSQL only: SQLite has no
+        data-modifying CTE)."""
+        poison = self._poison
+        columns = [poison.c[name] for name in self._key_names]
+        columns.append(poison.c.payload_sha256)
+        return (
+            update(poison)
+            .where(tuple_(*columns).in_([tuple_(*key) for key in keys]))
+            .where(poison.c.decision == "pending")
+            .values(decision="recovered", recovered_at=func.now())
+            .returning(poison.c.id)
+            .cte("inbox_recovered")
+        )
+
     def _timestamp(self, name: str) -> Any:
         """A timestamp parameter. PostgreSQL needs the CAST to type a parameter in a
         SELECT list; SQLite must not have one: its CAST(... AS DATETIME) is numeric and
@@ -259,13 +287,21 @@ class ClaimStatements:
             ordered = ordered.select_from(rows.join(self._setting(), true()))
         # WHERE true: SQLite cannot otherwise tell the upsert's ON CONFLICT from a join's ON.
         ordered = ordered.where(true()).order_by(*(rows.c[name] for name in self._key_names))
-        statement: Executable = (
+        statement: Any = (
             self._insert(self._inbox)
             .from_select(self._columns, ordered)
             .on_conflict_do_nothing()
             .returning(*self._key_columns, self._mark("pg_catalog.pg_current_xact_id()"))
         )
-        return statement
+        if self._dialect == "postgresql":
+            names = [*self._key_names, "payload_sha256"]
+            keys = [
+                [cast(bindparam(f"c{index}_{name}", type_=Text), Text) for name in names]
+                for index in range(size)
+            ]
+            statement = statement.add_cte(self._recover(*keys))
+        built: Executable = statement
+        return built
 
     @functools.lru_cache(maxsize=64)  # noqa: B019
     def look_up_batch(self, size: int) -> Executable:

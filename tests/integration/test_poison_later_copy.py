@@ -1,0 +1,173 @@
+"""A later copy of a poisoned message (found by the explorer, "finding A"): the copy that
+commits marks the earlier copy's pending poison row recovered, in its own transaction, so
+that no operator redrives an intent that is already applied."""
+
+from __future__ import annotations
+
+import dramatiq
+import pytest
+from sqlalchemy import select, text
+
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+from inbox_middleware.exceptions import PermanentError
+from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware.protocol import Delivery
+from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
+from inbox_middleware.storage.failures import FailureRecorder
+
+from ..apps.domain import apply_credit, balance, effects
+from ..support.dramatiq_worker import drain, running_worker
+from .test_repair_dramatiq import broker_args, cli
+
+TABLES = InboxSchema().tables
+
+
+def poison_rows(engine) -> list[dict]:
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(select(TABLES.poison)).mappings()]
+
+
+@pytest.fixture
+def app(broker, queue, pg_engine):
+    """An actor that refuses credits to accounts that are not open, and fails (retried)
+    on accounts marked flaky."""
+    broker.add_middleware(InboxMiddleware(pg_engine))
+    with pg_engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS open_accounts (id integer PRIMARY KEY)"))
+        conn.execute(text("DELETE FROM open_accounts"))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0)
+    def add_credit(account_id: int, delta: int) -> None:
+        session = current_session()
+        if not session.execute(
+            text("SELECT 1 FROM open_accounts WHERE id = :a"), {"a": account_id}
+        ).first():
+            raise PermanentError("account_not_open")
+        apply_credit(session, "billing", account_id, delta)
+
+    return add_credit
+
+
+def test_a_later_copy_that_commits_marks_the_pending_poison_row_recovered(
+    broker, queue, pg_url, pg_engine, app
+):
+    with running_worker(broker) as worker:
+        # Given a copy of o-1 poisoned (its account was not open yet)
+        app.send_with_options(args=(7, 10), **identity(producer="orders", message_id="o-1"))
+        drain(broker, queue, worker)
+        [poisoned] = poison_rows(pg_engine)
+        assert poisoned["decision"] == "pending"
+        # When the account opens and the producer sends o-1 again, with the same payload
+        with pg_engine.begin() as conn:
+            conn.execute(text("INSERT INTO open_accounts VALUES (7)"))
+        app.send_with_options(args=(7, 10), **identity(producer="orders", message_id="o-1"))
+        drain(broker, queue, worker)
+        # Then it is applied once, and the poison row no longer waits for an operator
+        with pg_engine.connect() as conn:
+            assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
+        [row] = poison_rows(pg_engine)
+        assert (row["id"], row["decision"]) == (poisoned["id"], "recovered")
+        assert row["recovered_at"] is not None and row["decided_by"] is None
+        # And an operator's redrive of it is refused: it cannot become a second effect
+        redrive = cli(pg_url, "poison", "redrive", str(row["id"]), *broker_args(broker, queue))
+        assert redrive.returncode == 1
+        assert "is already recovered" in redrive.stderr
+        drain(broker, queue, worker)
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
+
+
+def test_a_later_copy_that_fails_or_carries_another_payload_leaves_the_row_pending(
+    broker, queue, pg_engine, app
+):
+    with running_worker(broker) as worker:
+        # Given a copy of o-2 poisoned
+        app.send_with_options(args=(8, 10), **identity(producer="orders", message_id="o-2"))
+        drain(broker, queue, worker)
+        # When a later copy fails again (rolled back), the row is still pending
+        app.send_with_options(args=(8, 10), **identity(producer="orders", message_id="o-2"))
+        drain(broker, queue, worker)
+        assert [r["decision"] for r in poison_rows(pg_engine)] == ["pending"]
+        # And a later copy with another payload that commits is not the poisoned message:
+        # the row stays for the operator to look at
+        with pg_engine.begin() as conn:
+            conn.execute(text("INSERT INTO open_accounts VALUES (8)"))
+        app.send_with_options(args=(8, 99), **identity(producer="orders", message_id="o-2"))
+        drain(broker, queue, worker)
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 8), balance(conn, 8)) == (1, 99)
+    assert [r["decision"] for r in poison_rows(pg_engine)] == ["pending"]
+
+
+# -- every claim path: one delivery, a batch, and the asyncpg driver -----------------------
+
+
+def _delivery(message_id: str, delta: int) -> Delivery:
+    payload = {"account": 1, "delta": delta}
+    return Delivery(
+        "billing",
+        MessageIdentity("orders", message_id),
+        hash_json(payload, "json.v1"),
+        handler_version="1",
+        source="accounts",
+        payload=repr(payload).encode(),
+    )
+
+
+def _poison(engine, *deliveries: Delivery) -> None:
+    recorder = FailureRecorder(InboxSchema(), "postgresql")
+    with engine.begin() as conn:
+        for d in deliveries:
+            recorder.record_poison(conn, d, reason_code="boom", error="boom", attempts=1)
+
+
+def _decisions(engine) -> dict[str, str]:
+    return {r["message_id"]: r["decision"] for r in poison_rows(engine)}
+
+
+@pytest.mark.parametrize("path", ["one", "batch"])
+def test_every_sync_claim_path_marks_the_same_payloads_row_recovered(pg_engine, path):
+    # Given m-1 and m-2 poisoned with delta 10
+    _poison(pg_engine, _delivery("m-1", 10), _delivery("m-2", 10))
+    inbox = Inbox(pg_engine)
+    # When later copies commit: m-1 with the same payload, m-2 with another
+    later = [_delivery("m-1", 10), _delivery("m-2", 99)]
+    if path == "one":
+        for d in later:
+            inbox.process(d, lambda session: None)
+    else:
+        inbox.process_batch(later, lambda session, verdicts: None)
+    # Then only the row of the same payload is recovered
+    assert _decisions(pg_engine) == {"m-1": "recovered", "m-2": "pending"}
+
+
+async def test_the_async_claim_marks_the_row_recovered_and_a_rollback_does_not(
+    pg_engine, pg_async_engine
+):
+    _poison(pg_engine, _delivery("m-1", 10), _delivery("m-2", 10))
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def nothing(session):
+        return None
+
+    async def fails(session):
+        raise RuntimeError("again")
+
+    await inbox.process(_delivery("m-1", 10), nothing)
+    with pytest.raises(RuntimeError):
+        await inbox.process(_delivery("m-2", 10), fails)
+    assert _decisions(pg_engine) == {"m-1": "recovered", "m-2": "pending"}
+
+
+def test_a_copy_poisoned_after_a_later_copy_committed_is_written_recovered(engine):
+    # Given copies of m-1 and m-2 in flight together: the later copies commit first
+    inbox = Inbox(engine)
+    inbox.process(_delivery("m-1", 10), lambda session: None)
+    inbox.process(_delivery("m-2", 99), lambda session: None)
+    # When the earlier copies' failures are recorded after that (m-2's with another payload)
+    recorder = FailureRecorder(InboxSchema(), engine.dialect.name)
+    with engine.begin() as conn:
+        for d in (_delivery("m-1", 10), _delivery("m-2", 10)):
+            recorder.record_poison(conn, d, reason_code="boom", error="boom", attempts=1)
+    # Then the applied one is no operator's business; the other payload's row is
+    assert _decisions(engine) == {"m-1": "recovered", "m-2": "pending"}
