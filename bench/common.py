@@ -45,7 +45,7 @@ def prepare_database() -> None:
             conn.execute(f'CREATE DATABASE "{DATABASE}"')
     from sqlalchemy import create_engine
 
-    from inbox_middleware.storage import migrate
+    from inbox_middleware._storage import migrate
 
     engine = create_engine(sqlalchemy_url())
     migrate(engine)

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import create_engine, text
 
 from bench.common import percentile, reset_database, sqlalchemy_url
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import Inbox
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import Inbox
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = 1")
 

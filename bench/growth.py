@@ -46,9 +46,9 @@ from sqlalchemy import create_engine
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from bench.common import PG, ROOT, percentile
-from inbox_middleware.retention import DEFAULT_PURGE_RATE, purge
-from inbox_middleware.storage import InboxSchema, migrate
-from inbox_middleware.storage.statements import ClaimStatements
+from inbox_middleware._operate.retention import DEFAULT_PURGE_RATE, purge
+from inbox_middleware._storage import InboxSchema, migrate
+from inbox_middleware._storage.statements import ClaimStatements
 
 DATABASE = os.environ.get("BENCH_GROWTH_DATABASE", "inbox_growth")
 SERVER = os.environ.get("BENCH_GROWTH_POSTGRES", PG)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import timeit
 
-from inbox_middleware.dramatiq.payload import ActorPayload
-from inbox_middleware.faststream.payload import builtin_hash
+from inbox_middleware.dramatiq._payload import ActorPayload
+from inbox_middleware.faststream._payload import builtin_hash
 
 SMALL = {"account_id": 7, "amount": 10}
 ORDER = {

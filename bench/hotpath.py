@@ -39,9 +39,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from bench.common import prepare_database, reset_database, sqlalchemy_url
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Delivery
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 
@@ -131,7 +131,7 @@ def measure_async(count: int, reps: int, profile: bool) -> None:
 async def _measure_async(count: int, reps: int, profile: bool) -> dict[str, list[float]]:
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-    from inbox_middleware.storage import AsyncInbox
+    from inbox_middleware._storage import AsyncInbox
 
     engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2)
     inbox = AsyncInbox(engine)

@@ -38,9 +38,9 @@ from bench.common import ROOT, prepare_database, sqlalchemy_url
 HOT_PATH = """
 import json, sys, time, uuid
 from sqlalchemy import create_engine
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import Inbox
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage import Inbox
 
 engine = create_engine({url!r}, pool_size=1)
 inbox = Inbox(engine)
@@ -74,7 +74,7 @@ print(json.dumps([wall, cpu]))
 CALLS = """
 import json, timeit
 from time import perf_counter
-from inbox_middleware.metrics import metrics
+from inbox_middleware._operate.metrics import metrics
 
 
 def one():  # what Inbox._run and _Single.committed add to one first-seen message

@@ -27,8 +27,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
+from inbox_middleware._storage import migrate
 from inbox_middleware.outbox import Destinations, Effect
-from inbox_middleware.storage import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATABASE = "inbox_bench_outbox"

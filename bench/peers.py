@@ -32,8 +32,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware import Inbox, MessageIdentity
-from inbox_middleware.identity import hash_json
-from inbox_middleware.protocol import Delivery
+from inbox_middleware._core.identity import hash_json
+from inbox_middleware._core.protocol import Delivery
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 SEEN = text("SELECT 1 FROM bench_seen WHERE message_id = :m")

@@ -40,7 +40,7 @@ import psycopg
 from sqlalchemy import create_engine
 
 from bench.common import REDIS, ROOT, percentile
-from inbox_middleware.storage import migrate
+from inbox_middleware._storage import migrate
 
 PORTS = (5450, 5451, 5452)
 DOWN = 2  # the database that breaks

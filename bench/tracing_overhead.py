@@ -33,9 +33,9 @@ from bench.metrics_overhead import _truncate_inbox
 HOT_PATH = """
 import contextlib, json, time, uuid
 from sqlalchemy import create_engine
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import Inbox
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage import Inbox
 
 engine = create_engine({url!r}, pool_size=1)
 inbox = Inbox(engine)
@@ -43,7 +43,7 @@ tag = uuid.uuid4().hex[:8]
 digest = hash_json({{"n": 1}}, "bench.v1")
 if {traced}:
     from opentelemetry.sdk.trace import TracerProvider
-    from inbox_middleware.tracing import Tracing
+    from inbox_middleware._observe.tracing import Tracing
 
     tracing = Tracing(TracerProvider())
     traced = lambda: tracing.delivery("bench-hot", None)
@@ -76,8 +76,8 @@ print(json.dumps([wall, cpu]))
 
 CALLS = """
 import contextlib, json, sys, timeit
-from inbox_middleware import tracing
-from inbox_middleware.protocol import Decision, Verdict
+from inbox_middleware._observe import tracing
+from inbox_middleware._core.protocol import Decision, Verdict
 
 if sys.argv[1] == "on":
     from opentelemetry.sdk.trace import TracerProvider

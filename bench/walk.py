@@ -29,9 +29,14 @@ from typing import Any
 
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
+from inbox_middleware._operate.throwaway import (
+    DEFAULT_SERVER,
+    SERVER_VARIABLE,
+    Template,
+    migrate_inbox,
+)
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
-from inbox_middleware.faststream.processing import Subscription
-from inbox_middleware.throwaway import DEFAULT_SERVER, SERVER_VARIABLE, Template, migrate_inbox
+from inbox_middleware.faststream._processing import Subscription
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "inbox_middleware"
@@ -135,7 +140,7 @@ def walk_dramatiq() -> list[tuple[str | None, str]]:
     from sqlalchemy import create_engine
 
     from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-    from inbox_middleware.dramatiq.actor import InboxActor
+    from inbox_middleware.dramatiq._actor import InboxActor
 
     template = Template(os.environ.get(SERVER_VARIABLE, DEFAULT_SERVER), migrate_inbox)
     database = template.clone()

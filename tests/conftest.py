@@ -14,7 +14,7 @@ import pytest
 from dramatiq.middleware import AsyncIO, Retries
 from sqlalchemy import Engine, create_engine, event
 
-from inbox_middleware.storage import migrate
+from inbox_middleware._storage import migrate
 
 from .apps import domain
 from .support import database, services
@@ -143,7 +143,7 @@ def rabbitmq_broker(queue: str) -> Iterator[dramatiq.Broker]:
 @pytest.fixture
 def quorum_broker(queue: str) -> Iterator[dramatiq.Broker]:
     """Dramatiq on RabbitMQ quorum queues, a delivery limit of 5."""
-    from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+    from inbox_middleware.dramatiq._quorum import QuorumRabbitmqBroker
 
     services.require(services.RABBITMQ, "RabbitMQ")
     broker = QuorumRabbitmqBroker(url=services.RABBITMQ, confirm_delivery=True, delivery_limit=5)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .canonical import canonical_json
-from .exceptions import (
+from ._core.canonical import canonical_json
+from ._core.exceptions import (
     ClaimInProgress,
     ConfigurationError,
     DatabaseUnavailable,
@@ -29,14 +29,14 @@ from .exceptions import (
     TransientError,
     UnknownTenant,
 )
-from .identity import MessageIdentity, PayloadHash
-from .protocol import Decision, Delivery
-from .storage import Committed, Inbox, InboxSchema, Outcome, current_delivery, migrate
-from .storage.engines import engine_from_url
-from .tenancy import DatabaseMap, MapFile, TenantRange, load_map
+from ._core.identity import MessageIdentity, PayloadHash
+from ._core.protocol import Decision, Delivery
+from ._core.tenancy import DatabaseMap, MapFile, TenantRange, load_map
+from ._storage import Committed, Inbox, InboxSchema, Outcome, current_delivery, migrate
+from ._storage.engines import engine_from_url
 
 if TYPE_CHECKING:
-    from .storage.aio import AsyncInbox
+    from ._storage.aio import AsyncInbox
 
 __all__ = [
     "AsyncInbox",
@@ -78,7 +78,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # AsyncInbox needs SQLAlchemy's asyncio extra (greenlet): import it only when asked.
     if name == "AsyncInbox":
-        from .storage.aio import AsyncInbox
+        from ._storage.aio import AsyncInbox
 
         return AsyncInbox
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

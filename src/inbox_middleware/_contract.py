@@ -31,8 +31,8 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .exceptions import IdentityError, InboxError
-from .identity import MessageIdentity
+from ._core.exceptions import IdentityError, InboxError
+from ._core.identity import MessageIdentity
 
 __all__ = ["ContractViolation", "ProducerContract", "PublishedMessage", "producer_contract"]
 
@@ -144,7 +144,7 @@ def _is_dramatiq(broker: Any) -> bool:
 def _dramatiq(broker: Any, contract: ProducerContract) -> Iterator[None]:
     from dramatiq.middleware import Middleware, MiddlewareError
 
-    from .dramatiq.payload import identity_options
+    from .dramatiq._payload import identity_options
 
     class Violation(ContractViolation, MiddlewareError):
         """Raised from a middleware: Dramatiq lets only a MiddlewareError through."""
@@ -171,7 +171,7 @@ def _dramatiq(broker: Any, contract: ProducerContract) -> Iterator[None]:
 def _faststream(broker: Any, contract: ProducerContract) -> Iterator[None]:
     from faststream import BaseMiddleware
 
-    from .faststream.payload import headers_identity
+    from .faststream._payload import headers_identity
 
     class Check(BaseMiddleware):
         async def publish_scope(self, call_next: Callable[[Any], Any], cmd: Any) -> Any:

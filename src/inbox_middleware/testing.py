@@ -60,9 +60,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .exceptions import ConfigurationError
-from .harness import Effect, ScenarioResult
-from .throwaway import Setup, Template, ThrowawayDatabase, migrate_inbox, server_from
+from ._core.exceptions import ConfigurationError
+from ._operate.harness import Effect, ScenarioResult
+from ._operate.throwaway import Setup, Template, ThrowawayDatabase, migrate_inbox, server_from
 
 if TYPE_CHECKING:
     from .dramatiq.testing import DramatiqCheck

@@ -23,8 +23,8 @@ import pytest
 import yaml
 from sqlalchemy import Engine, create_engine, inspect, select, text
 
+from inbox_middleware._storage import InboxSchema, migrate
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.storage import InboxSchema, migrate
 
 from ..apps.domain import balance
 from ..support.dramatiq_worker import drain, running_worker

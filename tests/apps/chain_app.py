@@ -11,7 +11,7 @@ INBOX_TEST_DATABASE_URL   SQLAlchemy URL of the run's database (asyncpg)
 INBOX_TEST_BROKER_URL     RabbitMQ's URL
 INBOX_TEST_SOURCE         the prefix of the two queues (one per test)
 INBOX_TEST_ROLE           "a" or "b"
-INBOX_TEST_KILL_AT        comma-separated fault points (`inbox_middleware.faults`) where
+INBOX_TEST_KILL_AT        comma-separated fault points (`inbox_middleware._core.faults`) where
                           this process SIGKILLs itself, each with INBOX_TEST_KILL_CHANCE
 INBOX_TEST_KILL_CHANCE    the chance per message and point (default 0.02)
 INBOX_TEST_SEED           seeds the choice of the messages to die on
@@ -27,7 +27,7 @@ from typing import Any
 from faststream import FastStream
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 
-from inbox_middleware import faults
+from inbox_middleware._core import faults
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
 from ..support.engines import async_engine

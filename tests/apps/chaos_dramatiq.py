@@ -62,7 +62,7 @@ class Outcomes(Middleware):
 def _broker() -> dramatiq.Broker:
     url = ENV["CHAOS_BROKER_URL"]
     if ENV["CHAOS_BROKER"] == "rabbitmq" and ENV.get("CHAOS_QUORUM") == "1":
-        from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+        from inbox_middleware.dramatiq._quorum import QuorumRabbitmqBroker
 
         return QuorumRabbitmqBroker(url=url, confirm_delivery=True, delivery_limit=20)
     if ENV["CHAOS_BROKER"] == "rabbitmq":

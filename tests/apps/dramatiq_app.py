@@ -34,8 +34,8 @@ from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 from sqlalchemy.orm import Session
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.storage import InboxSchema
 
 from ..support.engines import sync_engine
 from .domain import apply_credit

@@ -37,8 +37,8 @@ from typing import Any
 
 from faststream import BaseMiddleware, FastStream
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema
 
 from ..support.engines import async_engine
 from .domain import apply_credit_async

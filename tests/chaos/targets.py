@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from inbox_middleware.headers import MESSAGE_ID
+from inbox_middleware._core.headers import MESSAGE_ID
 
 from ..support import servers, services
 from ..support.faststream_worker import FastStreamWorker
@@ -258,7 +258,7 @@ class DramatiqRabbitmq(DramatiqTarget):
 
     def _dramatiq_broker(self) -> Any:
         if self.quorum:
-            from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+            from inbox_middleware.dramatiq._quorum import QuorumRabbitmqBroker
 
             return QuorumRabbitmqBroker(
                 url=self.broker_url, confirm_delivery=True, delivery_limit=QUORUM_DELIVERY_LIMIT

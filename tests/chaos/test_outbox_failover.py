@@ -17,7 +17,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware._storage import InboxSchema
 
 from ..support import servers
 from ..support.dispatchers import DispatcherProcess

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     Arrival,
     Op,
     Process,
@@ -27,11 +27,11 @@ from inbox_middleware.consumption import (
     drive_async,
     first_seen_refusal,
 )
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Decision, Delivery, Verdict
-from inbox_middleware.storage import Committed
-from inbox_middleware.storage.base import BatchCommitted
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import Decision, Delivery, Verdict
+from inbox_middleware._storage import Committed
+from inbox_middleware._storage.base import BatchCommitted
 
 __all__ = ["Poison", "Script", "delivery", "run", "run_async"]
 
@@ -105,13 +105,13 @@ def _refuse(op: Process, verdict: Verdict) -> None:
 
 
 def run(arrival: Arrival, script: Script, policy: ConsumerPolicy | None = None) -> Settlement:
-    from inbox_middleware.consumption import settle_steps
+    from inbox_middleware._core.consumption import settle_steps
 
     return drive(settle_steps(arrival, policy or ConsumerPolicy()), script)
 
 
 def run_async(arrival: Arrival, script: Script, policy: ConsumerPolicy | None = None) -> Settlement:
-    from inbox_middleware.consumption import settle_steps
+    from inbox_middleware._core.consumption import settle_steps
 
     async def perform(op: Op) -> Any:
         return script(op)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
     HANDLER_TRANSACTION,
@@ -41,7 +41,7 @@ from inbox_middleware.consumption import (
     drive,
     settle_batch_steps,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     ClaimNotCommitted,
     DatabaseUnavailable,
     HandlerTransactionError,
@@ -49,10 +49,16 @@ from inbox_middleware.exceptions import (
     MissingIdentity,
     SchemaError,
 )
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Decision, Delivery, QuarantineRecord, StoredClaim, Verdict
-from inbox_middleware.storage.base import BatchCommitted
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import (
+    Decision,
+    Delivery,
+    QuarantineRecord,
+    StoredClaim,
+    Verdict,
+)
+from inbox_middleware._storage.base import BatchCommitted
 
 from .script import Poison, Script
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     HANDLER_TRANSACTION,
     Arrival,
     CountFailure,
@@ -26,8 +26,8 @@ from inbox_middleware.consumption import (
     commit_refusal,
     reason_code,
 )
-from inbox_middleware.exceptions import HandlerTransactionError, TransactionAborted
-from inbox_middleware.protocol import Decision, Verdict
+from inbox_middleware._core.exceptions import HandlerTransactionError, TransactionAborted
+from inbox_middleware._core.protocol import Decision, Verdict
 
 from .script import Poison, Script, delivery, run
 

@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     Arrival,
     CountFailure,
     CountHandBack,
@@ -44,7 +44,7 @@ from inbox_middleware.consumption import (
     RunUnprotected,
     Unfit,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -55,9 +55,9 @@ from inbox_middleware.exceptions import (
     SchemaError,
     TransientError,
 )
-from inbox_middleware.outputs import Output
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
+from inbox_middleware._core.outputs import Output
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
 
 from .script import Poison, Script, delivery, run
 

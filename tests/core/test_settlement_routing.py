@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     UNKNOWN_TENANT,
     Arrival,
     CountHandBack,
@@ -30,13 +30,13 @@ from inbox_middleware.consumption import (
     ResolveRoute,
     Route,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     DatabaseUnavailable,
     MissingIdentity,
     RouteUnavailable,
     UnknownTenant,
 )
-from inbox_middleware.protocol import Decision, Verdict
+from inbox_middleware._core.protocol import Decision, Verdict
 
 from .script import Script, delivery, run, run_async
 

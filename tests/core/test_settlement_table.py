@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
     HANDLER_TRANSACTION,
@@ -47,7 +47,7 @@ from inbox_middleware.consumption import (
     drive,
     outputs_failed_steps,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     ClaimNotCommitted,
     DatabaseUnavailable,
     HandlerTransactionError,
@@ -60,11 +60,11 @@ from inbox_middleware.exceptions import (
     TransactionAborted,
     TransientError,
 )
-from inbox_middleware.identity import MessageIdentity
-from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, Output
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
-from inbox_middleware.storage import Committed
+from inbox_middleware._core.identity import MessageIdentity
+from inbox_middleware._core.outputs import OUTPUTS_UNDELIVERABLE, Output
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import Decision, QuarantineRecord, StoredClaim, Verdict
+from inbox_middleware._storage import Committed
 
 from .script import Poison, Script, delivery, run, run_async
 

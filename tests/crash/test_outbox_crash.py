@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware._storage import InboxSchema
 
 from ..support.dispatchers import DispatcherProcess
 from ..support.http_remote import Behaviour, Remote

@@ -1,5 +1,5 @@
 """The fault-injection suite at the adapter boundary: for each broker set-up, a fault at
-each named point of a delivery (`inbox_middleware.faults`), in real worker processes on
+each named point of a delivery (`inbox_middleware._core.faults`), in real worker processes on
 the real servers. Run it alone, under the lock that guards server restarts::
 
     flock /tmp/inbox-faults.lock .venv/bin/python -m pytest -m faults

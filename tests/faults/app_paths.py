@@ -27,7 +27,7 @@ from typing import Any
 from faststream import AckPolicy, Context, FastStream
 from sqlalchemy import text
 
-from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
 from ..apps.domain import apply_credit_async

@@ -1,4 +1,4 @@
-"""The hook a fault-injection worker installs in `inbox_middleware.faults`.
+"""The hook a fault-injection worker installs in `inbox_middleware._core.faults`.
 
 A worker process of the suite imports one of the apps next to this module, which calls
 `install()`. The hook reads the run's plan (a JSON file the harness wrote before starting
@@ -163,7 +163,7 @@ class Hook:
 
 def install() -> None:
     """Set `faults.hook` for this worker process, from the environment."""
-    from inbox_middleware import faults
+    from inbox_middleware._core import faults
 
     env = os.environ
     faults.hook = Hook(
@@ -179,7 +179,8 @@ def install() -> None:
 def _self_check() -> None:
     """Checking the harness itself: the handler (the test's own code) calls the
     ``handler`` point, so that faults fire whatever the library calls already."""
-    from inbox_middleware import current_delivery, faults
+    from inbox_middleware import current_delivery
+    from inbox_middleware._core import faults
     from tests.apps import chaos_domain
 
     credit = chaos_domain.credit

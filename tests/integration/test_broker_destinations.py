@@ -15,8 +15,9 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from inbox_middleware import headers, outbox
-from inbox_middleware.exceptions import ConfigurationError, PermanentError
+from inbox_middleware import outbox
+from inbox_middleware._core import headers
+from inbox_middleware._core.exceptions import ConfigurationError, PermanentError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 from inbox_middleware.outbox import Backoff, Dispatcher
 from inbox_middleware.outbox.destinations.faststream import FastStreamDestination

@@ -17,9 +17,9 @@ import nats
 import pytest
 from sqlalchemy import Engine, text
 
+from inbox_middleware._core.identity import MessageIdentity
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.faststream.payload import delivery
-from inbox_middleware.identity import MessageIdentity
+from inbox_middleware.faststream._payload import delivery
 
 from ..apps.domain import apply_credit_async, balance, effects
 from ..support import kafka, services

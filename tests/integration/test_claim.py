@@ -14,15 +14,15 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     ClaimInProgress,
     DatabaseUnavailable,
     HandlerTransactionError,
     PrerequisiteError,
 )
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Claim, Decision, Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema, driver
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Claim, Decision, Delivery
+from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, driver
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support import database, services

@@ -17,11 +17,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from inbox_middleware._core.exceptions import HandlerTransactionError, TransactionAborted
+from inbox_middleware._core.protocol import Decision
+from inbox_middleware._storage import AsyncInbox, Inbox
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.exceptions import HandlerTransactionError, TransactionAborted
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.protocol import Decision
-from inbox_middleware.storage import AsyncInbox, Inbox
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
 from ..support.dramatiq_worker import drain, running_worker

@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select, text
 
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._operate.retention import RetentionPolicy, record_policy
+from inbox_middleware._storage import Inbox, InboxSchema
 from inbox_middleware.cli import main
-from inbox_middleware.identity import MessageIdentity, hash_json
 from inbox_middleware.poison import FailureRecorder
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.retention import RetentionPolicy, record_policy
-from inbox_middleware.storage import Inbox, InboxSchema
 
 NAMING = InboxSchema()
 
@@ -170,8 +170,8 @@ def test_engines__an_asyncpg_only_engine_works_under_run_sync_from_any_thread(
     # As with inbox-middleware[faststream-rabbit]: asyncpg is the only driver
     import threading
 
-    from inbox_middleware.metrics import TableCollector
-    from inbox_middleware.storage import engines
+    from inbox_middleware._operate.metrics import TableCollector
+    from inbox_middleware._storage import engines
 
     monkeypatch.setattr(engines, "_installed", lambda module: module == "asyncpg")
     engine = engines.sync_engine(pg_async_url)

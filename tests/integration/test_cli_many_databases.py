@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from inbox_middleware import DatabaseMap, MessageIdentity
-from inbox_middleware.identity import hash_json
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage.routed import RoutedInbox
+from inbox_middleware._core.identity import hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage.routed import RoutedInbox
 
 from ..support.tenants import TenantDatabases
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage import Inbox
 from inbox_middleware.cli import main
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import Inbox
 
 from .test_cli import run
 

@@ -23,12 +23,12 @@ import dramatiq
 import pytest
 from sqlalchemy import text
 
+from inbox_middleware._operate.retention import purge
+from inbox_middleware._operate.tally import CountFlusher, Tally
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.counts import flush_counts
 from inbox_middleware.dramatiq import identity
 from inbox_middleware.faststream import identity_headers
-from inbox_middleware.retention import purge
-from inbox_middleware.storage import InboxSchema
-from inbox_middleware.storage.counts import flush_counts
-from inbox_middleware.tally import CountFlusher, Tally
 
 from ..support import services
 from ..support.engines import sync_engine

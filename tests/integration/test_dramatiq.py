@@ -13,15 +13,15 @@ import pytest
 from dramatiq.middleware import Middleware
 from sqlalchemy import text
 
+from inbox_middleware._core.exceptions import ClaimInProgress, InvalidIdentity
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import (
     InboxMiddleware,
     current_async_session,
     current_session,
     identity,
 )
-from inbox_middleware.dramatiq.middleware import ActorConfigurationError, WorkerBootError
-from inbox_middleware.exceptions import ClaimInProgress, InvalidIdentity
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware.dramatiq._middleware import ActorConfigurationError, WorkerBootError
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support import engines, services

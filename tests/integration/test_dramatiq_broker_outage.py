@@ -15,7 +15,7 @@ import dramatiq
 import pytest
 from dramatiq.brokers.redis import RedisBroker
 
-from inbox_middleware import faults
+from inbox_middleware._core import faults
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 from ..apps.domain import apply_credit, balance, effects

@@ -19,11 +19,11 @@ from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 from sqlalchemy import select, text
 
-from inbox_middleware import repair
+from inbox_middleware._operate import repair
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.dramatiq.middleware import ActorConfigurationError
-from inbox_middleware.dramatiq.repair import DramatiqRepublisher
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware.dramatiq._middleware import ActorConfigurationError
+from inbox_middleware.dramatiq._repair import DramatiqRepublisher
 
 from ..apps.domain import apply_credit, effects
 from ..support import services
@@ -165,7 +165,7 @@ def test_hand_back__refused_then_refused_to_retries_is_not_acked(broker, queue, 
     # Given an inbox actor whose first attempt is handed back (transient trouble), and a
     # broker that refuses that message's next two enqueues: the hand-back's (no patience)
     # and the one Retries then makes
-    from inbox_middleware.exceptions import DatabaseUnavailable
+    from inbox_middleware._core.exceptions import DatabaseUnavailable
 
     sent: list[str] = []
     refuse = Refuse(lambda m: m.message_id in sent, times=2)

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from inbox_middleware.dramatiq import IdentityRefused, InboxMiddleware, StampIdentity, identity
-from inbox_middleware.dramatiq.middleware import ActorConfigurationError
+from inbox_middleware.dramatiq._middleware import ActorConfigurationError
 
 from ..apps.domain import apply_credit, balance, effects
 from ..support.dramatiq_worker import drain, running_worker

@@ -13,15 +13,15 @@ import pytest
 from faststream import AckPolicy
 from sqlalchemy import Engine, select, text
 
-from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._core.identity import MissingIdentity
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import (
     FastStreamInbox,
     InboxSession,
     StampIdentity,
     identity_headers,
 )
-from inbox_middleware.identity import MissingIdentity
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit_async, balance, effects
 from ..support import services

@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, text
 
+from inbox_middleware._core.protocol import Decision
+from inbox_middleware._operate.tally import tally
+from inbox_middleware._storage import Inbox
 from inbox_middleware.faststream import (
     FastStreamInbox,
     InboxBatch,
     InboxSession,
     identity_headers,
 )
-from inbox_middleware.faststream.payload import delivery, headers_identity
-from inbox_middleware.protocol import Decision
-from inbox_middleware.storage import Inbox
-from inbox_middleware.tally import tally
+from inbox_middleware.faststream._payload import delivery, headers_identity
 
 from ..apps.domain import apply_credit_async, effects
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
@@ -184,7 +184,7 @@ async def test_faststream_batch__a_batch_that_always_fails_ends_in_poison_not_a_
     # Given a batch handler that fails every time, and max_attempts=2
     from sqlalchemy import select
 
-    from inbox_middleware.storage import InboxSchema
+    from inbox_middleware._storage import InboxSchema
 
     inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
     h.broker.add_middleware(inbox.middleware)
@@ -222,7 +222,7 @@ async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_
 
     from sqlalchemy import select
 
-    from inbox_middleware.storage import InboxSchema
+    from inbox_middleware._storage import InboxSchema
 
     inbox = FastStreamInbox(
         pg_async_engine, retry_backoff=(0.05, 0.1), retention_window=timedelta(days=7)

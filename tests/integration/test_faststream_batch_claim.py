@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from inbox_middleware.exceptions import ClaimInProgress, TransactionConflict
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import (
+from inbox_middleware._core.exceptions import ClaimInProgress, TransactionConflict
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import (
     ClaimBatch,
     Decision,
     Delivery,
@@ -23,7 +23,7 @@ from inbox_middleware.protocol import (
     Verdict,
     claim_batch_steps,
 )
-from inbox_middleware.storage import AsyncInbox, Inbox
+from inbox_middleware._storage import AsyncInbox, Inbox
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
 

@@ -15,9 +15,9 @@ import pytest
 from faststream.rabbit.annotations import RabbitMessage
 from sqlalchemy import text
 
+from inbox_middleware._core.protocol import Decision
 from inbox_middleware.faststream import identity_headers
-from inbox_middleware.faststream.payload import payload_hash
-from inbox_middleware.protocol import Decision
+from inbox_middleware.faststream._payload import payload_hash
 
 from ..apps.domain import balance
 from ..support import services

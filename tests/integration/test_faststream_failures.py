@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from inbox_middleware.exceptions import PermanentError
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit_async, balance, effects
 from ..support import services

@@ -14,14 +14,14 @@ from faststream.kafka import KafkaBroker, TestKafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from sqlalchemy import text
 
-from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._core.protocol import Decision
 from inbox_middleware.faststream import (
     FastStreamInbox,
     InboxBatch,
     InboxSession,
     identity_headers,
 )
-from inbox_middleware.protocol import Decision
 
 from ..apps.domain import apply_credit_async, effects
 from ..support.faststream_brokers import Seen, recorder

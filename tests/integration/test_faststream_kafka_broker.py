@@ -22,7 +22,7 @@ from faststream.kafka import KafkaBroker, Topic, TopicPartition
 from faststream.kafka.annotations import KafkaMessage
 from sqlalchemy import text
 
-from inbox_middleware.exceptions import ConfigurationError
+from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
 from ..apps.domain import apply_credit_async, effects

@@ -15,8 +15,8 @@ import pytest
 from faststream import Context
 from sqlalchemy import select
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder

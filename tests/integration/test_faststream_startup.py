@@ -21,9 +21,9 @@ from faststream import AckPolicy
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from inbox_middleware import faults
+from inbox_middleware._core import faults
+from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware.dramatiq import InboxMiddleware
-from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
 from ..apps.domain import apply_credit_async, effects

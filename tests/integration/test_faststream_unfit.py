@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder

@@ -10,12 +10,12 @@ import logging
 import dramatiq
 from sqlalchemy import text
 
-from inbox_middleware.canonical_v1 import canonical_json as canonical_v1
+from inbox_middleware._core.canonical_v1 import canonical_json as canonical_v1
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import Inbox
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.faststream import payload as faststream_payload
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import Inbox
+from inbox_middleware.faststream import _payload as faststream_payload
 
 from ..apps.domain import apply_credit, effects
 from ..support.dramatiq_worker import drain, running_worker

@@ -14,10 +14,10 @@ from click.testing import CliRunner
 from dramatiq.encoder import PickleEncoder
 from sqlalchemy import text
 
-from inbox_middleware.canonical import digest
+from inbox_middleware._core.canonical import digest
 from inbox_middleware.cli import main
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.faststream.payload import CanonicalForm, payload_hash
+from inbox_middleware.faststream._payload import CanonicalForm, payload_hash
 
 from ..apps.domain import apply_credit, effects
 from ..support.dramatiq_worker import drain, running_worker

@@ -16,10 +16,10 @@ import pytest
 import rfc8785
 from click.testing import CliRunner
 
-from inbox_middleware.canonical import canonical_json, loads
+from inbox_middleware._core.canonical import canonical_json, loads
+from inbox_middleware._core.identity import PayloadHash
 from inbox_middleware.cli import main
-from inbox_middleware.faststream.payload import JSON_SCHEME, builtin_hash
-from inbox_middleware.identity import PayloadHash
+from inbox_middleware.faststream._payload import JSON_SCHEME, builtin_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS_FILE = ROOT / "docs" / "reference" / "hash-vectors.json"

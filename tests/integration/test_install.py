@@ -14,7 +14,7 @@ import dramatiq
 from dramatiq.brokers.stub import StubBroker
 from sqlalchemy import create_engine, text
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.storage import migrate
+from inbox_middleware._storage import migrate
 
 engine = create_engine("sqlite:///{db}")
 migrate(engine)

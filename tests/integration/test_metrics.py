@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from inbox_middleware import outbox
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._operate.metrics import TableCollector, serve
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import PermanentError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
-from inbox_middleware.metrics import TableCollector, serve
 from inbox_middleware.outbox import Dispatcher
 
 from ..apps.domain import apply_credit, apply_credit_async

@@ -12,7 +12,7 @@ import dramatiq
 import pytest
 from faststream.rabbit import RabbitBroker, TestRabbitBroker
 
-from inbox_middleware.contract import ContractViolation, producer_contract
+from inbox_middleware._contract import ContractViolation, producer_contract
 from inbox_middleware.dramatiq import identity
 from inbox_middleware.faststream import StampIdentity, identity_headers
 

@@ -13,12 +13,12 @@ from typing import Any
 import yaml
 from sqlalchemy import text
 
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._observe.instruments import _INSTRUMENTS
+from inbox_middleware._storage import Inbox
 from inbox_middleware.dramatiq import identity
 from inbox_middleware.faststream import FastStreamInbox, identity_headers
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.instruments import _INSTRUMENTS
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import Inbox
 
 from ..apps.domain import balance
 from ..support.dramatiq_worker import drain, running_worker

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Connection, create_engine, text
 
 from inbox_middleware import DatabaseMap, MessageIdentity, RouteUnavailable
-from inbox_middleware.identity import hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage.routed import RoutedInbox
+from inbox_middleware._core.identity import hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage.routed import RoutedInbox
 
 from ..apps.domain import apply_credit
 from ..support.tenants import TenantDatabases

@@ -16,12 +16,12 @@ from sqlalchemy import Engine, select, text, update
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
-from inbox_middleware.exceptions import ConfigurationError
-from inbox_middleware.identity import MessageIdentity, hash_json
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
 from inbox_middleware.outbox import Backoff, Destinations, Dispatcher, Effect
 from inbox_middleware.outbox.destinations.http import HttpDestination
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
 from ..support import services

@@ -16,8 +16,8 @@ from sqlalchemy import make_url, select
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.outbox import Dispatcher, Effect, PermanentDeliveryError
-from inbox_middleware.storage import InboxSchema
 
 from ..support.http_remote import Remote
 

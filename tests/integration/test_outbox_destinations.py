@@ -14,9 +14,10 @@ from dramatiq.middleware import Middleware
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from inbox_middleware import headers, outbox
+from inbox_middleware import outbox
+from inbox_middleware._core import headers
+from inbox_middleware._core.exceptions import InvalidIdentity
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.exceptions import InvalidIdentity
 from inbox_middleware.outbox import Dispatcher
 from inbox_middleware.outbox.destinations.dramatiq import DramatiqDestination
 from inbox_middleware.outbox.destinations.faststream import FastStreamDestination

@@ -12,12 +12,12 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, identity
-from inbox_middleware.identity import MessageIdentity, PayloadHash
 from inbox_middleware.outbox import Destinations, Dispatcher
 from inbox_middleware.outbox.destinations.http import HttpDestination
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import balance
 from ..support.dramatiq_worker import drain, running_worker

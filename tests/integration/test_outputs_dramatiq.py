@@ -14,7 +14,7 @@ from dramatiq.results.backends import RedisBackend
 from sqlalchemy import text
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.dramatiq.middleware import ActorConfigurationError
+from inbox_middleware.dramatiq._middleware import ActorConfigurationError
 
 from ..apps.domain import apply_credit, effects
 from ..support import services
@@ -140,7 +140,7 @@ def _effects(engine: Any, account: int) -> int:
 
 def test_outputs__a_direct_send_from_an_actor_is_warned(broker, queue, pg_engine, inbox, recwarn):
     # Given an inbox actor that sends a follow-up directly from its body
-    from inbox_middleware.exceptions import DirectPublishWarning
+    from inbox_middleware._core.exceptions import DirectPublishWarning
 
     @dramatiq.actor(queue_name=queue)
     def notify(account_id: int) -> None: ...
@@ -161,7 +161,7 @@ def test_outputs__a_direct_send_from_an_actor_is_warned(broker, queue, pg_engine
 
 
 def test_outputs__a_refused_direct_send_rolls_the_attempt_back(broker, queue, pg_engine, pg_url):
-    from inbox_middleware.dramatiq.middleware import DirectSendRefused
+    from inbox_middleware.dramatiq._middleware import DirectSendRefused
 
     broker.add_middleware(InboxMiddleware(pg_engine, direct_publish="refuse"))
     raised: list[BaseException] = []

@@ -162,7 +162,7 @@ async def test_outputs__a_direct_publish_from_a_handler_is_warned_or_refused(
     pg_async_engine, pg_engine, seen, policy, recwarn
 ):
     # Given a handler that publishes a follow-up directly, inside its inbox attempt
-    from inbox_middleware.exceptions import DirectPublishWarning
+    from inbox_middleware._core.exceptions import DirectPublishWarning
 
     inbox = FastStreamInbox(
         pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=1, direct_publish=policy
@@ -208,7 +208,7 @@ async def test_outputs__a_batch_subscriber_with_a_publisher_is_refused(inbox, se
         return len(bodies)
 
     # Then the start-up check refuses it, naming the outbox
-    from inbox_middleware.exceptions import ConfigurationError
+    from inbox_middleware._core.exceptions import ConfigurationError
 
     try:
         with pytest.raises(ConfigurationError, match="batch subscriber's result"):

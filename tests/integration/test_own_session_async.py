@@ -12,8 +12,8 @@ from typing import Any
 from faststream.rabbit import RabbitBroker
 from sqlalchemy import Engine, select, text
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import balance
 from ..support import services

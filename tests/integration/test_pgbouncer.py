@@ -22,10 +22,10 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.metrics import serve
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema, engines
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._operate.metrics import serve
+from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, engines
 
 from ..support import services
 from ..support.dispatchers import DispatcherProcess

@@ -8,12 +8,12 @@ import dramatiq
 import pytest
 from sqlalchemy import select, text
 
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
+from inbox_middleware._storage.failures import FailureRecorder
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import PermanentError
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Delivery
-from inbox_middleware.storage import AsyncInbox, Inbox, InboxSchema
-from inbox_middleware.storage.failures import FailureRecorder
 
 from ..apps.domain import apply_credit, balance, effects
 from ..support.dramatiq_worker import drain, running_worker

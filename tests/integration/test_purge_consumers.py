@@ -8,10 +8,10 @@ import uuid
 from click.testing import CliRunner
 from sqlalchemy import text
 
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import Inbox
 from inbox_middleware.cli import main
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import Inbox
 
 from .test_cli import run
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, text
 
-from inbox_middleware.retention import purge, purgeable
-from inbox_middleware.storage import InboxSchema, migrate
+from inbox_middleware._operate.retention import purge, purgeable
+from inbox_middleware._storage import InboxSchema, migrate
 
 from ..support.engines import sync_engine
 

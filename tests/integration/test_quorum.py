@@ -14,9 +14,9 @@ import dramatiq
 import pika
 from sqlalchemy import create_engine, func, insert, select
 
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support import services

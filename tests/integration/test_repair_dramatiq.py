@@ -11,9 +11,9 @@ import dramatiq
 import pytest
 from sqlalchemy import select, text
 
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import PermanentError
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit, balance, effects
 from ..support import services

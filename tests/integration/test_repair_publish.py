@@ -10,9 +10,9 @@ import dramatiq
 import pytest
 from sqlalchemy import select, text
 
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import PermanentError
-from inbox_middleware.storage import InboxSchema
 
 from ..apps.domain import apply_credit, balance, effects
 from ..support import services
@@ -233,10 +233,10 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
 
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from inbox_middleware.identity import MessageIdentity, hash_json
+    from inbox_middleware._core.identity import MessageIdentity, hash_json
+    from inbox_middleware._core.protocol import Delivery
+    from inbox_middleware._storage import AsyncInbox, Inbox
     from inbox_middleware.poison import FailureRecorder
-    from inbox_middleware.protocol import Delivery
-    from inbox_middleware.storage import AsyncInbox, Inbox
 
     def delivery(consumer: str, message_id: str, tenant: str = "") -> Delivery:
         return Delivery(
@@ -289,9 +289,9 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
 
 
 def test_repair_rows__decisions_and_confirmations_on_both_databases(engine):
-    from inbox_middleware.identity import MessageIdentity, hash_json
-    from inbox_middleware.protocol import Decision, Delivery
-    from inbox_middleware.storage import Inbox, repairs
+    from inbox_middleware._core.identity import MessageIdentity, hash_json
+    from inbox_middleware._core.protocol import Decision, Delivery
+    from inbox_middleware._storage import Inbox, repairs
 
     table = TABLES.quarantine
     inbox = Inbox(engine)

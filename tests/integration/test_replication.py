@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware import AsyncInbox, Inbox
-from inbox_middleware.storage.base import DatabaseSettings
+from inbox_middleware._storage.base import DatabaseSettings
 
 from ..support import database, servers, services
 from ..support.engines import sync_engine

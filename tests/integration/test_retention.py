@@ -14,10 +14,9 @@ import dramatiq
 import pytest
 from sqlalchemy import select, text
 
-from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.retention import (
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._operate.retention import (
     RetentionPolicy,
     RetentionRefused,
     check_window,
@@ -25,7 +24,8 @@ from inbox_middleware.retention import (
     purge,
     record_policy,
 )
-from inbox_middleware.storage import Inbox, InboxSchema
+from inbox_middleware._storage import Inbox, InboxSchema
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 from ..apps.domain import apply_credit, effects
 from ..support.dramatiq_worker import drain, running_worker
@@ -114,7 +114,7 @@ def test_purge__deletes_only_claims_older_than_the_window(pg_engine):
 
 def test_purge__takes_the_stored_outputs_with_their_claims(pg_engine):
     # Given claims with stored outputs, some older than the window
-    from inbox_middleware.outputs import Output
+    from inbox_middleware._core.outputs import Output
 
     inbox = Inbox(pg_engine)
 

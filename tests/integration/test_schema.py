@@ -10,11 +10,11 @@ import uuid
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from inbox_middleware.exceptions import SchemaError
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.storage import LATEST_VERSION, Inbox, InboxSchema, check_schema, migrate
-from inbox_middleware.storage.tables import TABLES
+from inbox_middleware._core.exceptions import SchemaError
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import LATEST_VERSION, Inbox, InboxSchema, check_schema, migrate
+from inbox_middleware._storage.tables import TABLES
 
 from ..apps.domain import apply_credit
 
@@ -168,7 +168,7 @@ def test_sqlite__refuses_a_schema_with_a_clear_message(tmp_path):
 
 
 def test_render_sql__applied_by_hand_gives_the_schema_workers_accept(pg_engine, fresh_schema):
-    from inbox_middleware.storage import render_sql
+    from inbox_middleware._storage import render_sql
 
     with pg_engine.begin() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA "{fresh_schema.schema}"')

@@ -18,15 +18,15 @@ import dramatiq
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import IntegrityError
 
-from inbox_middleware import repair
+from inbox_middleware._operate import repair
+from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import (
     InboxMiddleware,
     current_async_session,
     current_session,
     identity,
 )
-from inbox_middleware.dramatiq.repair import DramatiqRepublisher
-from inbox_middleware.storage import InboxSchema
+from inbox_middleware.dramatiq._repair import DramatiqRepublisher
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support.dramatiq_worker import drain, running_worker

@@ -30,8 +30,8 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware._storage import InboxSchema, migrate
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.storage import InboxSchema, migrate
 
 from ..apps import domain
 from ..apps.domain import apply_credit_async, balance, effects

@@ -11,10 +11,8 @@ from typing import Any
 import dramatiq
 from sqlalchemy import select, text
 
-from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.protocol import (
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.protocol import (
     Claim,
     Decision,
     Delivery,
@@ -22,8 +20,10 @@ from inbox_middleware.protocol import (
     StoredClaim,
     claim_steps,
 )
-from inbox_middleware.storage import InboxSchema
-from inbox_middleware.storage.executors import shadow_verdict
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.executors import shadow_verdict
+from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
 from ..support.dramatiq_worker import drain, running_worker

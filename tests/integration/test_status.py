@@ -14,16 +14,16 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
-from inbox_middleware import explain as explaining
 from inbox_middleware import outbox
-from inbox_middleware import status as reading
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._operate import explain as explaining
+from inbox_middleware._operate import status as reading
+from inbox_middleware._operate.metrics import metrics, serve
+from inbox_middleware._operate.retention import RetentionPolicy, record_policy
+from inbox_middleware._storage import Inbox, InboxSchema, inspection
 from inbox_middleware.cli import main
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.metrics import metrics, serve
 from inbox_middleware.poison import FailureRecorder
-from inbox_middleware.protocol import Decision, Delivery
-from inbox_middleware.retention import RetentionPolicy, record_policy
-from inbox_middleware.storage import Inbox, InboxSchema, inspection
 
 
 def delivery(consumer: str, producer: str, message_id: str, payload: Any) -> Delivery:

@@ -21,8 +21,8 @@ from faststream.rabbit import RabbitBroker, TestRabbitBroker
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.exceptions import ConfigurationError
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
 

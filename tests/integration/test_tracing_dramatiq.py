@@ -10,9 +10,9 @@ import pytest
 from opentelemetry.trace import StatusCode
 from sqlalchemy import text
 
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._observe.tracing import TRACE_OPTION
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
-from inbox_middleware.exceptions import PermanentError
-from inbox_middleware.tracing import TRACE_OPTION
 
 from ..apps.domain import apply_credit
 from ..support.dramatiq_worker import drain, running_worker

@@ -14,10 +14,10 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from inbox_middleware import explain as explaining
-from inbox_middleware.exceptions import PermanentError
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._operate import explain as explaining
+from inbox_middleware._operate.metrics import metrics
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.metrics import metrics
 
 from ..apps.domain import apply_credit_async
 from ..support.faststream_brokers import Harness, eventually

@@ -23,7 +23,7 @@ import dramatiq
 from dramatiq.brokers.stub import StubBroker
 from sqlalchemy import create_engine
 from inbox_middleware.dramatiq import InboxMiddleware, identity
-from inbox_middleware.storage import migrate
+from inbox_middleware._storage import migrate
 if sys.argv[1] == "provider":
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider

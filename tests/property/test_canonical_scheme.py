@@ -19,7 +19,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inbox_middleware.canonical import _exact, canonical_json, loads
+from inbox_middleware._core.canonical import _exact, canonical_json, loads
 
 SAFE = 2**53 - 1
 SETTINGS = settings(max_examples=1000, deadline=None)

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from inbox_middleware.canonical import canonical_json
+from inbox_middleware._core.canonical import canonical_json
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
 from . import strategies as s

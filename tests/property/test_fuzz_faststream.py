@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware._core.headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
-from inbox_middleware.faststream.payload import builtin_hash
-from inbox_middleware.headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
+from inbox_middleware.faststream._payload import builtin_hash
 
 from ..support import services
 from ..support.faststream_brokers import eventually

@@ -46,8 +46,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from inbox_middleware import DatabaseUnavailable, Decision, Delivery, Inbox, MessageIdentity
-from inbox_middleware.identity import hash_json
-from inbox_middleware.storage.aio import AsyncInbox
+from inbox_middleware._core.identity import hash_json
+from inbox_middleware._storage.aio import AsyncInbox
 
 from ..support.cutting_proxy import CuttingProxy
 

@@ -17,7 +17,7 @@ from importlib import resources
 import psycopg
 from sqlalchemy import create_engine, text
 
-from inbox_middleware.storage import migrate
+from inbox_middleware._storage import migrate
 
 from ..apps import domain
 from .services import POSTGRES_SERVER, with_database
@@ -25,7 +25,7 @@ from .services import POSTGRES_SERVER, with_database
 
 def _digest() -> str:
     hasher = hashlib.sha256()
-    folder = resources.files("inbox_middleware.storage").joinpath("migrations", "postgresql")
+    folder = resources.files("inbox_middleware._storage").joinpath("migrations", "postgresql")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         hasher.update(entry.name.encode() + entry.read_bytes())
     hasher.update(repr(domain.POSTGRES_DDL).encode())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import tenacity
 
-from inbox_middleware.consumption import HandBackDelays, backoff_delay
-from inbox_middleware.outbox.dispatcher import Backoff
+from inbox_middleware._core.consumption import HandBackDelays, backoff_delay
+from inbox_middleware.outbox._dispatcher import Backoff
 
 
 def test_backoff__hand_back_delays_double_per_message_up_to_the_limit() -> None:

@@ -14,12 +14,12 @@ import rfc8785
 from dramatiq import Message
 
 import inbox_middleware
-from inbox_middleware.canonical import NotJSON, canonical_json, digest, loads
-from inbox_middleware.canonical_v1 import canonical_json as canonical_v1
-from inbox_middleware.dramatiq.payload import SCHEME, V1_SCHEME, ActorPayload, CanonicalForm
-from inbox_middleware.exceptions import PayloadNotHashable
-from inbox_middleware.faststream import payload as faststream_payload
-from inbox_middleware.faststream.payload import JSON_SCHEME, JSON_V1_SCHEME, RAW_SCHEME
+from inbox_middleware._core.canonical import NotJSON, canonical_json, digest, loads
+from inbox_middleware._core.canonical_v1 import canonical_json as canonical_v1
+from inbox_middleware._core.exceptions import PayloadNotHashable
+from inbox_middleware.dramatiq._payload import SCHEME, V1_SCHEME, ActorPayload, CanonicalForm
+from inbox_middleware.faststream import _payload as faststream_payload
+from inbox_middleware.faststream._payload import JSON_SCHEME, JSON_V1_SCHEME, RAW_SCHEME
 
 APPENDIX_B_DOUBLE = struct.unpack(">d", bytes.fromhex("4415af1d78b58c3f"))[0]
 

@@ -35,7 +35,7 @@ def test_only_the_options_module_of_the_cli_is_imported_from_outside_it():
             for name in imported(path)
             if name == "inbox_middleware.cli" or name.startswith("inbox_middleware.cli.")
         }
-        options = "inbox_middleware.cli.options"
+        options = "inbox_middleware.cli._options"
         if any(name != options and not name.startswith(options + ".") for name in cli):
             offenders[str(path.relative_to(PACKAGE))] = sorted(cli)
     assert offenders == {}

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     HANDLER_TRANSACTION,
     INBOX_ERROR,
     RETRIES_EXHAUSTED,
@@ -26,15 +26,15 @@ from inbox_middleware.consumption import (
     drive,
     settle_steps,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     DirectPublishRefused,
     HandlerTransactionError,
     TransactionAborted,
     TransactionConflict,
 )
-from inbox_middleware.identity import MessageIdentity, hash_json
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Delivery
+from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import Delivery
 
 DELIVERY = Delivery("billing", MessageIdentity("orders", "ord-1"), hash_json({"a": 1}, "json.v1"))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     Arrival,
     CountFailure,
     CountRedelivery,
@@ -29,10 +29,10 @@ from inbox_middleware.consumption import (
     outputs_failed_steps,
     settle_steps,
 )
-from inbox_middleware.exceptions import PermanentError
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.policy import ConsumerPolicy
-from inbox_middleware.protocol import Delivery
+from inbox_middleware._core.exceptions import PermanentError
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.policy import ConsumerPolicy
+from inbox_middleware._core.protocol import Delivery
 
 DELIVERY = Delivery("billing", MessageIdentity("orders", "ord-1"), PayloadHash("v1", "00"))
 

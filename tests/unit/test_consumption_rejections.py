@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     Arrival,
     DeadLettered,
     Op,
@@ -13,8 +13,8 @@ from inbox_middleware.consumption import (
     drive,
     settle_steps,
 )
-from inbox_middleware.identity import MissingIdentity
-from inbox_middleware.policy import ConsumerPolicy
+from inbox_middleware._core.identity import MissingIdentity
+from inbox_middleware._core.policy import ConsumerPolicy
 
 
 def test_rejection__missing_identity_names_the_declared_consumer_and_source() -> None:

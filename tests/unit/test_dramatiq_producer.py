@@ -8,10 +8,10 @@ import pytest
 from dramatiq import Message
 from dramatiq.brokers.stub import StubBroker
 
+from inbox_middleware._core.exceptions import ConfigurationError, MissingIdentity
 from inbox_middleware.dramatiq import IdentityRefused, StampIdentity
-from inbox_middleware.dramatiq.payload import ActorIdentity, actor_identity
-from inbox_middleware.dramatiq.producer import StampConfigurationError
-from inbox_middleware.exceptions import ConfigurationError, MissingIdentity
+from inbox_middleware.dramatiq._payload import ActorIdentity, actor_identity
+from inbox_middleware.dramatiq._producer import StampConfigurationError
 
 
 @pytest.fixture

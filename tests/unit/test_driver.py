@@ -7,7 +7,7 @@ import itertools
 import psycopg
 import pytest
 
-from inbox_middleware.storage.statements import begin_command
+from inbox_middleware._storage.statements import begin_command
 
 LEVELS = [None, *psycopg.IsolationLevel]
 

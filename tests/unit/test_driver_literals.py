@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from inbox_middleware.storage import driver
+from inbox_middleware._storage import driver
 
 
 def test_quote__doubles_quotes_and_keeps_backslashes_and_dollars():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inbox_middleware.exceptions import ConfigurationError
-from inbox_middleware.storage import engines
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._storage import engines
 
 
 @pytest.mark.parametrize(

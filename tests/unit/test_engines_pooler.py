@@ -2,8 +2,8 @@
 
 import pytest
 
-from inbox_middleware.exceptions import ConfigurationError
-from inbox_middleware.storage.engines import async_engine, pooler_connect_args, sync_engine
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._storage.engines import async_engine, pooler_connect_args, sync_engine
 
 
 def test_sync_engine__postgresql_urls_use_psycopg_without_preparing():

@@ -3,9 +3,14 @@ from decimal import Decimal
 
 import pytest
 
-from inbox_middleware.canonical_v1 import canonical_json
-from inbox_middleware.exceptions import InvalidIdentity, MissingIdentity, PayloadNotHashable
-from inbox_middleware.identity import MAX_MESSAGE_ID_LENGTH, MessageIdentity, hash_bytes, jsonable
+from inbox_middleware._core.canonical_v1 import canonical_json
+from inbox_middleware._core.exceptions import InvalidIdentity, MissingIdentity, PayloadNotHashable
+from inbox_middleware._core.identity import (
+    MAX_MESSAGE_ID_LENGTH,
+    MessageIdentity,
+    hash_bytes,
+    jsonable,
+)
 
 # The canonical_json tests below are the frozen v1 form's (dramatiq.v1, faststream-json.v1,
 # fx1 effect ids): they must keep passing unchanged. The current scheme's are in

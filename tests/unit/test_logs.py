@@ -20,7 +20,7 @@ handler = logging.StreamHandler(sys.stdout)
 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)8s - %(message)s"))
 fs.addHandler(handler)
 fs.setLevel(logging.INFO)
-from inbox_middleware import logs
+from inbox_middleware._core import logs
 """
 LOG = "logging.getLogger('inbox_middleware.faststream').info('inbox consumer billing protects')"
 
@@ -64,7 +64,7 @@ def test_logs__one_line_with_timestamp_and_level_wherever_logging_goes(case):
 
 
 def test_logs__without_a_framework_handler_stderr_gets_timestamp_level_and_name():
-    code = "from inbox_middleware import logs\nlogs.follow(None)\n" + LOG
+    code = "from inbox_middleware._core import logs\nlogs.follow(None)\n" + LOG
     ran = subprocess.run(
         [sys.executable, "-c", "import logging\n" + code],
         capture_output=True,

@@ -7,7 +7,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from inbox_middleware.metrics import MAX_LABEL_VALUES, Metrics, label_values, metrics
+from inbox_middleware._operate.metrics import MAX_LABEL_VALUES, Metrics, label_values, metrics
 
 ALLOWED_LABELS = {
     "consumer",

@@ -1,7 +1,7 @@
 import pytest
 
-from inbox_middleware.exceptions import ConfigurationError
-from inbox_middleware.storage import InboxSchema, render_sql
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._storage import InboxSchema, render_sql
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import typing
 
 import pytest
 
-from inbox_middleware.exceptions import ConfigurationError
-from inbox_middleware.policy import SETTINGS, ConsumerPolicy, PolicySettings
+from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._core.policy import SETTINGS, ConsumerPolicy, PolicySettings
 
 
 def test_policy__the_keyword_settings_are_the_policy_fields():

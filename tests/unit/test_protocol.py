@@ -2,9 +2,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from inbox_middleware.exceptions import TransactionConflict
-from inbox_middleware.identity import MessageIdentity, PayloadHash
-from inbox_middleware.protocol import (
+from inbox_middleware._core.exceptions import TransactionConflict
+from inbox_middleware._core.identity import MessageIdentity, PayloadHash
+from inbox_middleware._core.protocol import (
     Claim,
     Decision,
     Delivery,

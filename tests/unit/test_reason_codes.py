@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
     HANDLER_TRANSACTION,
@@ -11,8 +11,8 @@ from inbox_middleware.consumption import (
     REDELIVERY_LIMIT,
     RETRIES_EXHAUSTED,
 )
-from inbox_middleware.outputs import OUTPUTS_UNDELIVERABLE, RESULT_UNSTORABLE
-from inbox_middleware.protocol import ReasonCode
+from inbox_middleware._core.outputs import OUTPUTS_UNDELIVERABLE, RESULT_UNSTORABLE
+from inbox_middleware._core.protocol import ReasonCode
 
 
 def test_reason_codes__values_are_the_stored_strings() -> None:

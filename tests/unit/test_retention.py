@@ -2,8 +2,8 @@ from datetime import timedelta
 
 import pytest
 
-from inbox_middleware.exceptions import ConfigurationError, PermanentError
-from inbox_middleware.retention import (
+from inbox_middleware._core.exceptions import ConfigurationError, PermanentError
+from inbox_middleware._operate.retention import (
     RetentionPolicy,
     format_duration,
     minimum_window,

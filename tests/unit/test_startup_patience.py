@@ -10,8 +10,8 @@ import socket
 import pytest
 from sqlalchemy import exc as sa_exc
 
-from inbox_middleware.exceptions import ConfigurationError, SchemaError
-from inbox_middleware.storage.startup import DatabaseNotReady, StartupPatience, worth_waiting
+from inbox_middleware._core.exceptions import ConfigurationError, SchemaError
+from inbox_middleware._storage.startup import DatabaseNotReady, StartupPatience, worth_waiting
 
 
 class _Driver(Exception):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, select, text
 
-from inbox_middleware.consumption import (
+from inbox_middleware._core.consumption import (
     DeadLettered,
     Duplicate,
     HandedBack,
@@ -20,16 +20,14 @@ from inbox_middleware.consumption import (
     Processed,
     Quarantined,
 )
-from inbox_middleware.exceptions import (
+from inbox_middleware._core.exceptions import (
     ConfigurationError,
     IdentityError,
     InboxError,
     PayloadNotHashable,
 )
-from inbox_middleware.protocol import Decision, QuarantineRecord, Verdict
-from inbox_middleware.storage import InboxSchema, migrate
-from inbox_middleware.storage.counts import count_totals, flush_counts, purge_counts
-from inbox_middleware.tally import (
+from inbox_middleware._core.protocol import Decision, QuarantineRecord, Verdict
+from inbox_middleware._operate.tally import (
     OUTCOMES,
     AsyncCountFlusher,
     CountFlusher,
@@ -37,6 +35,8 @@ from inbox_middleware.tally import (
     check_interval,
     outcome_of,
 )
+from inbox_middleware._storage import InboxSchema, migrate
+from inbox_middleware._storage.counts import count_totals, flush_counts, purge_counts
 
 FIRST = Verdict(Decision.FIRST)
 

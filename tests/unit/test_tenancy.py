@@ -18,7 +18,7 @@ from inbox_middleware import (
     UnknownTenant,
     load_map,
 )
-from inbox_middleware.storage.routed import RoutedInbox, database_url
+from inbox_middleware._storage.routed import RoutedInbox, database_url
 
 DATABASES = {"a": "postgresql://h/a", "b": "postgresql://h/b", "c": "postgresql://h/c"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from inbox_middleware import tracing
+from inbox_middleware._observe import tracing
 
 
 def test_tracing__off_imports_no_opentelemetry():
@@ -18,10 +18,10 @@ def otel(): return sorted(name for name in sys.modules if name.startswith("opent
 frameworks = otel()
 from sqlalchemy import create_engine
 import inbox_middleware.dramatiq, inbox_middleware.faststream
-from inbox_middleware.identity import MessageIdentity
-from inbox_middleware.protocol import Decision
-from inbox_middleware.storage import Inbox, migrate
-from inbox_middleware.faststream.payload import delivery
+from inbox_middleware._core.identity import MessageIdentity
+from inbox_middleware._core.protocol import Decision
+from inbox_middleware._storage import Inbox, migrate
+from inbox_middleware.faststream._payload import delivery
 engine = create_engine("sqlite://")
 migrate(engine)
 claim = delivery(consumer="c", identity=MessageIdentity("p", "m"), body=b"{}", headers={},

@@ -16,7 +16,7 @@ import json
 import struct
 from pathlib import Path
 
-from inbox_middleware.canonical import canonical_json, loads
+from inbox_middleware._core.canonical import canonical_json, loads
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "reference" / "hash-vectors.json"
 

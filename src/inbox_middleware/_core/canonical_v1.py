@@ -5,7 +5,7 @@ with this code. It is close to RFC 8785 but not it: integral doubles are written
 their digits (``2.0**60`` gives ``1152921504606846976``, the RFC ``1152921504606847000``),
 other doubles are placed from Python's ``repr`` rather than ECMAScript's algorithm, strings
 and keys are normalised to Unicode NFC, and a `Decimal` with a fraction goes through
-``float``. The current scheme is `inbox_middleware.canonical`.
+``float``. The current scheme is `inbox_middleware._core.canonical`.
 
 Never change what this module returns: claims hashed by a ``.v1`` scheme are compared by
 hashing a redelivery here again, so that a worker upgraded during traffic still tells

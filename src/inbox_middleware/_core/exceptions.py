@@ -22,7 +22,7 @@ InboxError
     └── RouteUnavailable          the tenant's database cannot be chosen now (resolver, map)
 ```
 
-Driver errors become these types in exactly one place, `inbox_middleware.storage.errors`:
+Driver errors become these types in exactly one place, `inbox_middleware._storage.errors`:
 `classify` reads what a failure means, `transient_error` builds the library's error, and
 `from_driver` wraps errors raised outside SQLAlchemy's execution the way it would.
 """

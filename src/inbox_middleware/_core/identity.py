@@ -6,9 +6,9 @@ it from the actor or subscriber declaration.
 
 The payload hash tells a redelivery (same intent, same payload) from an identity
 conflict (same intent, different payload). It is the SHA-256 of a canonical form
-(`inbox_middleware.canonical`), and the name of the scheme that produced it is stored
+(`inbox_middleware._core.canonical`), and the name of the scheme that produced it is stored
 beside it, so a later version can change the canonical form and still recognise
-redeliveries hashed the old way (`inbox_middleware.canonical_v1`).
+redeliveries hashed the old way (`inbox_middleware._core.canonical_v1`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def hash_bytes(data: bytes, scheme: str) -> PayloadHash:
 
 
 def hash_json(value: object, scheme: str) -> PayloadHash:
-    """Hash a value in its canonical form (`inbox_middleware.canonical.canonical_json`)."""
+    """Hash a value in its canonical form (`inbox_middleware._core.canonical.canonical_json`)."""
     return hash_bytes(canonical_json(value), scheme)
 
 

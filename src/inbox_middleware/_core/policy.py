@@ -65,7 +65,7 @@ class ConsumerPolicy:
         permanent failure (``result_unstorable``). None: no limit.
       direct_publish: what a message published or sent directly from inside the handler
         gets (it leaves before the commit, and a duplicate does not repeat it):
-        ``warn``, ``refuse`` or ``allow``; see `inbox_middleware.direct`.
+        ``warn``, ``refuse`` or ``allow``; see `inbox_middleware._core.direct`.
     """
 
     missing_identity: MissingIdentityPolicy = "reject"

@@ -20,7 +20,7 @@ middleware and FastStream's processing link here). One attempt, in one transacti
                       failure, deadlock), or the consumption core decides: never an ack
 
 What follows the COMMIT (ack, quarantine, dead letter, hand-back) is decided by the
-consumption core (`inbox_middleware.consumption`), and each adapter tells its broker in
+consumption core (`inbox_middleware._core.consumption`), and each adapter tells its broker in
 one place.
 
 A delivery is claimed by inserting its key. The primary key serializes concurrent

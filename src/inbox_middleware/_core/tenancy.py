@@ -19,7 +19,7 @@ resolver that answers differently for a redelivery sends it to a database where 
 first seen again, and applied twice. A resolver that raises is transient
 (`RouteUnavailable`: the delivery is handed back), as is a map file being rewritten.
 
-Pure: no driver, no framework; `inbox_middleware.storage.routed` opens the engines.
+Pure: no driver, no framework; `inbox_middleware._storage.routed` opens the engines.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ duplicates and conflicts it did not skip.
 Both exporters are optional (extras ``metrics`` and ``otel``); without them every call
 is a no-op. ``INBOX_PROMETHEUS_METRICS=0`` turns the Prometheus side off where it is
 installed; ``INBOX_OTEL_METRICS=1`` turns the OpenTelemetry mirror on (through the global
-meter provider). A sample recorded during a traced delivery (`inbox_middleware.tracing`)
+meter provider). A sample recorded during a traced delivery (`inbox_middleware._observe.tracing`)
 carries its trace and span id as a Prometheus exemplar (OpenMetrics exposition only, and
 not in multiprocess mode, where prometheus-client keeps none). Labels are bounded:
 consumer names come from declarations, producers and reason codes from messages, so
@@ -20,7 +20,7 @@ The Prometheus instruments are created at the first recorded sample, not at impo
 that a worker process which sets ``PROMETHEUS_MULTIPROC_DIR`` while it boots (Dramatiq's
 Prometheus middleware does) still writes its samples there. Dramatiq and FastStream run
 several worker processes: set that directory before they start, and serve the aggregate,
-with the table gauges of `inbox_middleware.status`, with `inbox_middleware.metrics.serve`
+with the table gauges of `inbox_middleware._operate.status`, with `inbox_middleware.metrics.serve`
 (or ``inbox-middleware metrics serve``).
 
 This module records; `inbox_middleware.metrics` serves (the HTTP endpoint and the table

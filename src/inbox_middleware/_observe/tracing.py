@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 from time import time_ns
 from typing import TYPE_CHECKING, Any, Self, cast
 
-from .consumption import (
+from .._core.consumption import (
     CountFailure,
     CountHandBack,
     CountRedelivery,
@@ -52,11 +52,11 @@ from .consumption import (
     RunUnprotected,
     SendOutputs,
 )
-from .exceptions import ClaimInProgress, ConfigurationError
-from .protocol import Claim, ClaimBatch
+from .._core.exceptions import ClaimInProgress, ConfigurationError
+from .._core.protocol import Claim, ClaimBatch
 
 if TYPE_CHECKING:
-    from .consumption import Settlement
+    from .._core.consumption import Settlement
 
 __all__ = [
     "OFF",

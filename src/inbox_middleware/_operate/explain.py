@@ -15,12 +15,12 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from .identity import MessageIdentity, PayloadHash
-from .outbox.recording import effect_id_for
-from .protocol import Delivery
+from .._core.identity import MessageIdentity, PayloadHash
+from .._core.protocol import Delivery
+from .._storage.inspection import consumer_known, effects, identity_row, identity_rows
+from .._storage.tables import InboxSchema
+from ..outbox._recording import effect_id_for
 from .retention import format_duration, recorded_policy
-from .storage.inspection import consumer_known, effects, identity_row, identity_rows
-from .storage.tables import InboxSchema
 
 __all__ = ["FORMAT", "SCHEMA", "consumer_known", "explain"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from sqlalchemy import Engine, event
 
-from .exceptions import ConfigurationError
-from .identity import MessageIdentity
+from .._core.exceptions import ConfigurationError
+from .._core.identity import MessageIdentity
 
 __all__ = [
     "CONCURRENT",
@@ -279,9 +279,9 @@ class Rollback:
 @contextlib.contextmanager
 def rollback_at_commit(message_id: str) -> Iterator[Rollback]:
     """Install a `Rollback` probe for the intent ``message_id`` on the inbox's named point
-    ``commit`` (`inbox_middleware.faults`: the handler has returned, COMMIT is next);
+    ``commit`` (`inbox_middleware._core.faults`: the handler has returned, COMMIT is next);
     the previous hook, if any, still runs and is restored afterwards."""
-    from . import faults
+    from .._core import faults
 
     previous, probe = faults.hook, Rollback(message_id)
 

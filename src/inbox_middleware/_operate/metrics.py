@@ -1,10 +1,10 @@
 """The inbox metrics, served: an HTTP endpoint (`serve`) and the table gauges collector.
 
-The samples are recorded by `inbox_middleware.instruments` (counters and histograms that
+The samples are recorded by `inbox_middleware._observe.instruments` (counters and histograms that
 follow every decision; see its docstring for the exporters, the label bounds and the
 multiprocess directory), whose names this module re-exports. Dramatiq and FastStream run
 several worker processes: set ``PROMETHEUS_MULTIPROC_DIR`` before they start, and serve
-the aggregate, with the table gauges of `inbox_middleware.status`, with `serve` (or
+the aggregate, with the table gauges of `inbox_middleware._operate.status`, with `serve` (or
 ``inbox-middleware metrics serve``).
 """
 
@@ -20,11 +20,17 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .instruments import MAX_LABEL_VALUES, MULTIPROCESS_VARIABLE, Metrics, label_values, metrics
+from .._observe.instruments import (
+    MAX_LABEL_VALUES,
+    MULTIPROCESS_VARIABLE,
+    Metrics,
+    label_values,
+    metrics,
+)
+from .._storage.engines import run_sync, sync_engine
+from .._storage.inspection import limit_statements
+from .._storage.tables import InboxSchema
 from .status import table_gauges
-from .storage.engines import run_sync, sync_engine
-from .storage.inspection import limit_statements
-from .storage.tables import InboxSchema
 
 __all__ = [
     "MAX_LABEL_VALUES",

@@ -37,12 +37,12 @@ from typing import Any, Literal, Protocol
 
 from sqlalchemy import Connection, Table
 
-from .exceptions import ConfigurationError, InboxError
-from .identity import MAX_MESSAGE_ID_LENGTH
-from .storage import repairs
-from .storage.failures import mark_recovered as _mark_recovered
-from .storage.failures import parse_marker as _parse_marker
-from .storage.tables import InboxSchema
+from .._core.exceptions import ConfigurationError, InboxError
+from .._core.identity import MAX_MESSAGE_ID_LENGTH
+from .._storage import repairs
+from .._storage.failures import mark_recovered as _mark_recovered
+from .._storage.failures import parse_marker as _parse_marker
+from .._storage.tables import InboxSchema
 
 __all__ = [
     "Kind",
@@ -214,7 +214,7 @@ def redrive(
     row = _decide(conn, naming, kind, row_id, "redriven", by=by, note=note, operation=operation)
     # A fresh start: the redriven message's earlier failures must not poison it again on
     # its first failure after the repair.
-    from .storage.failures import FailureRecorder
+    from .._storage.failures import FailureRecorder
 
     key = (row["consumer_name"], row["producer_name"], row["tenant"], row["message_id"])
     FailureRecorder(naming, conn.dialect.name).reset(conn, key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from .consumption import (
+from .._core.consumption import (
     EXPIRED_REDELIVERY,
     Arrival,
     DeadLettered,
@@ -23,8 +23,8 @@ from .consumption import (
     Settlement,
     identity_reason,
 )
-from .exceptions import IdentityError, PayloadNotHashable
-from .instruments import metrics
+from .._core.exceptions import IdentityError, PayloadNotHashable
+from .._observe.instruments import metrics
 from .tally import outcome_of, tally
 
 __all__ = ["report"]

@@ -31,12 +31,12 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from .exceptions import ConfigurationError, PermanentError
-from .instruments import metrics
-from .policy import ExpiredPolicy
-from .protocol import Delivery, ReasonCode
-from .storage.counts import purge_counts
-from .storage.retention import (
+from .._core.exceptions import ConfigurationError, PermanentError
+from .._core.policy import ExpiredPolicy
+from .._core.protocol import Delivery, ReasonCode
+from .._observe.instruments import metrics
+from .._storage.counts import purge_counts
+from .._storage.retention import (
     TID_RANGE_SCAN,
     PurgeStatements,
     all_policy_rows,
@@ -45,7 +45,7 @@ from .storage.retention import (
     purge_statements,
     write_policy,
 )
-from .storage.tables import ALL_CONSUMERS, InboxSchema
+from .._storage.tables import ALL_CONSUMERS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
 

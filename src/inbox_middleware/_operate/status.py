@@ -9,7 +9,7 @@ per-consumer totals from ``pg_stats``' most common values; the oldest claim is f
 through ``pg_stats``' histogram of ``processed_at`` (the first bucket that holds a row,
 read through the BRIN index). Duplicates and messages without identity leave no row of
 their own: each worker counts every settlement in memory and writes its cumulative counts
-to ``inbox_counts`` every few seconds (`inbox_middleware.tally`), so their totals since
+to ``inbox_counts`` every few seconds (`inbox_middleware._operate.tally`), so their totals since
 each worker started are read from there, approximate (a SIGKILLed worker loses its last
 interval); per-producer duplicates and shadow-mode counts come from the metrics endpoint
 when one is given.
@@ -29,8 +29,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from .storage.counts import CountTotals, count_totals
-from .storage.inspection import (
+from .._storage.counts import CountTotals, count_totals
+from .._storage.inspection import (
     EXACT_BELOW_BYTES,
     OutboxBacklog,
     PendingRepairs,
@@ -47,7 +47,7 @@ from .storage.inspection import (
     retention_windows,
     table_sizes,
 )
-from .storage.tables import ALL_CONSUMERS, TABLES, InboxSchema
+from .._storage.tables import ALL_CONSUMERS, TABLES, InboxSchema
 from .tally import OUTCOMES
 
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .consumption import (
+from .._core.consumption import (
     DeadLettered,
     Duplicate,
     HandedBack,
@@ -41,9 +41,9 @@ from .consumption import (
     Quarantined,
     Settlement,
 )
-from .exceptions import ConfigurationError, IdentityError, PayloadNotHashable
-from .storage.counts import flush_counts, flush_counts_async
-from .storage.tables import InboxSchema
+from .._core.exceptions import ConfigurationError, IdentityError, PayloadNotHashable
+from .._storage.counts import flush_counts, flush_counts_async
+from .._storage.tables import InboxSchema
 
 __all__ = [
     "DEFAULT_COUNT_INTERVAL",

@@ -21,9 +21,9 @@ from typing import Any
 from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import URL, make_url
 
-from .exceptions import ConfigurationError
-from .storage.databases import create_database, drop_database
-from .storage.migrate import migrate
+from .._core.exceptions import ConfigurationError
+from .._storage.databases import create_database, drop_database
+from .._storage.migrate import migrate
 
 __all__ = ["DEFAULT_SERVER", "SERVER_VARIABLE", "Setup", "Template", "ThrowawayDatabase"]
 

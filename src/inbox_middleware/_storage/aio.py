@@ -15,10 +15,11 @@ from typing import Any, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from .. import faults, tracing
-from ..consumption import CountHandBack, Op
-from ..exceptions import ConfigurationError
-from ..protocol import Decision, Delivery, Verdict
+from .._core import faults
+from .._core.consumption import CountHandBack, Op
+from .._core.exceptions import ConfigurationError
+from .._core.protocol import Decision, Delivery, Verdict
+from .._observe import tracing
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,

@@ -20,8 +20,8 @@ from sqlalchemy import Connection, Dialect, Engine, event, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from .. import faults, tracing
-from ..consumption import (
+from .._core import faults
+from .._core.consumption import (
     REMEMBERED_MESSAGES,
     CountFailure,
     CountHandBack,
@@ -36,15 +36,14 @@ from ..consumption import (
     commit_refusal,
     drive,
 )
-from ..exceptions import (
+from .._core.exceptions import (
     ClaimInProgress,
     ConfigurationError,
     HandlerTransactionError,
     PrerequisiteError,
 )
-from ..instruments import metrics
-from ..outputs import Output
-from ..protocol import (
+from .._core.outputs import Output
+from .._core.protocol import (
     ClaimBatch,
     Decision,
     Delivery,
@@ -53,6 +52,8 @@ from ..protocol import (
     claim_batch_steps,
     claim_steps,
 )
+from .._observe import tracing
+from .._observe.instruments import metrics
 from .driver import InboxTransaction, begin_owned, commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder

@@ -1,5 +1,5 @@
 """The statements that create and drop whole databases (the test suite's throwaway
-databases, `inbox_middleware.throwaway`). They run outside a transaction, on a connection
+databases, `inbox_middleware._operate.throwaway`). They run outside a transaction, on a connection
 to another database of the server; the names are the library's own, generated, never a
 user's."""
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 from sqlalchemy.util import await_
 
-from ..exceptions import ClaimNotCommitted, TransactionAborted
-from ..protocol import Claim, Step
+from .._core.exceptions import ClaimNotCommitted, TransactionAborted
+from .._core.protocol import Claim, Step
 from .errors import from_driver
 from .statements import CHECKED_COMMIT, CLAIM_ENDED, ClaimStatements, DriverStatement, begin_command
 

@@ -44,8 +44,8 @@ from sqlalchemy import URL, Engine, create_engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import NullPool
 
-from ..exceptions import ConfigurationError
-from ..logs import refuse_start
+from .._core.exceptions import ConfigurationError
+from .._core.logs import refuse_start
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

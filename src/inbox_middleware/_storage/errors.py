@@ -13,13 +13,13 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
-from ..exceptions import (
+from .._core.exceptions import (
     ClaimInProgress,
     DatabaseUnavailable,
     InboxError,
     TransactionConflict,
 )
-from ..protocol import Delivery
+from .._core.protocol import Delivery
 
 __all__ = ["Failure", "as_transient", "classify", "from_driver", "sqlstate", "transient_error"]
 

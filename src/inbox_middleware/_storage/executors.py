@@ -4,7 +4,7 @@
 needs SQLAlchemy's asyncio extra) an `AsyncEngine` (asyncpg). Both feed the same
 `protocol.claim_steps` machine with the same `ClaimStatements`, and decide retries with
 the same `base.Attempts`; they differ only in whether a call is awaited. One attempt is
-the transaction drawn in `inbox_middleware.protocol`: `process` returns after the COMMIT
+the transaction drawn in `inbox_middleware._core.protocol`: `process` returns after the COMMIT
 (only then may the caller ack), and raises after the ROLLBACK (the message must not be
 acked), once the serialization failures and deadlocks it retries at once are spent.
 
@@ -31,15 +31,16 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import faults, tracing
-from ..consumption import (
+from .._core import faults
+from .._core.consumption import (
     CountHandBack,
     Op,
 )
-from ..exceptions import (
+from .._core.exceptions import (
     ConfigurationError,
 )
-from ..protocol import Decision, Delivery, Verdict
+from .._core.protocol import Decision, Delivery, Verdict
+from .._observe import tracing
 from .base import (
     ABORTED,
     DEFAULT_LOCK_TIMEOUT,

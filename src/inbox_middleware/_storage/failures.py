@@ -37,8 +37,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ..consumption import RedeliveryCount
-from ..protocol import Delivery
+from .._core.consumption import RedeliveryCount
+from .._core.protocol import Delivery
 from .tables import InboxSchema
 
 __all__ = ["FailureRecorder", "Marker", "PoisonRecord", "mark_recovered", "parse_marker"]

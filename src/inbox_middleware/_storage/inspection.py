@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, DateTime, Table, Text, and_, func, select, text, type_coerce
 
-from ..protocol import ReasonCode
+from .._core.protocol import ReasonCode
 from .tables import TABLES, InboxSchema
 
 if TYPE_CHECKING:
-    from ..identity import MessageIdentity
+    from .._core.identity import MessageIdentity
 
 __all__ = [
     "EXACT_BELOW_BYTES",

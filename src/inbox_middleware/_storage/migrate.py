@@ -27,7 +27,7 @@ from sqlalchemy import Connection, Engine, func, inspect, select, text
 from sqlalchemy.engine.mock import MockConnection
 from sqlalchemy.schema import CreateTable
 
-from ..exceptions import ConfigurationError, SchemaError
+from .._core.exceptions import ConfigurationError, SchemaError
 from .tables import TABLES, InboxSchema
 
 __all__ = [

@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ..outputs import Output
-from ..protocol import Delivery
+from .._core.outputs import Output
+from .._core.protocol import Delivery
 from .tables import InboxSchema
 
 __all__ = ["OutputStatements"]

@@ -42,18 +42,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
-from ..consumption import CountHandBack, Op, ResolveRoute
-from ..exceptions import (
+from .._core.consumption import CountHandBack, Op, ResolveRoute
+from .._core.exceptions import (
     ConfigurationError,
     DatabaseUnavailable,
     RouteUnavailable,
     TransientError,
     UnknownTenant,
 )
-from ..instruments import metrics
-from ..outputs import Output
-from ..protocol import Delivery
-from ..tenancy import Router
+from .._core.outputs import Output
+from .._core.protocol import Delivery
+from .._core.tenancy import Router
+from .._observe.instruments import metrics
 from .engines import pooler_connect_args
 from .errors import Failure, classify
 from .executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES, Inbox

@@ -6,7 +6,7 @@ from typing import NoReturn
 
 from sqlalchemy.orm import Session
 
-from ..exceptions import HandlerTransactionError
+from .._core.exceptions import HandlerTransactionError
 
 __all__ = ["ClaimSession"]
 

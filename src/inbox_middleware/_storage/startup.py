@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from ..exceptions import ConfigurationError, InboxError, SchemaError, TransientError
+from .._core.exceptions import ConfigurationError, InboxError, SchemaError, TransientError
 from .errors import Failure, classify, sqlstate
 
 __all__ = [

@@ -33,8 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .. import tracing
-from ..protocol import (
+from .._core.protocol import (
     Claim,
     ClaimBatch,
     Delivery,
@@ -46,6 +45,7 @@ from ..protocol import (
     Step,
     StoredClaim,
 )
+from .._observe import tracing
 from .tables import InboxSchema
 
 __all__ = [

@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from ..exceptions import ConfigurationError
+from .._core.exceptions import ConfigurationError
 
 __all__ = ["ALL_CONSUMERS", "TABLES", "InboxSchema", "InboxTables"]
 

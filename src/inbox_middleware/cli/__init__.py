@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["main", "run"]
 
 if TYPE_CHECKING:
-    from .app import main, run
+    from ._app import main, run
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import app as module
+        from . import _app as module
 
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,12 +17,16 @@ from typing import Any
 import click
 from sqlalchemy.exc import DBAPIError
 
-from ..exceptions import InboxError
-from ..storage import LATEST_VERSION, migrate, render_sql
-from ..storage.engines import parse_url
-from ..storage.migrate import check_schema, schema_version
-from . import hashing, outbox, repair, retention, status
-from .options import connect, database_options, naming_from
+from .._core.exceptions import InboxError
+from .._storage import LATEST_VERSION, migrate, render_sql
+from .._storage.engines import parse_url
+from .._storage.migrate import check_schema, schema_version
+from . import _hashing as hashing
+from . import _outbox as outbox
+from . import _repair as repair
+from . import _retention as retention
+from . import _status as status
+from ._options import connect, database_options, naming_from
 
 __all__ = ["main", "run"]
 

@@ -11,8 +11,8 @@ import sys
 
 import click
 
-from ..canonical import NotJSON, canonical_json, loads
-from ..exceptions import PayloadNotHashable
+from .._core.canonical import NotJSON, canonical_json, loads
+from .._core.exceptions import PayloadNotHashable
 
 __all__ = ["hash_command"]
 

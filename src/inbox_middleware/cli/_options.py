@@ -23,10 +23,10 @@ from typing import Any, TypeVar
 import click
 from sqlalchemy import Connection, Engine
 
-from ..exceptions import ConfigurationError
-from ..storage.engines import parse_url, run_sync, sync_engine, uses_asyncio
-from ..storage.migrate import check_schema
-from ..storage.tables import InboxSchema
+from .._core.exceptions import ConfigurationError
+from .._storage.engines import parse_url, run_sync, sync_engine, uses_asyncio
+from .._storage.migrate import check_schema
+from .._storage.tables import InboxSchema
 
 __all__ = [
     "DURATION",
@@ -61,7 +61,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # generic from click
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, timedelta):
             return value
-        from ..retention import parse_duration  # the one reading of a duration
+        from .._operate.retention import parse_duration  # the one reading of a duration
 
         try:
             duration = parse_duration(str(value))
@@ -211,8 +211,8 @@ def _each_database(
     and go on, then fail when any did."""
     from sqlalchemy.exc import DBAPIError
 
-    from ..exceptions import InboxError
-    from ..tenancy import load_map
+    from .._core.exceptions import InboxError
+    from .._core.tenancy import load_map
 
     if click.get_current_context().command_path.endswith("outbox run"):
         raise click.UsageError(

@@ -13,15 +13,15 @@ from typing import Any
 import click
 from sqlalchemy import Connection
 
-from .. import logs
-from ..exceptions import ConfigurationError
-from ..outbox.destination import Destination
-from ..outbox.dispatcher import Backoff, Dispatcher, require_postgresql
-from ..outbox.errors import EffectNotFound
-from ..outbox.statements import PENDING, STATUSES, OutboxStatements, statements_for
-from ..storage.migrate import check_schema
-from .options import Seconds, connect, database, database_options, naming_from
-from .output import echo_json, table, when
+from .._core import logs
+from .._core.exceptions import ConfigurationError
+from .._storage.migrate import check_schema
+from ..outbox._destination import Destination
+from ..outbox._dispatcher import Backoff, Dispatcher, require_postgresql
+from ..outbox._errors import EffectNotFound
+from ..outbox._statements import PENDING, STATUSES, OutboxStatements, statements_for
+from ._options import Seconds, connect, database, database_options, naming_from
+from ._output import echo_json, table, when
 
 __all__ = ["outbox"]
 

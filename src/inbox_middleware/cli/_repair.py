@@ -5,7 +5,7 @@
 (and, for ``redrive`` and ``accept``, the rows the same operation decided and whose
 publish was never confirmed); ``--dry-run`` lists what would be decided and decides
 nothing. Each row's decision is committed on its own before its message is published, and
-its publish recorded once confirmed (see `inbox_middleware.repair`), so an interrupted or
+its publish recorded once confirmed (see `inbox_middleware._operate.repair`), so an interrupted or
 failed bulk run is finished by running it again.
 """
 
@@ -20,11 +20,11 @@ from typing import Any
 import click
 from sqlalchemy import Connection
 
-from .. import repair
-from ..repair import Kind, RepairError, Republisher
-from ..storage.tables import InboxSchema
-from .options import DURATION, ROW_ID, database, database_options
-from .output import echo_json, progress, table, when
+from .._operate import repair
+from .._operate.repair import Kind, RepairError, Republisher
+from .._storage.tables import InboxSchema
+from ._options import DURATION, ROW_ID, database, database_options
+from ._output import echo_json, progress, table, when
 
 __all__ = ["poison", "quarantine", "republisher"]
 
@@ -123,11 +123,11 @@ def _who(by: str | None) -> str:
 def republisher(broker_url: str, payload_format: str, redis_namespace: str) -> Republisher:
     """The publisher for a row's payload format, connected to ``broker_url``."""
     if payload_format == "dramatiq":
-        from ..dramatiq.repair import DramatiqRepublisher, broker_from_url
+        from ..dramatiq._repair import DramatiqRepublisher, broker_from_url
 
         return DramatiqRepublisher(broker_from_url(broker_url, namespace=redis_namespace))
     if payload_format.startswith("faststream"):
-        from ..faststream.repair import FastStreamRepublisher
+        from ..faststream._repair import FastStreamRepublisher
 
         return FastStreamRepublisher(broker_url)
     raise click.UsageError(f"no publisher for messages kept as {payload_format or 'unknown'}")

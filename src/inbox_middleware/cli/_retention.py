@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
-from .. import retention
-from ..retention import ALL_CONSUMERS, RetentionPolicy, format_duration
-from .options import DURATION, Seconds, connect, database, database_options
-from .output import progress, table
+from .._operate import retention
+from .._operate.retention import ALL_CONSUMERS, RetentionPolicy, format_duration
+from ._options import DURATION, Seconds, connect, database, database_options
+from ._output import progress, table
 
 __all__ = ["purge_command", "retention_group"]
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import click
 
-from .. import explain as explaining
-from .. import status as reading
-from ..exceptions import ConfigurationError
-from ..retention import format_duration
-from ..storage.inspection import consumer_pairs
-from .options import DURATION, Seconds, database, database_options, naming_from, naming_options
-from .output import console, echo_json, when
+from .._core.exceptions import ConfigurationError
+from .._operate import explain as explaining
+from .._operate import status as reading
+from .._operate.retention import format_duration
+from .._storage.inspection import consumer_pairs
+from ._options import DURATION, Seconds, database, database_options, naming_from, naming_options
+from ._output import console, echo_json, when
 
 __all__ = ["explain_command", "metrics_group", "status_command"]
 
@@ -174,7 +174,7 @@ def serve_command(
     multiprocess_dir: str | None,
 ) -> None:
     """Serve /metrics until interrupted (SIGINT or SIGTERM)."""
-    from ..metrics import serve
+    from .._operate.metrics import serve
 
     if not multiprocess_dir:
         raise click.UsageError(

@@ -13,21 +13,21 @@ add_credit.send_with_options(args=(7, 10), **identity(producer="orders", message
 ```
 """
 
-from .._optional import require
+from .._core.optional import require
 
 require("dramatiq", "dramatiq")
 
-from .middleware import (  # noqa: E402
+from ._middleware import (  # noqa: E402
     InboxMiddleware,
     MissingIdentityPolicy,
     current_async_session,
     current_session,
     identity,
 )
-from .payload import CanonicalForm  # noqa: E402
-from .producer import IdentityRefused, StampIdentity  # noqa: E402
-from .routing import QuarantinePublisher  # noqa: E402
-from .trace_context import StampTraceContext  # noqa: E402
+from ._payload import CanonicalForm  # noqa: E402
+from ._producer import IdentityRefused, StampIdentity  # noqa: E402
+from ._routing import QuarantinePublisher  # noqa: E402
+from ._trace_context import StampTraceContext  # noqa: E402
 
 __all__ = [
     "CanonicalForm",

@@ -29,8 +29,8 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.results import Results
 from sqlalchemy.orm import Session
 
-from .. import faults
-from ..consumption import (
+from .._core import faults
+from .._core.consumption import (
     Arrival,
     HandBackRequested,
     HandedBack,
@@ -47,16 +47,21 @@ from ..consumption import (
     drive,
     settle_steps,
 )
-from ..exceptions import ConfigurationError, IdentityError, MissingIdentity, PayloadNotHashable
-from ..identity import MessageIdentity
-from ..instruments import metrics
-from ..outputs import Output, derived_identity, unstorable
-from ..policy import SETTINGS
-from ..protocol import Delivery
-from ..tracing import TRACE_OPTION
-from .context import CONSUMER_INFO, identity, session_var
-from .payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
-from .repair import OPTION_REPAIR
+from .._core.exceptions import (
+    ConfigurationError,
+    IdentityError,
+    MissingIdentity,
+    PayloadNotHashable,
+)
+from .._core.identity import MessageIdentity
+from .._core.outputs import Output, derived_identity, unstorable
+from .._core.policy import SETTINGS
+from .._core.protocol import Delivery
+from .._observe.instruments import metrics
+from .._observe.tracing import TRACE_OPTION
+from ._context import CONSUMER_INFO, identity, session_var
+from ._payload import BROKER_ID_PRODUCER, OPTION_MESSAGE_ID, ActorPayload, actor_identity
+from ._repair import OPTION_REPAIR
 
 CALLBACK_HEADER = "dramatiq-on-success"
 """The stored output's header that holds the ``on_success`` callback message as first
@@ -70,12 +75,12 @@ if TYPE_CHECKING:
     from dramatiq.middleware import Retries
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    from ..consumption import Settlement
-    from ..policy import ConsumerPolicy
-    from ..storage import Inbox
-    from ..storage.aio import AsyncInbox
-    from ..storage.routed import AsyncRoutedInbox, RoutedInbox
-    from ..tracing import NoTracing, Tracing
+    from .._core.consumption import Settlement
+    from .._core.policy import ConsumerPolicy
+    from .._observe.tracing import NoTracing, Tracing
+    from .._storage import Inbox
+    from .._storage.aio import AsyncInbox
+    from .._storage.routed import AsyncRoutedInbox, RoutedInbox
 
 __all__ = ["SKIPPED", "ActorHost", "InboxActor", "Pending"]
 

@@ -22,14 +22,14 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError
 from sqlalchemy import Engine
 
-from ..exceptions import ConfigurationError
-from ..logs import EXIT_STATUS, refuse_start
-from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience
+from .._core.exceptions import ConfigurationError
+from .._core.logs import EXIT_STATUS, refuse_start
+from .._storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience
 
 if TYPE_CHECKING:
-    from ..storage import Inbox
-    from ..storage.aio import AsyncInbox
-    from ..storage.routed import RoutedInbox
+    from .._storage import Inbox
+    from .._storage.aio import AsyncInbox
+    from .._storage.routed import RoutedInbox
 
 __all__ = [
     "EXIT_STATUS",
@@ -73,7 +73,7 @@ def check_database(
     """Refuse to start a worker whose database would break the guarantee: tables missing
     or out of date, ``synchronous_commit`` off, unreachable. A transient outage and a
     missing or older schema are waited out first, for ``patience`` seconds (see
-    `inbox_middleware.storage.startup`); the worker consumes nothing meanwhile."""
+    `inbox_middleware._storage.startup`); the worker consumes nothing meanwhile."""
 
     def check() -> None:
         if inbox is not None:

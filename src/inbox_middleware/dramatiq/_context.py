@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from ..exceptions import InboxError
-from ..headers import message_options
-from ..identity import MessageIdentity
+from .._core.exceptions import InboxError
+from .._core.headers import message_options
+from .._core.identity import MessageIdentity
 
 if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
     from sqlalchemy.ext.asyncio import AsyncSession

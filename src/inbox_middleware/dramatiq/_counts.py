@@ -1,17 +1,17 @@
 """The Dramatiq worker's count flusher: a daemon thread started when the worker boots,
-stopped (with a last flush) when it shuts down. See `inbox_middleware.tally`."""
+stopped (with a last flush) when it shuts down. See `inbox_middleware._operate.tally`."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from ..storage.counts import flush_counts_async
-from ..tally import CountFlusher
+from .._operate.tally import CountFlusher
+from .._storage.counts import flush_counts_async
 
 if TYPE_CHECKING:
-    from ..storage import Inbox
-    from ..storage.aio import AsyncInbox
+    from .._storage import Inbox
+    from .._storage.aio import AsyncInbox
 
 __all__ = ["count_flusher"]
 

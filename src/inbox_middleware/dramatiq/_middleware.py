@@ -2,7 +2,7 @@
 
 The middleware wraps the function of every actor declared with ``inbox_consumer``
 (`actor.InboxActor`). The worker acknowledges a message only after the actor call
-returns, so the transaction drawn in `inbox_middleware.protocol` (BEGIN, claim, the actor's
+returns, so the transaction drawn in `inbox_middleware._core.protocol` (BEGIN, claim, the actor's
 body with `current_session`, COMMIT) runs inside the actor call and the ack follows it;
 ``before_process_message`` reads the identity and hashes the arguments first.
 
@@ -43,8 +43,8 @@ from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
 from dramatiq.worker import ConsumerThread
 from sqlalchemy import Engine
 
-from .. import direct, faults
-from ..consumption import (
+from .._core import direct, faults
+from .._core.consumption import (
     DeadLettered,
     Duplicate,
     HandBackDelays,
@@ -57,34 +57,39 @@ from ..consumption import (
     Settlement,
     backoff_delay,
 )
-from ..exceptions import ClaimInProgress, ConfigurationError, DirectPublishRefused, IdentityError
-from ..identity import MAX_NAME_LENGTH, validate_name
-from ..outcomes import report
-from ..outputs import Output
-from ..policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
-from ..storage import Inbox, InboxSchema
-from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
-from ..storage.routed import (
+from .._core.exceptions import (
+    ClaimInProgress,
+    ConfigurationError,
+    DirectPublishRefused,
+    IdentityError,
+)
+from .._core.identity import MAX_NAME_LENGTH, validate_name
+from .._core.outputs import Output
+from .._core.policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
+from .._core.tenancy import Router
+from .._observe.tracing import tracing_for
+from .._operate.reporting import report
+from .._operate.tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
+from .._storage import Inbox, InboxSchema
+from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from .._storage.routed import (
     DEFAULT_CONNECTION_BUDGET,
     DEFAULT_POOL_SIZE,
     AsyncRoutedInbox,
     RoutedInbox,
 )
-from ..storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
-from ..tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
-from ..tenancy import Router
-from ..tracing import tracing_for
-from .actor import SKIPPED, InboxActor, Pending
-from .boot import QuietSkips, WorkerBootError, check_database, check_routed
-from .context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
-from .counts import count_flusher
-from .payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
-from .routing import QuarantinePublisher, publisher_for
+from .._storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
+from ._actor import SKIPPED, InboxActor, Pending
+from ._boot import QuietSkips, WorkerBootError, check_database, check_routed
+from ._context import CONSUMER_INFO, current_async_session, current_session, identity, session_var
+from ._counts import count_flusher
+from ._payload import OPTION_MESSAGE_ID_FROM, OPTION_PRODUCER, CanonicalForm
+from ._routing import QuarantinePublisher, publisher_for
 
 if TYPE_CHECKING:  # SQLAlchemy's asyncio support needs greenlet: imported only when used
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from ..storage.aio import AsyncInbox
+    from .._storage.aio import AsyncInbox
 
 __all__ = [
     "ActorConfigurationError",
@@ -157,7 +162,7 @@ class InboxMiddleware(dramatiq.Middleware):
         answer yet, or a schema not migrated yet, before it refuses to start (0: refuse
         at once); a configuration error refuses at once.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
-        global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
+        global tracer provider, or a ``TracerProvider``; see `inbox_middleware._observe.tracing`.
         The producer's trace joins through `StampTraceContext`.
       hand_back_patience: seconds a hand-back keeps trying to enqueue the message again
         while the broker is unreachable, before it leaves the message to Retries.
@@ -173,7 +178,7 @@ class InboxMiddleware(dramatiq.Middleware):
       router: instead of an engine, a `DatabaseMap` (or `MapFile`): each delivery is
         claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
         ``pool_size`` connections per open database, ``connection_budget`` over all of them
-        (`inbox_middleware.storage.routed`).
+        (`inbox_middleware._storage.routed`).
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
     ``inbox_handler_version``, ``inbox_canonical_form``, ``inbox_quarantine_queue``, and
@@ -225,7 +230,7 @@ class InboxMiddleware(dramatiq.Middleware):
         )
         self.async_inbox: AsyncInbox | AsyncRoutedInbox | None = None
         if async_engine is not None:
-            from ..storage.aio import AsyncInbox
+            from .._storage.aio import AsyncInbox
 
             self.async_inbox = AsyncInbox(async_engine, **storage)
         self.routed = router is not None

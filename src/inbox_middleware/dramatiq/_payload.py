@@ -7,9 +7,9 @@ name with the arguments bound to the function's signature: ``add_credit(7, 10)``
 ``add_credit(account_id=7, delta=10)`` hash alike. ``options`` are never hashed, because
 retries and brokers rewrite them.
 
-Schemes: ``dramatiq.v2`` is the canonical form of `inbox_middleware.canonical` (RFC 8785)
+Schemes: ``dramatiq.v2`` is the canonical form of `inbox_middleware._core.canonical` (RFC 8785)
 of ``{"actor": name, "args": {parameter: value}}``; claims hashed by ``dramatiq.v1`` (the
-frozen `inbox_middleware.canonical_v1`) are still compared under it.
+frozen `inbox_middleware._core.canonical_v1`) are still compared under it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,23 @@ from uuid import UUID
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
 
-from .. import canonical_v1
-from ..canonical import CanonicalForm, canonical_json
-from ..exceptions import ConfigurationError, InvalidIdentity, MissingIdentity, PayloadNotHashable
-from ..headers import OPTION_MESSAGE_ID, OPTION_PRODUCED_AT, OPTION_PRODUCER, OPTION_TENANT
-from ..identity import MAX_NAME_LENGTH, MessageIdentity, PayloadHash, hash_bytes, validate_name
-from ..protocol import Delivery
+from .._core import canonical_v1
+from .._core.canonical import CanonicalForm, canonical_json
+from .._core.exceptions import (
+    ConfigurationError,
+    InvalidIdentity,
+    MissingIdentity,
+    PayloadNotHashable,
+)
+from .._core.headers import OPTION_MESSAGE_ID, OPTION_PRODUCED_AT, OPTION_PRODUCER, OPTION_TENANT
+from .._core.identity import (
+    MAX_NAME_LENGTH,
+    MessageIdentity,
+    PayloadHash,
+    hash_bytes,
+    validate_name,
+)
+from .._core.protocol import Delivery
 
 __all__ = [
     "BROKER_ID_PRODUCER",

@@ -30,15 +30,15 @@ from dramatiq.common import q_name
 from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import MiddlewareError
 
-from ..exceptions import (
+from .._core.exceptions import (
     ConfigurationError,
     IdentityError,
     InboxError,
     InvalidIdentity,
     MissingIdentity,
 )
-from ..identity import MAX_NAME_LENGTH, MessageIdentity, validate_name
-from .payload import (
+from .._core.identity import MAX_NAME_LENGTH, MessageIdentity, validate_name
+from ._payload import (
     OPTION_MESSAGE_ID,
     OPTION_MESSAGE_ID_FROM,
     OPTION_PRODUCER,

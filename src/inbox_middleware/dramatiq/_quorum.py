@@ -24,8 +24,8 @@ from typing import Any
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, RabbitmqBroker, _RabbitmqConsumer
 from dramatiq.common import xq_name
 
-from ..exceptions import ConfigurationError
-from .actor import DELIVERIES
+from .._core.exceptions import ConfigurationError
+from ._actor import DELIVERIES
 
 __all__ = ["QuorumRabbitmqBroker"]
 

@@ -17,8 +17,8 @@ from typing import Any
 from dramatiq import Broker, Message
 from dramatiq.common import q_name
 
-from ..repair import StoredMessage
-from .payload import OPTION_MESSAGE_ID
+from .._operate.repair import StoredMessage
+from ._payload import OPTION_MESSAGE_ID
 
 __all__ = ["OPTION_REPAIR", "DramatiqRepublisher", "broker_from_url"]
 

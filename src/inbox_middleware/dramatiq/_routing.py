@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from dramatiq import Broker, Message
 
-from ..exceptions import ConfigurationError
+from .._core.exceptions import ConfigurationError
 
 __all__ = ["QuarantinePublisher", "publisher_for"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import dramatiq
 from dramatiq import Broker, Message
 
-from .. import tracing
+from .._observe import tracing
 
 __all__ = ["StampTraceContext"]
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
-from ..exceptions import ConfigurationError
-from ..harness import (
+from .._core.exceptions import ConfigurationError
+from .._operate.harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
@@ -32,9 +32,9 @@ from ..harness import (
     rollback_at_commit,
     timed_out,
 )
-from ..storage import InboxSchema
-from ..storage.inspection import claim_queries
-from ..storage.routed import AsyncRoutedInbox, RoutedInbox
+from .._storage import InboxSchema
+from .._storage.inspection import claim_queries
+from .._storage.routed import AsyncRoutedInbox, RoutedInbox
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -57,7 +57,7 @@ class DramatiqCheck:
         timeout: float = 30.0,
         worker: Any = None,
     ) -> None:
-        from .middleware import InboxMiddleware
+        from ._middleware import InboxMiddleware
 
         self.actor, self.effect = actor, effect
         self.broker = actor.broker
@@ -130,7 +130,7 @@ class DramatiqCheck:
         """A message for the actor with these arguments, carrying a producer intent id;
         like Dramatiq's ``actor.message_with_options(args=, kwargs=)``, so no argument of
         the actor is ever taken for the identity."""
-        from .middleware import identity
+        from ._middleware import identity
 
         options = identity(producer=producer, message_id=message_id, tenant=tenant)
         return self.actor.message_with_options(args=args, kwargs=dict(kwargs or {}), **options)
@@ -166,7 +166,7 @@ class DramatiqCheck:
     # -- running -------------------------------------------------------------------------
 
     def _run(self, scenario: str, message: Any, waves: list[list[Any]]) -> ScenarioResult:
-        from .payload import identity_options
+        from ._payload import identity_options
 
         # One deadline bounds the whole scenario: the deliveries, their retries, and the
         # wait for the worker's queues to empty (Dramatiq's own worker.join() has no bound,

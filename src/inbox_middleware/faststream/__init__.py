@@ -14,16 +14,16 @@ await broker.publish(order, "orders", persist=True,
 ```
 """
 
-from .._optional import require
+from .._core.optional import require
 
 require(
     "faststream", "faststream-rabbit", "faststream-redis", "faststream-nats", "faststream-kafka"
 )
 
-from .consumer import MissingIdentityPolicy  # noqa: E402
-from .context import BatchItem, InboxBatch, InboxSession  # noqa: E402
-from .inbox import FastStreamInbox  # noqa: E402
-from .payload import CanonicalForm, StampIdentity, identity_headers  # noqa: E402
+from ._consumer import MissingIdentityPolicy  # noqa: E402
+from ._context import BatchItem, InboxBatch, InboxSession  # noqa: E402
+from ._inbox import FastStreamInbox  # noqa: E402
+from ._payload import CanonicalForm, StampIdentity, identity_headers  # noqa: E402
 
 __all__ = [
     "BatchItem",

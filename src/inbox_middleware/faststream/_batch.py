@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from .. import consumption as core
-from .. import faults
-from ..consumption import (
+from .._core import consumption as core
+from .._core import faults
+from .._core.consumption import (
     BatchArrival,
     BatchProcessed,
     BatchRejected,
@@ -30,22 +30,22 @@ from ..consumption import (
     Route,
     settle_batch_steps,
 )
-from ..exceptions import IdentityError, InboxError, PayloadNotHashable, TransientError
-from ..instruments import metrics
-from ..protocol import Decision, Delivery, Verdict
-from ..tally import tally
-from .brokers import Item
-from .context import BatchItem
-from .outcome import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
+from .._core.exceptions import IdentityError, InboxError, PayloadNotHashable, TransientError
+from .._core.protocol import Decision, Delivery, Verdict
+from .._observe.instruments import metrics
+from .._operate.tally import tally
+from ._brokers import Item
+from ._context import BatchItem
+from ._telling import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
 
 if TYPE_CHECKING:
-    from ..consumption import HandBackDelays
-    from ..policy import ConsumerPolicy
-    from ..storage.aio import AsyncInbox
-    from ..storage.routed import AsyncRoutedInbox
-    from ..tracing import NoTracing, Tracing
-    from .brokers import BrokerAdapter
-    from .consumer import InboxConsumer
+    from .._core.consumption import HandBackDelays
+    from .._core.policy import ConsumerPolicy
+    from .._observe.tracing import NoTracing, Tracing
+    from .._storage.aio import AsyncInbox
+    from .._storage.routed import AsyncRoutedInbox
+    from ._brokers import BrokerAdapter
+    from ._consumer import InboxConsumer
 
 __all__ = ["BatchSubscription", "consume_batch"]
 

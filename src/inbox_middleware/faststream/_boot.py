@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..exceptions import InboxError
+from .._core.exceptions import InboxError
 
 __all__ = ["EXIT_STATUS", "refuse_start", "watch_supervisor"]
 

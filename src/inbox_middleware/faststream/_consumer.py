@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..exceptions import ConfigurationError
-from ..policy import MissingIdentityPolicy
-from .context import current_attempt
-from .payload import CanonicalForm
+from .._core.exceptions import ConfigurationError
+from .._core.policy import MissingIdentityPolicy
+from ._context import current_attempt
+from ._payload import CanonicalForm
 
 __all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy"]
 

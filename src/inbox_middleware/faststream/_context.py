@@ -15,10 +15,10 @@ from typing import Annotated, Any
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..direct import DirectPublishPolicy
-from ..exceptions import ConfigurationError, HandlerTransactionError
-from ..identity import MessageIdentity
-from ..protocol import Decision
+from .._core.direct import DirectPublishPolicy
+from .._core.exceptions import ConfigurationError, HandlerTransactionError
+from .._core.identity import MessageIdentity
+from .._core.protocol import Decision
 
 __all__ = [
     "BatchItem",

@@ -16,8 +16,8 @@ from typing import Any
 
 from faststream.middlewares import AckPolicy
 
-from .brokers import BrokerAdapter, Peer, adapter_for
-from .consumer import InboxConsumer
+from ._brokers import BrokerAdapter, Peer, adapter_for
+from ._consumer import InboxConsumer
 
 __all__ = ["Found", "find", "refusals"]
 

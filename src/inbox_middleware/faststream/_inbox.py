@@ -21,31 +21,31 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 from fast_depends import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import faults, logs
-from ..consumption import HandBackDelays
-from ..exceptions import ConfigurationError, DatabaseUnavailable
-from ..identity import MAX_NAME_LENGTH, validate_name
-from ..policy import SETTINGS, ConsumerPolicy, PolicySettings
-from ..storage import InboxSchema
-from ..storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
-from ..storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
-from ..storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
-from ..tally import DEFAULT_COUNT_INTERVAL, AsyncCountFlusher, check_interval
-from ..tenancy import Router
-from ..tracing import tracing_for
-from .boot import refuse_start, watch_supervisor
-from .brokers import adapter_for
-from .brokers.nats import NatsAdapter
-from .consumer import UNSET, InboxConsumer, _Unset
-from .guard import Found, find, refusals
-from .middleware import InboxMiddlewareFactory
-from .outcome import HandedBack
-from .payload import CanonicalForm
-from .processing import Subscription
-from .testbroker import guard_test_broker, guarded
+from .._core import faults, logs
+from .._core.consumption import HandBackDelays
+from .._core.exceptions import ConfigurationError, DatabaseUnavailable
+from .._core.identity import MAX_NAME_LENGTH, validate_name
+from .._core.policy import SETTINGS, ConsumerPolicy, PolicySettings
+from .._core.tenancy import Router
+from .._observe.tracing import tracing_for
+from .._operate.tally import DEFAULT_COUNT_INTERVAL, AsyncCountFlusher, check_interval
+from .._storage import InboxSchema
+from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
+from .._storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
+from .._storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
+from ._boot import refuse_start, watch_supervisor
+from ._brokers import adapter_for
+from ._brokers.nats import NatsAdapter
+from ._consumer import UNSET, InboxConsumer, _Unset
+from ._guard import Found, find, refusals
+from ._middleware import InboxMiddlewareFactory
+from ._payload import CanonicalForm
+from ._processing import Subscription
+from ._telling import HandedBack
+from ._testbroker import guard_test_broker, guarded
 
 if TYPE_CHECKING:
-    from ..storage.aio import AsyncInbox
+    from .._storage.aio import AsyncInbox
 
 __all__ = ["FastStreamInbox"]
 
@@ -78,7 +78,7 @@ class FastStreamInbox:
         refuses to start (0: refuse at once); nothing is consumed meanwhile. A
         configuration error refuses at once.
       tracing: an OpenTelemetry span for every delivery (extra ``otel``): True for the
-        global tracer provider, or a ``TracerProvider``; see `inbox_middleware.tracing`.
+        global tracer provider, or a ``TracerProvider``; see `inbox_middleware._observe.tracing`.
         It nests under the span of FastStream's `TelemetryMiddleware` when that middleware
         comes before ``inbox.middleware``, else under the producer's context in the headers.
       count_interval: seconds between two writes of the process's settlement counts to
@@ -92,7 +92,7 @@ class FastStreamInbox:
       router: instead of ``engine``, a `DatabaseMap` (or `MapFile`): each delivery is
         claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
         ``pool_size`` connections per open database, ``connection_budget`` over all of them
-        (`inbox_middleware.storage.routed`).
+        (`inbox_middleware._storage.routed`).
 
     The consumer name and handler version come from ``inbox.consumer(...)``, which also
     overrides any consumer setting for its subscriber.
@@ -118,7 +118,7 @@ class FastStreamInbox:
         connection_budget: int = DEFAULT_CONNECTION_BUDGET,
         **settings: Unpack[PolicySettings],
     ) -> None:
-        from ..storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
+        from .._storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
         if (engine is None) == (router is None):
             raise ConfigurationError("give FastStreamInbox an AsyncEngine or a router")
@@ -297,7 +297,7 @@ class FastStreamInbox:
         """The check; with ``only`` (a subscriber starting on a running broker), raise for
         that subscriber's refusal alone (another refused one, declared and never started,
         does not stop it). The database's trouble is waited out for ``patience`` seconds
-        (`inbox_middleware.storage.startup`); refusals are not."""
+        (`inbox_middleware._storage.startup`); refusals are not."""
         logs.follow("faststream")  # FastStream configures its own logger only
         found = find(broker, self)
         refused = refusals(found, self.middleware)

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from faststream import BaseMiddleware
 from faststream.message import SourceType
 
-from .. import direct, logs
-from .context import current_attempt
-from .outcome import QuietTold
+from .._core import direct, logs
+from ._context import current_attempt
+from ._telling import QuietTold
 
 if TYPE_CHECKING:
     from faststream._internal.context.repository import ContextRepo
     from faststream.message import StreamMessage
 
-    from .processing import Subscription
+    from ._processing import Subscription
 
 __all__ = ["InboxMiddlewareFactory", "RoutingMiddleware"]
 

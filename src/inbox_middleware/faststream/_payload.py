@@ -1,6 +1,6 @@
 """From a FastStream message to a `Delivery`: its identity (headers) and its payload hash.
 
-The identity travels in the ``x-inbox-*`` headers (`inbox_middleware.headers`). FastStream
+The identity travels in the ``x-inbox-*`` headers (`inbox_middleware._core.headers`). FastStream
 invents a random ``message_id`` for a message published without one, so that id is never
 read as an identity, except through the explicit ``missing_identity="broker_id"`` opt-in,
 which uses what the broker itself keeps stable across redeliveries (see `brokers`).
@@ -12,10 +12,10 @@ is JSON text but has no canonical form (``NaN``, a repeated key, a lone surrogat
 refused (`PayloadNotHashable`), never hashed as bytes instead: whether two copies are
 one payload must not depend on which form each happened to get.
 
-Schemes: ``faststream-json.v2`` is `inbox_middleware.canonical` (RFC 8785) of the body as
-`inbox_middleware.canonical.loads` reads it, a JSON text any RFC 8785 implementation
+Schemes: ``faststream-json.v2`` is `inbox_middleware._core.canonical` (RFC 8785) of the body as
+`inbox_middleware._core.canonical.loads` reads it, a JSON text any RFC 8785 implementation
 reproduces; claims hashed by ``faststream-json.v1`` (the frozen
-`inbox_middleware.canonical_v1`) are still compared under it; ``faststream-raw.v1`` is
+`inbox_middleware._core.canonical_v1`) are still compared under it; ``faststream-raw.v1`` is
 the SHA-256 of the bytes.
 """
 
@@ -28,12 +28,12 @@ from typing import Any
 
 from faststream import BaseMiddleware
 
-from .. import canonical_v1
-from ..canonical import CanonicalForm, NotJSON, canonical_json, loads
-from ..exceptions import PayloadNotHashable
-from ..headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
-from ..identity import MessageIdentity, PayloadHash, hash_bytes
-from ..protocol import Delivery
+from .._core import canonical_v1
+from .._core.canonical import CanonicalForm, NotJSON, canonical_json, loads
+from .._core.exceptions import PayloadNotHashable
+from .._core.headers import MESSAGE_ID, PRODUCED_AT, PRODUCER, TENANT
+from .._core.identity import MessageIdentity, PayloadHash, hash_bytes
+from .._core.protocol import Delivery
 
 __all__ = [
     "JSON_SCHEME",

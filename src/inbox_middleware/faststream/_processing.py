@@ -5,7 +5,7 @@ core with this subscriber's I/O (`_perform`: the claim's transaction, the bookke
 the quarantine and dead-letter publishes), and tells the broker the settlement in one
 place (`_tell`), before FastStream's acknowledgement middleware gets to the message; that
 middleware then finds it settled and does nothing, whatever the subscriber's ack policy.
-The transaction and the ack follow the story drawn in `inbox_middleware.protocol`; what
+The transaction and the ack follow the story drawn in `inbox_middleware._core.protocol`; what
 the settlements mean here: a duplicate is acked with the handler skipped; a conflict is
 published to ``<source>.quarantine`` (its row committed), then acked; a message without a
 usable identity is published to ``<source>.dead-letter``, then acked; a failure waits a
@@ -42,9 +42,9 @@ from faststream.message.utils import encode_message
 from faststream.response import ensure_response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from .. import consumption as core
-from .. import faults
-from ..consumption import (
+from .._core import consumption as core
+from .._core import faults
+from .._core.consumption import (
     Arrival,
     DeadLettered,
     Duplicate,
@@ -65,25 +65,25 @@ from ..consumption import (
     outputs_failed_steps,
     settle_steps,
 )
-from ..exceptions import (
+from .._core.exceptions import (
     HandlerTransactionError,
     IdentityError,
     MissingIdentity,
     PayloadNotHashable,
     TransientError,
 )
-from ..headers import MESSAGE_ID, PRODUCER, TENANT
-from ..identity import MessageIdentity
-from ..instruments import metrics
-from ..outcomes import report
-from ..outputs import Output, derived_identity, unstorable
-from ..policy import ConsumerPolicy
-from ..protocol import Delivery
-from ..tracing import OFF, NoTracing, Tracing
-from .batch import consume_batch
-from .brokers import BrokerAdapter, Item
-from .consumer import InboxConsumer, _Unset
-from .context import (
+from .._core.headers import MESSAGE_ID, PRODUCER, TENANT
+from .._core.identity import MessageIdentity
+from .._core.outputs import Output, derived_identity, unstorable
+from .._core.policy import ConsumerPolicy
+from .._core.protocol import Delivery
+from .._observe.instruments import metrics
+from .._observe.tracing import OFF, NoTracing, Tracing
+from .._operate.reporting import report
+from ._batch import consume_batch
+from ._brokers import BrokerAdapter, Item
+from ._consumer import InboxConsumer, _Unset
+from ._context import (
     Attempt,
     BatchItem,
     ManualSettling,
@@ -91,7 +91,9 @@ from .context import (
     reset_attempt,
     set_attempt,
 )
-from .outcome import (
+from ._payload import CanonicalForm, headers_identity
+from ._payload import delivery as read_delivery
+from ._telling import (
     ACKED,
     CONFLICT_HEADER,
     REJECTED_HEADER,
@@ -100,12 +102,10 @@ from .outcome import (
     Skipped,
     message_id_of,
 )
-from .payload import CanonicalForm, headers_identity
-from .payload import delivery as read_delivery
 
 if TYPE_CHECKING:
-    from ..storage.aio import AsyncInbox
-    from ..storage.routed import AsyncRoutedInbox
+    from .._storage.aio import AsyncInbox
+    from .._storage.routed import AsyncRoutedInbox
 
 __all__ = ["Subscription"]
 

@@ -13,10 +13,10 @@ import asyncio
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..headers import MESSAGE_ID
-from ..repair import RepairError, StoredMessage
-from .brokers.base import text_headers
-from .outcome import CONFLICT_HEADER, REJECTED_HEADER, REPAIR_HEADER
+from .._core.headers import MESSAGE_ID
+from .._operate.repair import RepairError, StoredMessage
+from ._brokers.base import text_headers
+from ._telling import CONFLICT_HEADER, REJECTED_HEADER, REPAIR_HEADER
 
 __all__ = ["FastStreamRepublisher"]
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .processing import Subscription
+    from ._processing import Subscription
 
 __all__ = ["guard_test_broker", "guarded"]
 

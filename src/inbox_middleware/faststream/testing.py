@@ -11,8 +11,9 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import ConfigurationError
-from ..harness import (
+from .._core.exceptions import ConfigurationError
+from .._core.identity import MessageIdentity
+from .._operate.harness import (
     CONCURRENT,
     CRASH,
     REDELIVERED,
@@ -30,9 +31,8 @@ from ..harness import (
     rollback_at_commit,
     timed_out,
 )
-from ..identity import MessageIdentity
-from ..storage import InboxSchema
-from ..storage.inspection import claim_queries
+from .._storage import InboxSchema
+from .._storage.inspection import claim_queries
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -52,7 +52,7 @@ class FastStreamMessage:
 
     @property
     def identity(self) -> MessageIdentity:
-        from .payload import headers_identity
+        from ._payload import headers_identity
 
         return headers_identity(self.headers)
 
@@ -69,7 +69,7 @@ class FastStreamCheck:
         hold: float = 0.2,
         timeout: float = 30.0,
     ) -> None:
-        from .middleware import InboxMiddlewareFactory
+        from ._middleware import InboxMiddlewareFactory
 
         self.broker, self.effect = broker, effect
         self.hold, self.timeout = hold, timeout
@@ -99,7 +99,7 @@ class FastStreamCheck:
     ) -> FastStreamMessage:
         """A message with identity headers; ``publish`` names its destination as
         ``broker.publish`` wants it (``queue="orders"``, ``stream="orders"``, ...)."""
-        from .payload import identity_headers
+        from ._payload import identity_headers
 
         stamped = identity_headers(producer=producer, message_id=message_id, tenant=tenant)
         return FastStreamMessage(body, {**(headers or {}), **stamped}, publish)
@@ -280,7 +280,7 @@ class _FastStreamRecorder:
         """The rolled-back scenario's probe, its measure of the effect, the deadline."""
 
     def ours(self, headers: Mapping[str, Any]) -> bool:
-        from .payload import headers_identity
+        from ._payload import headers_identity
 
         try:
             return headers_identity(headers).key("") == self.identity.key("")

@@ -14,9 +14,9 @@ Shipped destinations live in `inbox_middleware.outbox.destinations` (HTTP, Drama
 FastStream), each importing its own optional library only when imported.
 """
 
-from .destination import Destination, Destinations, Effect
-from .dispatcher import Backoff, Dispatcher, DispatcherStats
-from .errors import (
+from ._destination import Destination, Destinations, Effect
+from ._dispatcher import Backoff, Dispatcher, DispatcherStats
+from ._errors import (
     DeliveryError,
     EffectIdRequired,
     EffectNotFound,
@@ -24,7 +24,7 @@ from .errors import (
     OutboxError,
     PermanentDeliveryError,
 )
-from .recording import add, effect_id_for
+from ._recording import add, effect_id_for
 
 __all__ = [
     "Backoff",

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from ..exceptions import ConfigurationError, IdentityError
-from ..identity import MAX_NAME_LENGTH, validate_name
+from .._core.exceptions import ConfigurationError, IdentityError
+from .._core.identity import MAX_NAME_LENGTH, validate_name
 
 __all__ = ["Destination", "Destinations", "Effect", "validate_destination"]
 

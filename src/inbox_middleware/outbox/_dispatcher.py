@@ -51,13 +51,13 @@ from typing import Any, TypeVar
 from sqlalchemy import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
-from ..consumption import backoff_delay
-from ..exceptions import ConfigurationError
-from ..instruments import metrics
-from ..storage.tables import InboxSchema
-from .destination import Destination, Destinations, Effect
-from .errors import PermanentDeliveryError, database_error
-from .statements import DISPATCHED, FAILED, PENDING, OutboxStatements, statements_for
+from .._core.consumption import backoff_delay
+from .._core.exceptions import ConfigurationError
+from .._observe.instruments import metrics
+from .._storage.tables import InboxSchema
+from ._destination import Destination, Destinations, Effect
+from ._errors import PermanentDeliveryError, database_error
+from ._statements import DISPATCHED, FAILED, PENDING, OutboxStatements, statements_for
 
 __all__ = ["Backoff", "Dispatcher", "DispatcherStats"]
 

@@ -12,7 +12,7 @@ InboxError
 
 A destination raises `DeliveryError` (or any exception: anything else counts as a
 transient failure too) and `PermanentDeliveryError` for a refusal. Database errors are
-classified by `inbox_middleware.storage.errors.classify`, the library's one mapping of
+classified by `inbox_middleware._storage.errors.classify`, the library's one mapping of
 driver errors; `database_error` only words its result for the outbox.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..exceptions import DatabaseUnavailable, InboxError, TransactionConflict, TransientError
-from ..storage.errors import Failure, classify
+from .._core.exceptions import DatabaseUnavailable, InboxError, TransactionConflict, TransientError
+from .._storage.errors import Failure, classify
 
 __all__ = [
     "DeliveryError",

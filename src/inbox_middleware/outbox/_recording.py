@@ -27,15 +27,17 @@ from typing import TYPE_CHECKING, Any, cast, overload
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from ..canonical_v1 import canonical_json  # frozen: fx1 ids must not change with the hash scheme
-from ..exceptions import IdentityError
-from ..identity import MAX_MESSAGE_ID_LENGTH, MAX_NAME_LENGTH, validate_name
-from ..protocol import Delivery
-from ..storage.executors import current_delivery
-from ..storage.tables import InboxSchema
-from .destination import validate_destination
-from .errors import EffectIdRequired, InvalidEffect, OutboxError
-from .statements import OutboxStatements, statements_for
+from .._core.canonical_v1 import (
+    canonical_json,  # frozen: fx1 ids must not change with the hash scheme
+)
+from .._core.exceptions import IdentityError
+from .._core.identity import MAX_MESSAGE_ID_LENGTH, MAX_NAME_LENGTH, validate_name
+from .._core.protocol import Delivery
+from .._storage.executors import current_delivery
+from .._storage.tables import InboxSchema
+from ._destination import validate_destination
+from ._errors import EffectIdRequired, InvalidEffect, OutboxError
+from ._statements import OutboxStatements, statements_for
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession

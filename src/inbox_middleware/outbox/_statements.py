@@ -34,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
-from ..storage.tables import InboxSchema
+from .._storage.tables import InboxSchema
 
 __all__ = ["OutboxStatements", "notify_channel", "statements_for"]
 

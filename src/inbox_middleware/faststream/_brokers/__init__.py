@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ...exceptions import ConfigurationError
+from ..._core.exceptions import ConfigurationError
 from .base import BrokerAdapter, Item, Peer
 
 __all__ = ["BrokerAdapter", "Item", "Peer", "adapter_for"]

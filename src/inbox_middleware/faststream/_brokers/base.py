@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 from faststream.response import Response
 
-from ...exceptions import TransientError
-from ...outputs import Output
+from ..._core.exceptions import TransientError
+from ..._core.outputs import Output
 
 __all__ = ["BrokerAdapter", "Item", "NotPublished", "Peer"]
 

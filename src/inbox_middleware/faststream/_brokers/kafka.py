@@ -40,7 +40,7 @@ from faststream.kafka.subscriber.usecase import BatchSubscriber
 from faststream.message import AckStatus
 from faststream.middlewares import AckPolicy
 
-from ...exceptions import ConfigurationError
+from ..._core.exceptions import ConfigurationError
 from .base import BrokerAdapter, Item, Peer, _wait_then, text_headers
 
 __all__ = ["KafkaAdapter"]

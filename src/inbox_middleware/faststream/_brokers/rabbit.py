@@ -10,8 +10,8 @@ from typing import Any
 from aio_pika import DeliveryMode, Message
 from faststream.rabbit import QueueType, RabbitQueue, RabbitResponse
 
-from ...outbox.confirms import unconfirmed
-from ...outputs import Output
+from ..._core.outputs import Output
+from ...outbox._confirms import unconfirmed
 from .base import BrokerAdapter, Item, NotPublished, _wait_then
 
 __all__ = ["RabbitAdapter", "unconfirmed"]

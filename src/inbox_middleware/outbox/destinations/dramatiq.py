@@ -11,17 +11,17 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..._optional import require
+from ..._core.optional import require
 
 require("dramatiq", "dramatiq")
 
 import dramatiq  # noqa: E402
 
-from ...exceptions import ConfigurationError  # noqa: E402
-from ...headers import message_options  # noqa: E402
-from ...identity import MessageIdentity  # noqa: E402
-from ..destination import Effect  # noqa: E402
-from ..errors import PermanentDeliveryError  # noqa: E402
+from ..._core.exceptions import ConfigurationError  # noqa: E402
+from ..._core.headers import message_options  # noqa: E402
+from ..._core.identity import MessageIdentity  # noqa: E402
+from .._destination import Effect  # noqa: E402
+from .._errors import PermanentDeliveryError  # noqa: E402
 
 __all__ = ["DramatiqDestination"]
 

@@ -24,18 +24,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._optional import require
+from ..._core.optional import require
 
 require(
     "faststream", "faststream-rabbit", "faststream-redis", "faststream-nats", "faststream-kafka"
 )
 
-from ...exceptions import ConfigurationError  # noqa: E402
-from ...headers import MESSAGE_ID, PRODUCER, TENANT  # noqa: E402
-from ...identity import MessageIdentity  # noqa: E402
-from ..confirms import unconfirmed  # noqa: E402
-from ..destination import Effect  # noqa: E402
-from ..errors import DeliveryError  # noqa: E402
+from ..._core.exceptions import ConfigurationError  # noqa: E402
+from ..._core.headers import MESSAGE_ID, PRODUCER, TENANT  # noqa: E402
+from ..._core.identity import MessageIdentity  # noqa: E402
+from .._confirms import unconfirmed  # noqa: E402
+from .._destination import Effect  # noqa: E402
+from .._errors import DeliveryError  # noqa: E402
 
 __all__ = ["FastStreamDestination"]
 

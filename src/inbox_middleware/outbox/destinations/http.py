@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..._optional import require
+from ..._core.optional import require
 
 require("httpx", "http")
 
 import httpx  # noqa: E402
 
-from ..destination import Effect  # noqa: E402
-from ..errors import DeliveryError, PermanentDeliveryError  # noqa: E402
+from .._destination import Effect  # noqa: E402
+from .._errors import DeliveryError, PermanentDeliveryError  # noqa: E402
 
 __all__ = ["RETRYABLE_STATUSES", "HttpDestination"]
 

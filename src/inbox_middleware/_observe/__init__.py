@@ -1,0 +1,1 @@
+"""What each decision leaves behind: metric samples and trace spans."""
