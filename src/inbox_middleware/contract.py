@@ -1,0 +1,15 @@
+"""Deprecated: ``inbox_middleware.contract`` moved.
+
+Import from ``inbox_middleware.testing``. This path keeps working for one release, with a
+`DeprecationWarning`.
+"""
+
+# relayout: alias
+from typing import TYPE_CHECKING
+
+from inbox_middleware._moved import moved
+
+if TYPE_CHECKING:
+    from inbox_middleware._contract import *  # noqa: F403
+
+moved(__name__, "inbox_middleware._contract", "inbox_middleware.testing")
