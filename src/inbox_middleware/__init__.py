@@ -3,7 +3,10 @@
 The message's identity is claimed in the same database transaction as the business
 change, so a redelivered message cannot repeat its effect and an uncommitted attempt
 stays retryable. Framework adapters live in `inbox_middleware.dramatiq` and
-`inbox_middleware.faststream`; this package holds the framework-free core.
+`inbox_middleware.faststream`, the outbox in `inbox_middleware.outbox`, monitoring in
+`inbox_middleware.metrics` and the test tools in `inbox_middleware.testing`; this package
+exports the framework-free core, the storage and the errors. Every other module is
+private (a leading underscore): import from these facades.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._core.canonical import canonical_json
+from ._core.canonical import loads as canonical_loads
+from ._core.consumption import Settlement, settle_steps
 from ._core.exceptions import (
     ClaimInProgress,
     ConfigurationError,
     DatabaseUnavailable,
+    DirectPublishRefused,
+    DirectPublishWarning,
     HandlerTransactionError,
     IdentityError,
     InboxError,
@@ -25,28 +32,48 @@ from ._core.exceptions import (
     PrerequisiteError,
     RouteUnavailable,
     SchemaError,
+    TransactionAborted,
     TransactionConflict,
     TransientError,
     UnknownTenant,
 )
 from ._core.identity import MessageIdentity, PayloadHash
-from ._core.protocol import Decision, Delivery
+from ._core.policy import ConsumerPolicy
+from ._core.protocol import Decision, Delivery, ReasonCode
 from ._core.tenancy import DatabaseMap, MapFile, TenantRange, load_map
-from ._storage import Committed, Inbox, InboxSchema, Outcome, current_delivery, migrate
+from ._storage import (
+    LATEST_VERSION,
+    ClaimSession,
+    Committed,
+    Inbox,
+    InboxSchema,
+    Outcome,
+    check_schema,
+    current_delivery,
+    drop_inbox,
+    exclude_inbox_tables,
+    migrate,
+    render_sql,
+)
 from ._storage.engines import engine_from_url
 
 if TYPE_CHECKING:
     from ._storage.aio import AsyncInbox
 
 __all__ = [
+    "LATEST_VERSION",
     "AsyncInbox",
     "ClaimInProgress",
+    "ClaimSession",
     "Committed",
     "ConfigurationError",
+    "ConsumerPolicy",
     "DatabaseMap",
     "DatabaseUnavailable",
     "Decision",
     "Delivery",
+    "DirectPublishRefused",
+    "DirectPublishWarning",
     "HandlerTransactionError",
     "IdentityError",
     "Inbox",
@@ -61,17 +88,26 @@ __all__ = [
     "PayloadNotHashable",
     "PermanentError",
     "PrerequisiteError",
+    "ReasonCode",
     "RouteUnavailable",
     "SchemaError",
+    "Settlement",
     "TenantRange",
+    "TransactionAborted",
     "TransactionConflict",
     "TransientError",
     "UnknownTenant",
     "canonical_json",
+    "canonical_loads",
+    "check_schema",
     "current_delivery",
+    "drop_inbox",
     "engine_from_url",
+    "exclude_inbox_tables",
     "load_map",
     "migrate",
+    "render_sql",
+    "settle_steps",
 ]
 
 

@@ -1,13 +1,12 @@
-"""Poison messages: where their records are written, and the reason codes.
+"""Deprecated: ``inbox_middleware.poison`` goes in the next release.
 
-The decisions (what is permanent, when attempts run out) are the consumption core's
-(`consumption`); the statements are in `storage.failures`. This module keeps the names
-operators' code imports.
+The reason codes are `inbox_middleware.ReasonCode`; the records are the storage's. This
+path keeps working for one release, with a `DeprecationWarning`.
 """
 
 from __future__ import annotations
 
-from .consumption import (
+from ._core.consumption import (
     EXPIRED_REDELIVERY,
     HANDLER_REJECTED,
     INBOX_ERROR,
@@ -16,7 +15,8 @@ from .consumption import (
     describe,
     reason_code,
 )
-from .storage.failures import FailureRecorder, PoisonRecord
+from ._moved import warn_moved
+from ._storage.failures import FailureRecorder, PoisonRecord
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -29,3 +29,5 @@ __all__ = [
     "describe",
     "reason_code",
 ]
+
+warn_moved(__name__, "inbox_middleware")

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ._contract import ContractViolation, ProducerContract, PublishedMessage, producer_contract
 from ._core.exceptions import ConfigurationError
 from ._operate.harness import Effect, ScenarioResult
 from ._operate.throwaway import Setup, Template, ThrowawayDatabase, migrate_inbox, server_from
@@ -69,15 +70,19 @@ if TYPE_CHECKING:
     from .faststream.testing import FastStreamCheck, FastStreamMessage
 
 __all__ = [
+    "ContractViolation",
     "DramatiqCheck",
     "FastStreamCheck",
     "FastStreamMessage",
     "InboxCheck",
+    "ProducerContract",
+    "PublishedMessage",
     "ScenarioResult",
     "ThrowawayDatabase",
     "inbox_check",
     "inbox_database",
     "inbox_database_setup",
+    "producer_contract",
 ]
 
 _FRAMEWORK_NAMES = {

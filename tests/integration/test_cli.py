@@ -18,8 +18,8 @@ from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Delivery
 from inbox_middleware._operate.retention import RetentionPolicy, record_policy
 from inbox_middleware._storage import Inbox, InboxSchema
+from inbox_middleware._storage.failures import FailureRecorder
 from inbox_middleware.cli import main
-from inbox_middleware.poison import FailureRecorder
 
 NAMING = InboxSchema()
 

@@ -236,7 +236,7 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
     from inbox_middleware._core.identity import MessageIdentity, hash_json
     from inbox_middleware._core.protocol import Delivery
     from inbox_middleware._storage import AsyncInbox, Inbox
-    from inbox_middleware.poison import FailureRecorder
+    from inbox_middleware._storage.failures import FailureRecorder
 
     def delivery(consumer: str, message_id: str, tenant: str = "") -> Delivery:
         return Delivery(

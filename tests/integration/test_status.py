@@ -22,8 +22,8 @@ from inbox_middleware._operate import status as reading
 from inbox_middleware._operate.metrics import metrics, serve
 from inbox_middleware._operate.retention import RetentionPolicy, record_policy
 from inbox_middleware._storage import Inbox, InboxSchema, inspection
+from inbox_middleware._storage.failures import FailureRecorder
 from inbox_middleware.cli import main
-from inbox_middleware.poison import FailureRecorder
 
 
 def delivery(consumer: str, producer: str, message_id: str, payload: Any) -> Delivery:

@@ -20,8 +20,8 @@ The Prometheus instruments are created at the first recorded sample, not at impo
 that a worker process which sets ``PROMETHEUS_MULTIPROC_DIR`` while it boots (Dramatiq's
 Prometheus middleware does) still writes its samples there. Dramatiq and FastStream run
 several worker processes: set that directory before they start, and serve the aggregate,
-with the table gauges of `inbox_middleware._operate.status`, with `inbox_middleware.metrics.serve`
-(or ``inbox-middleware metrics serve``).
+with the table gauges of `inbox_middleware._operate.status`, with
+`inbox_middleware.metrics.serve` (or ``inbox-middleware metrics serve``).
 
 This module records; `inbox_middleware.metrics` serves (the HTTP endpoint and the table
 collector) and re-exports these names, so that the storage layer and the adapters record
@@ -130,15 +130,6 @@ _INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "inbox_expired_redeliveries",
         "First-seen messages older than the retention window, by what was done",
         ("consumer", "outcome"),
-    ),
-    "routes": (
-        "counter",
-        "inbox_database_routes",
-        "Deliveries of a fleet over many databases, by database (the map's name, never the "
-        "tenant) and outcome (routed; unavailable: the database did not answer, handed "
-        "back; busy: the database holds pool_size deliveries already, handed back; "
-        "unknown_tenant: dead-lettered, database none; unresolved: handed back)",
-        ("consumer", "database", "outcome"),
     ),
     "outbox_attempts": (
         "counter",
@@ -304,13 +295,6 @@ class Metrics:
         """A redriven or accepted message later processed successfully."""
         if self.enabled:
             self._get("recovered", consumer, source).add()
-
-    def route(self, consumer: str, database: str, outcome: str) -> None:
-        """A delivery over many databases: ``routed`` to ``database``, or not
-        (``unavailable``, ``unknown_tenant``, ``unresolved``). One label value per
-        database of the map: the tenant is never a label."""
-        if self.enabled:
-            self._get("routes", consumer, database, outcome).add()
 
     def expired(self, consumer: str, outcome: str) -> None:
         """A first-seen message older than the retention window: ``rejected`` or

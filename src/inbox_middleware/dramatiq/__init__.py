@@ -13,6 +13,8 @@ add_credit.send_with_options(args=(7, 10), **identity(producer="orders", message
 ```
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .._core.optional import require
 
 require("dramatiq", "dramatiq")
@@ -35,9 +37,22 @@ __all__ = [
     "InboxMiddleware",
     "MissingIdentityPolicy",
     "QuarantinePublisher",
+    "QuorumRabbitmqBroker",
     "StampIdentity",
     "StampTraceContext",
     "current_async_session",
     "current_session",
     "identity",
 ]
+
+if TYPE_CHECKING:
+    from ._quorum import QuorumRabbitmqBroker
+
+
+def __getattr__(name: str) -> Any:
+    # The quorum-queue broker needs dramatiq's RabbitMQ extra (pika): imported when asked.
+    if name == "QuorumRabbitmqBroker":
+        from ._quorum import QuorumRabbitmqBroker
+
+        return QuorumRabbitmqBroker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
