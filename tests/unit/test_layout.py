@@ -1,6 +1,7 @@
-"""The house's floors hold: the core imports no framework, an import points only down, and
-no modules import each other in a circle (the import-linter contracts in pyproject.toml;
-``scripts/house`` measures the same graph)."""
+"""The four layers hold: the pure core imports no framework and no database driver, an
+import points only down the layers, neither adapter imports the other, and no modules
+import each other in a circle (the import-linter contracts in pyproject.toml;
+``scripts/house`` and ``python -m bench.house`` measure the same graph)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ from importlinter.application.use_cases import lint_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "inbox_middleware"
-# What may import a framework: the adapters, the command line, the test tools.
-NOT_CORE = {"dramatiq", "faststream", "cli", "testing", "contract"}
+LAYERS = 4
+FRAMEWORKS_AND_DRIVERS = {"dramatiq", "faststream", "sqlalchemy", "psycopg", "asyncpg"}
 
 
 def contracts() -> dict[str, dict[str, object]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     return {contract["id"]: contract for contract in config["contracts"]}
+
+
+def top_level_modules() -> set[str]:
+    modules = {path.stem for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    return {f"inbox_middleware.{name}" for name in modules | packages}
 
 
 def test_layout__contracts_are_kept(capsys):
@@ -27,21 +34,20 @@ def test_layout__contracts_are_kept(capsys):
     assert kept, capsys.readouterr().out
 
 
-def test_layout__every_module_outside_the_adapters_is_core():
-    # A new module is in the core, and so under the no-framework contract, unless it is
-    # an adapter or a test tool.
-    modules = {path.stem for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
-    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
-    core = {f"inbox_middleware.{name}" for name in (modules | packages) - NOT_CORE}
-    assert set(contracts()["core"]["source_modules"]) == core  # type: ignore[arg-type]
+def test_layout__the_core_is_one_package_that_imports_no_framework_and_no_driver():
+    core = contracts()["core"]
+    assert core["source_modules"] == ["inbox_middleware._core"]
+    assert set(core["forbidden_modules"]) == FRAMEWORKS_AND_DRIVERS  # type: ignore[arg-type]
+    assert "ignore_imports" not in core
 
 
-def test_layout__every_module_is_on_a_floor():
-    floors = {
+def test_layout__four_layers_and_every_module_on_one():
+    layers = contracts()["floors"]["layers"]
+    assert len(layers) == LAYERS  # type: ignore[arg-type]
+    on_a_layer = [
         name.strip()
-        for layer in contracts()["floors"]["layers"]  # type: ignore[attr-defined]
+        for layer in layers  # type: ignore[attr-defined]
         for name in layer.replace("|", ":").split(":")
-    }
-    modules = {path.stem for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
-    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
-    assert {f"inbox_middleware.{name}" for name in modules | packages} == floors
+    ]
+    assert len(on_a_layer) == len(set(on_a_layer))
+    assert set(on_a_layer) == top_level_modules()
