@@ -1,7 +1,7 @@
 """Monitoring: the metrics endpoint, the table gauges and the operator's read-only reports.
 
 ```python
-from inbox_middleware.metrics import serve
+from inbox_middleware._operate.metrics import serve
 
 server = serve(9464, engine=engine)  # /metrics: the samples and the table gauges
 ```
@@ -9,9 +9,11 @@ server = serve(9464, engine=engine)  # /metrics: the samples and the table gauge
 `serve` (or ``inbox-middleware metrics serve``) serves the samples every worker records
 and the gauges read from the inbox tables; `snapshot` is what ``inbox-middleware status``
 prints, `explain` what ``inbox-middleware explain`` prints, and `shadow_verdict` the
-verdict a shadow run records.
+verdict a shadow run records. ``--json`` output follows `STATUS_SCHEMA` and
+`EXPLAIN_SCHEMA`.
 """
 
+from ._operate.explain import SCHEMA as EXPLAIN_SCHEMA
 from ._operate.explain import explain
 from ._operate.metrics import (
     MAX_LABEL_VALUES,
@@ -22,11 +24,14 @@ from ._operate.metrics import (
     metrics,
     serve,
 )
+from ._operate.status import SCHEMA as STATUS_SCHEMA
 from ._operate.status import snapshot
 from ._storage.executors import shadow_verdict
 
 __all__ = [
+    "EXPLAIN_SCHEMA",
     "MAX_LABEL_VALUES",
+    "STATUS_SCHEMA",
     "Metrics",
     "MetricsServer",
     "TableCollector",

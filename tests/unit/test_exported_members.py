@@ -1,10 +1,36 @@
-"""The public surface is what __all__ says, and nothing leaks by accident."""
+"""The public surface is what __all__ says, and nothing leaks by accident: every other
+module is private (``_name``) or a deprecated alias of a module that moved."""
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 
 import inbox_middleware
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "inbox_middleware"
+
+# The old paths the documentation of the previous release imported: each keeps working for
+# one release as an alias that warns, naming where its names are imported now.
+DEPRECATED = {
+    "inbox_middleware.canonical": "inbox_middleware",
+    "inbox_middleware.consumption": "inbox_middleware",
+    "inbox_middleware.contract": "inbox_middleware.testing",
+    "inbox_middleware.exceptions": "inbox_middleware",
+    "inbox_middleware.explain": "inbox_middleware.metrics",
+    "inbox_middleware.identity": "inbox_middleware",
+    "inbox_middleware.instruments": "inbox_middleware.metrics",
+    "inbox_middleware.poison": "inbox_middleware",
+    "inbox_middleware.policy": "inbox_middleware",
+    "inbox_middleware.protocol": "inbox_middleware",
+    "inbox_middleware.status": "inbox_middleware.metrics",
+    "inbox_middleware.storage": "inbox_middleware",
+    "inbox_middleware.storage.executors": "inbox_middleware.metrics",
+    "inbox_middleware.throwaway": "inbox_middleware.testing",
+    "inbox_middleware.dramatiq.quorum": "inbox_middleware.dramatiq",
+    "inbox_middleware.outbox.errors": "inbox_middleware.outbox",
+}
 
 PUBLIC = {
     "inbox_middleware": set(inbox_middleware.__all__),
@@ -14,6 +40,7 @@ PUBLIC = {
         "InboxMiddleware",
         "MissingIdentityPolicy",
         "QuarantinePublisher",
+        "QuorumRabbitmqBroker",
         "StampIdentity",
         "StampTraceContext",
         "current_async_session",
@@ -47,6 +74,10 @@ PUBLIC = {
         "effect_id_for",
     },
     "inbox_middleware.testing": {
+        "ContractViolation",
+        "ProducerContract",
+        "PublishedMessage",
+        "producer_contract",
         "DramatiqCheck",
         "FastStreamCheck",
         "FastStreamMessage",
@@ -59,205 +90,25 @@ PUBLIC = {
     },
     "inbox_middleware.dramatiq.testing": {"DramatiqCheck"},
     "inbox_middleware.faststream.testing": {"FastStreamCheck", "FastStreamMessage"},
-    "inbox_middleware.faststream.testbroker": {"guarded", "guard_test_broker"},
-    "inbox_middleware.logs": {
-        "EXIT_STATUS",
-        "FORMAT",
-        "configure",
-        "follow",
-        "leave",
-        "refuse_start",
-        "scope",
-    },
-    "inbox_middleware.consumption": {
-        "Arrival",
-        "BatchArrival",
-        "BatchProcessed",
-        "BatchRejected",
-        "BatchSettlement",
-        "ProcessBatch",
-        "RetryBudget",
-        "Observer",
-        "SendOutputs",
-        "backoff_delay",
-        "REMEMBERED_MESSAGES",
-        "UNIDENTIFIED_KEY_BYTES",
-        "UNKNOWN_TENANT",
-        "settle_batch_steps",
-        "CountFailure",
-        "CountHandBack",
-        "CountRedelivery",
-        "DeadLettered",
-        "Duplicate",
-        "EXPIRED_REDELIVERY",
-        "HANDLER_REJECTED",
-        "HANDLER_TRANSACTION",
-        "HandBackRequested",
-        "HandedBack",
-        "LoadOutputs",
-        "LookUpClaim",
-        "INBOX_ERROR",
-        "Op",
-        "Poisoned",
-        "Process",
-        "Processed",
-        "Publish",
-        "Quarantined",
-        "REDELIVERY_LIMIT",
-        "RETRIES_EXHAUSTED",
-        "RecordPoison",
-        "RefusedFirstSeen",
-        "RejectRequested",
-        "ResolveRoute",
-        "Route",
-        "Rules",
-        "RunUnprotected",
-        "Settlement",
-        "TransactionState",
-        "Unfit",
-        "commit_refusal",
-        "conflict_details",
-        "describe",
-        "drive",
-        "drive_async",
-        "expired",
-        "first_seen_refusal",
-        "outputs_failed_steps",
-        "reason_code",
-        "rejection_details",
-        "settle_steps",
-    },
-    "inbox_middleware.policy": {
-        "ConsumerPolicy",
-        "ExpiredPolicy",
-        "MissingIdentityPolicy",
-        "PolicySettings",
-        "check_missing_identity",
-    },
-    "inbox_middleware.outcomes": {
-        "report",
-    },
-    "inbox_middleware.faststream.outcome": {
-        "ACKED",
-        "CONFLICT_HEADER",
-        "HandedBack",
-        "REJECTED_HEADER",
-        "REPAIR_HEADER",
-        "QuietTold",
-        "Skipped",
-        "message_id_of",
-    },
-    "inbox_middleware.faststream.boot": {"EXIT_STATUS", "refuse_start", "watch_supervisor"},
-    "inbox_middleware.dramatiq.boot": {
-        "EXIT_STATUS",
-        "QuietSkips",
-        "WorkerBootError",
-        "check_database",
-        "check_routed",
-        "refuse_boot",
-    },
-    "inbox_middleware.throwaway": {
-        "DEFAULT_SERVER",
-        "SERVER_VARIABLE",
-        "Setup",
-        "Template",
-        "ThrowawayDatabase",
-    },
     "inbox_middleware.outbox.destinations.http": {"RETRYABLE_STATUSES", "HttpDestination"},
     "inbox_middleware.outbox.destinations.dramatiq": {"DramatiqDestination"},
     "inbox_middleware.outbox.destinations.faststream": {"FastStreamDestination"},
+    "inbox_middleware.outbox.destinations": set(),
     "inbox_middleware.metrics": {
+        "EXPLAIN_SCHEMA",
+        "STATUS_SCHEMA",
         "MAX_LABEL_VALUES",
         "Metrics",
         "MetricsServer",
         "TableCollector",
+        "explain",
         "label_values",
         "metrics",
         "serve",
+        "shadow_verdict",
+        "snapshot",
     },
-    "inbox_middleware.instruments": {
-        "MAX_LABEL_VALUES",
-        "MULTIPROCESS_VARIABLE",
-        "Metrics",
-        "label_values",
-        "metrics",
-    },
-    "inbox_middleware.headers": {
-        "MESSAGE_ID",
-        "OPTION_MESSAGE_ID",
-        "OPTION_PRODUCED_AT",
-        "OPTION_PRODUCER",
-        "OPTION_TENANT",
-        "PRODUCED_AT",
-        "PRODUCER",
-        "TENANT",
-        "message_options",
-    },
-    "inbox_middleware.harness": {
-        "CONCURRENT",
-        "CRASH",
-        "REDELIVERED",
-        "ROLLED_BACK",
-        "Effect",
-        "Hold",
-        "Outcomes",
-        "Wave",
-        "Rollback",
-        "RolledBackByCheck",
-        "ScenarioResult",
-        "Tally",
-        "fresh",
-        "intent_name",
-        "refuse_sqlite",
-        "rollback_at_commit",
-        "timed_out",
-    },
-    "inbox_middleware.contract": {
-        "ContractViolation",
-        "ProducerContract",
-        "PublishedMessage",
-        "producer_contract",
-    },
-    "inbox_middleware.explain": {"FORMAT", "SCHEMA", "consumer_known", "explain"},
     "inbox_middleware.cli": {"main", "run"},
-    "inbox_middleware.cli.options": {
-        "DURATION",
-        "ROW_ID",
-        "Seconds",
-        "connect",
-        "database",
-        "database_options",
-        "map_options",
-        "naming_from",
-        "naming_options",
-    },
-    "inbox_middleware.tenancy": {
-        "DatabaseMap",
-        "MapFile",
-        "Resolver",
-        "Router",
-        "TenantRange",
-        "load_map",
-    },
-    "inbox_middleware.storage.routed": {
-        "DEFAULT_CONNECTION_BUDGET",
-        "DEFAULT_POOL_SIZE",
-        "AsyncRoutedInbox",
-        "RoutedInbox",
-        "database_url",
-    },
-    "inbox_middleware.storage.tenants": {"TENANT_TABLES", "copy_tenant", "delete_tenant"},
-    "inbox_middleware.storage.engines": {
-        "DEFAULT_CONNECTIONS",
-        "async_engine",
-        "engine_from_url",
-        "parse_url",
-        "pooler_connect_args",
-        "postgresql_driver",
-        "run_sync",
-        "sync_engine",
-        "uses_asyncio",
-    },
 }
 
 
@@ -274,3 +125,29 @@ def test_top_level_names():
         inbox_middleware.__all__
     )
     assert inbox_middleware.AsyncInbox.__name__ == "AsyncInbox"
+
+
+def test_every_other_module_is_private_or_a_deprecated_alias():
+    modules = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = ["inbox_middleware", *path.relative_to(PACKAGE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        if not any(part.startswith("_") for part in parts):
+            modules.add(".".join(parts))
+    assert modules == set(PUBLIC) | set(DEPRECATED)
+
+
+@pytest.mark.parametrize("old", sorted(DEPRECATED))
+def test_deprecated_alias__warns_naming_the_facade_and_still_imports(old, monkeypatch):
+    for name in [*sys.modules]:
+        if name == old or name.startswith(old + "."):
+            monkeypatch.delitem(sys.modules, name)
+    parent, _, leaf = old.rpartition(".")
+    if leaf in vars(sys.modules.get(parent, object)):
+        monkeypatch.delattr(sys.modules[parent], leaf)
+    with pytest.warns(DeprecationWarning, match=f"import from {DEPRECATED[old]}$"):
+        module = importlib.import_module(old)
+    assert module.__all__
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name

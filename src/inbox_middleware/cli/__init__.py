@@ -1,10 +1,11 @@
 """The ``inbox-middleware`` command line (`main`, run by `run`).
 
-One module per command group: ``app`` (the group `main`, ``migrate``, ``check``), ``status``
-(``status``, ``explain``, ``metrics serve``), ``repair`` (``quarantine``, ``poison``),
-``retention`` (``retention``, ``purge``), ``outbox``; ``output`` renders tables and JSON.
-They share `options` (the database options, the naming, the connection), the only module
-of the package that code outside it may import. Importing this package imports no command.
+One private module per command group: ``_app`` (the group `main`, ``migrate``, ``check``),
+``_status`` (``status``, ``explain``, ``metrics serve``), ``_repair`` (``quarantine``,
+``poison``), ``_retention`` (``retention``, ``purge``), ``_outbox``; ``_output`` renders
+tables and JSON. They share ``_options`` (the database options, the naming, the
+connection), the only module of the package that code outside it may import. Importing
+this package imports no command; the console script is ``inbox_middleware.cli:run``.
 """
 
 from typing import TYPE_CHECKING, Any
