@@ -5,7 +5,7 @@ from alembic import context
 from myapp.models import Base  # your models
 from sqlalchemy import engine_from_config, pool
 
-from inbox_middleware.storage import InboxSchema, exclude_inbox_tables
+from inbox_middleware import InboxSchema, exclude_inbox_tables
 
 # The same naming the middleware and the inbox revision are given.
 INBOX = InboxSchema()

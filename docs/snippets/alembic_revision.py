@@ -8,7 +8,7 @@ offline mode (``alembic upgrade head --sql``) it prints the statements instead.
 
 from alembic import context, op
 
-from inbox_middleware.storage import InboxSchema, drop_inbox, migrate
+from inbox_middleware import InboxSchema, drop_inbox, migrate
 
 revision = "0001_inbox"
 down_revision = None

@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from inbox_middleware.contract import producer_contract
 from inbox_middleware.dramatiq import identity
+from inbox_middleware.testing import producer_contract
 
 
 def place_order(charge: Any, order_id: int, amount: int) -> None:

@@ -22,7 +22,7 @@ def pair_engine(hosts: str = "host=db-a:5432&host=db-b:5432", database: str = "a
 
 def quorum_broker(engine: Engine, url: str = "amqp://app@rabbitmq") -> Any:
     # --8<-- [start:dramatiq-quorum]
-    from inbox_middleware.dramatiq.quorum import QuorumRabbitmqBroker
+    from inbox_middleware.dramatiq import QuorumRabbitmqBroker
 
     broker = QuorumRabbitmqBroker(url=url, confirm_delivery=True, delivery_limit=20)
     broker.add_middleware(InboxMiddleware(engine))

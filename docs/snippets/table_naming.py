@@ -5,8 +5,8 @@ from __future__ import annotations
 import dramatiq
 from sqlalchemy import Engine
 
+from inbox_middleware import InboxSchema
 from inbox_middleware.dramatiq import InboxMiddleware
-from inbox_middleware.storage import InboxSchema
 
 # --8<-- [start:naming]
 # inbox.billing_consumer_inbox, inbox.billing_inbox_quarantine, ...

@@ -11,8 +11,8 @@ from faststream.rabbit import TestRabbitBroker
 from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from inbox_middleware import migrate
 from inbox_middleware.faststream import identity_headers
-from inbox_middleware.storage import migrate
 
 
 def order_for_an_actor_with_a_producer_parameter(check: Any) -> Any:

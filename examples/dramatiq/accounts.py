@@ -7,8 +7,7 @@ import os
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from inbox_middleware import engine_from_url
-from inbox_middleware.storage import migrate
+from inbox_middleware import engine_from_url, migrate
 
 DATABASE_URL = os.environ.get(
     "DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/inbox_demo"
