@@ -8,7 +8,7 @@ subscriber on a throwaway PostgreSQL database; every call of a function of
 ``src/inbox_middleware`` made while its `Subscription.consume` runs is recorded, with the
 file it is called from (a coroutine resumed after an ``await`` is not a call). Printed:
 the files entered, the calls from one file into another, the calls from
-``faststream/processing.py`` into another file (each comes back to it), and the calls up
+``faststream/_processing.py`` into another file (each comes back to it), and the calls up
 the floors (a module calling one on a higher floor of the ``floors`` contract in
 pyproject.toml: a call back).
 """
@@ -193,7 +193,7 @@ def main() -> None:
     calls = walk_dramatiq() if dramatiq else asyncio.run(walk())
     across = [(a, b) for a, b in calls if a is not None and a != b]
     files = sorted({b for _, b in calls})
-    processing = "dramatiq/actor.py" if dramatiq else "faststream/processing.py"
+    processing = "dramatiq/_actor.py" if dramatiq else "faststream/_processing.py"
     back = sum(1 for a, _ in across if a == processing)
     upward = [(a, b) for a, b in across if floor(b) > floor(a) >= 0]
     print(f"files entered            {len(files)}: {', '.join(files)}")
