@@ -300,7 +300,7 @@ async def test_faststream__unroutable_quarantine_publish_keeps_the_message(rabbi
     published = await rabbit_queue(f"{h.source}.quarantine")
     # Then the unroutable publish handed it back instead of acking it, and its
     # redelivery was published to the quarantine queue, declared again
-    assert seen.count("HandedBack") == 1
+    assert seen.count("NackForRedelivery") == 1
     assert [message.delivery_mode for message in published] == [2]
     with pg_engine.connect() as conn:
         assert effects(conn, 7) == 1
@@ -325,7 +325,7 @@ async def test_faststream__unroutable_dead_letter_publish_keeps_the_message(rabb
         await eventually(lambda: seen.count("Skipped") == 1, what="the settled rejection")
     published = await rabbit_queue(dead_letter)
     # Then the unroutable publish kept the message, and its redelivery was dead-lettered
-    assert seen.count("HandedBack") == 1
+    assert seen.count("NackForRedelivery") == 1
     assert [message.delivery_mode for message in published] == [2]
     assert await h.leftover() == 0
 

@@ -319,9 +319,9 @@ async def test_faststream__database_down_at_claim_time_hands_back_and_loses_noth
             proxy.down()
             await h.publish(ORDER, ident())
             # When the claim cannot reach the database: handed back, redelivered, again...
-            await eventually(lambda: seen.count("HandedBack") >= 2, what="two hand-backs")
+            await eventually(lambda: seen.count("NackForRedelivery") >= 2, what="two hand-backs")
             await asyncio.sleep(2)
-            during_outage = seen.count("HandedBack")
+            during_outage = seen.count("NackForRedelivery")
             assert applied(pg_engine) == 0
             # Then, once the database is back, it is applied exactly once
             proxy.up()

@@ -285,7 +285,7 @@ async def test_kafka__failed_offset_commit_after_the_database_commit_is_logged_n
     # (by the inbox, or by FastStream's own logger when the failure reaches it)
     printed = capfd.readouterr()
     assert "CommitFailedError" in caplog.text + printed.out + printed.err
-    assert "HandedBack" not in seen.outcomes
+    assert "NackForRedelivery" not in seen.outcomes
     assert "rolled back" not in caplog.text
     assert len(seen.arrivals) == 2, "not sought back: o-1 was not delivered again"
     assert claims(pg_engine) == 2
@@ -336,7 +336,7 @@ async def test_kafka__partition_revoked_mid_transaction_goes_to_the_new_owner(
         assert sorted(seen.outcomes) == ["Skipped", "processed"]
     else:  # rolled back (and handed back): the new owner claims and applies it
         assert "processed" in seen.outcomes
-        assert {*seen.outcomes} - {"processed"} <= {"RuntimeError", "HandedBack"}
+        assert {*seen.outcomes} - {"processed"} <= {"RuntimeError", "NackForRedelivery"}
         assert attempts == ["z", "a"]
     assert claims(pg_engine) == 1
 

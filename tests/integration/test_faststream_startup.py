@@ -271,7 +271,7 @@ async def test_startup__without_guard_a_failed_check_hands_back_through_the_core
     handed = [r for r in caplog.records if "handed a message back" in r.getMessage()]
     assert len(handed) == 4, caplog.text
     assert "holds a message back" not in caplog.text
-    assert seen.outcomes == ["HandedBack"] * 4 + ["processed"], seen.outcomes
+    assert seen.outcomes == ["NackForRedelivery"] * 4 + ["processed"], seen.outcomes
     assert applied(pg_engine) == 1
 
 

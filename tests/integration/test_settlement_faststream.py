@@ -153,7 +153,9 @@ async def test_settlement__no_guard_database_down_at_first_message_holds_it(
                 await h.broker.start()
                 await h.publish(ORDER, ident())
                 # When the first message meets the failing start-up check, repeatedly
-                await eventually(lambda: seen.count("HandedBack") >= 2, what="two hold-backs")
+                await eventually(
+                    lambda: seen.count("NackForRedelivery") >= 2, what="two hold-backs"
+                )
                 assert applied(pg_engine) == 0
                 # Then, once the database is back, it is applied exactly once
                 proxy.up()
@@ -193,7 +195,9 @@ async def test_settlement__no_guard_missing_tables_and_bad_setting_hold_the_mess
                     await h.broker.start()
                     await h.publish(ORDER, ident())
                     # When the check fails on the missing tables: held back, not rejected
-                    await eventually(lambda: seen.count("HandedBack") >= 2, what="hold-backs")
+                    await eventually(
+                        lambda: seen.count("NackForRedelivery") >= 2, what="hold-backs"
+                    )
                     # ... and then on synchronous_commit=off (a setting that breaks the
                     # guarantee) once the tables exist
                     with sync.begin() as conn:
@@ -202,8 +206,10 @@ async def test_settlement__no_guard_missing_tables_and_bad_setting_hold_the_mess
                     with sync.begin() as conn:
                         domain.create(conn)
                     await engine.dispose()  # new connections read the database's setting
-                    held = seen.count("HandedBack")
-                    await eventually(lambda: seen.count("HandedBack") >= held + 2, what="held")
+                    held = seen.count("NackForRedelivery")
+                    await eventually(
+                        lambda: seen.count("NackForRedelivery") >= held + 2, what="held"
+                    )
                     with sync.connect() as conn:
                         assert effects(conn, 7) == 0
                     # Then, once the setting is fixed, it is applied exactly once
@@ -300,7 +306,9 @@ async def test_settlement__hand_backs_do_not_count_against_the_redelivery_limit(
                 proxy.down()
                 await h.publish(ORDER, ident())
                 # When the message is handed back many more times than the limit
-                await eventually(lambda: seen.count("HandedBack") >= 5, what="five hand-backs")
+                await eventually(
+                    lambda: seen.count("NackForRedelivery") >= 5, what="five hand-backs"
+                )
                 # Then, once the database is back, it is applied, not poisoned
                 proxy.up()
                 await eventually(lambda: applied(pg_engine) == 1, timeout=20, what="the effect")
@@ -364,7 +372,7 @@ async def test_settlement__claim_in_progress_hand_backs_are_not_crashes(
             await asyncio.sleep(0.5)
             # When its duplicate is handed back again and again while the claim is held
             await h.publish(ORDER, ident())
-            await eventually(lambda: seen.count("HandedBack") >= 4, what="four hand-backs")
+            await eventually(lambda: seen.count("NackForRedelivery") >= 4, what="four hand-backs")
             # Then the duplicate is skipped once the first commits, and nothing is poisoned
             await eventually(lambda: seen.count("Skipped") >= 1, timeout=20, what="the skip")
     assert poison_rows(pg_engine) == []
@@ -399,7 +407,9 @@ async def test_settlement__hand_backs_spend_no_quorum_delivery_limit(pg_async_ur
                 proxy.down()
                 await h.publish(ORDER, ident())
                 # When it is handed back six times
-                await eventually(lambda: seen.count("HandedBack") >= 6, what="six hand-backs")
+                await eventually(
+                    lambda: seen.count("NackForRedelivery") >= 6, what="six hand-backs"
+                )
                 # Then the queue still holds it, and once the database is back it is applied
                 proxy.up()
                 await eventually(lambda: applied(pg_engine) == 1, timeout=20, what="the effect")

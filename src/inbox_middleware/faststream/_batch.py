@@ -36,7 +36,14 @@ from .._observe.instruments import metrics
 from .._operate.tally import tally
 from ._brokers import Item
 from ._context import BatchItem
-from ._telling import ACKED, CONFLICT_HEADER, REJECTED_HEADER, HandedBack, Skipped, message_id_of
+from ._telling import (
+    ACKED,
+    CONFLICT_HEADER,
+    REJECTED_HEADER,
+    NackForRedelivery,
+    Skipped,
+    message_id_of,
+)
 
 if TYPE_CHECKING:
     from .._core.consumption import HandBackDelays
@@ -241,7 +248,7 @@ async def _tell_batch(
                 wait,
             )
             if isinstance(error, TransientError) or not isinstance(error, Exception):
-                raise HandedBack(f"{type(error).__name__}: {error}") from error
+                raise NackForRedelivery(f"{type(error).__name__}: {error}") from error
             raise error
         case BatchProcessed(result=result, dead_lettered=indexes):
             trace.settled(core.Processed(result))

@@ -41,7 +41,7 @@ from ._guard import Found, find, refusals
 from ._middleware import InboxMiddlewareFactory
 from ._payload import CanonicalForm
 from ._processing import Subscription
-from ._telling import HandedBack
+from ._telling import NackForRedelivery
 from ._testbroker import guard_test_broker, guarded
 
 if TYPE_CHECKING:
@@ -409,7 +409,7 @@ class FastStreamInbox:
     async def hold(self, broker: Any, subscriber: Any, message: Any, error: Exception) -> Any:
         """Hand back a message the inbox cannot settle yet (its subscriber is refused, or
         the start-up check failed), so it is not lost meanwhile. Ends as the settlement
-        of a consumed message does (raises `HandedBack`)."""
+        of a consumed message does (raises `NackForRedelivery`)."""
         waiting = self._waiting.get(subscriber)
         if waiting is None and not isinstance(error, ConfigurationError):
             waiting = self._not_checked(broker, subscriber)
@@ -427,7 +427,7 @@ class FastStreamInbox:
             error,
         )
         await adapter_for(broker, subscriber).retry_later(message, delay)
-        raise HandedBack(f"{type(error).__name__}: {error}", logged=True) from error
+        raise NackForRedelivery(f"{type(error).__name__}: {error}", logged=True) from error
 
 
 def _settings_refusal(subscription: Subscription) -> str | None:

@@ -98,7 +98,7 @@ from ._telling import (
     CONFLICT_HEADER,
     REJECTED_HEADER,
     REPAIR_HEADER,
-    HandedBack,
+    NackForRedelivery,
     Skipped,
     message_id_of,
 )
@@ -222,7 +222,7 @@ class Subscription:
         except Exception as exc:
             logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
             settlement = core.HandedBack(exc, counted=False)
-        with contextlib.suppress(Skipped, HandedBack, type(error)):
+        with contextlib.suppress(Skipped, NackForRedelivery, type(error)):
             await self._tell(message, item, arrival, settlement)
 
     def arrival(self, message: Any, item: Item) -> Arrival:
@@ -329,7 +329,7 @@ class Subscription:
                 output = self.encode(result, keep)
                 self.storage.keep_output(session.sync_session, keep, output)
                 return output
-            except (Skipped, HandedBack):
+            except (Skipped, NackForRedelivery):
                 raise  # a nested inbox consumer's own settlement
             except AckMessage:
                 return ACKED
@@ -427,7 +427,7 @@ class Subscription:
                     raise error.cause  # the handler's NackMessage: the message is nacked
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
                     raise error  # the handler's: FastStream logs it with its traceback
-                raise HandedBack(f"{type(error).__name__}: {error}") from error
+                raise NackForRedelivery(f"{type(error).__name__}: {error}") from error
 
 
 async def _unsettled(refused: ManualSettling, call: Awaitable[Any]) -> Any:

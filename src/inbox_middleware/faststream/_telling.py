@@ -15,7 +15,7 @@ __all__ = [
     "CONFLICT_HEADER",
     "REJECTED_HEADER",
     "REPAIR_HEADER",
-    "HandedBack",
+    "NackForRedelivery",
     "QuietTold",
     "Skipped",
     "message_id_of",
@@ -50,7 +50,7 @@ class Skipped(AckMessage):
         return self.reason
 
 
-class HandedBack(NackMessage):
+class NackForRedelivery(NackMessage):
     """Rolled back by the inbox and handed back to the broker for a later redelivery."""
 
     def __init__(self, reason: str, *, logged: bool = False) -> None:
@@ -70,7 +70,7 @@ ACKED = _Acknowledged()
 
 class QuietTold(logging.Filter):
     """On FastStream's logger of a subscriber's lines: drops the line FastStream writes
-    with the text of a `Skipped` or `HandedBack` whose decision the inbox logged already
+    with the text of a `Skipped` or `NackForRedelivery` whose decision the inbox logged already
     (one decision, one line, at the inbox's level)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
