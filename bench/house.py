@@ -6,6 +6,7 @@ functions and its size.
 Printed: the layers of the import contract in pyproject.toml (``[tool.importlinter]``)
 and the other contracts; the public modules (no component of the dotted name starts
 with ``_``) and the names their ``__all__`` exports; every module that has an ``__all__``;
+the deprecated aliases (modules that warn when imported) apart;
 the ten longest functions (lines, from ``def`` to the last line); the library's lines
 (every line of ``src/inbox_middleware``, and those that are neither blank nor a comment).
 """
@@ -39,6 +40,17 @@ def exported(tree: ast.Module) -> list[str] | None:
     return None
 
 
+def deprecated(tree: ast.Module) -> bool:
+    """Is the module a deprecated alias (it calls ``moved`` or ``warn_moved`` when imported)?"""
+    return any(
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id in {"moved", "warn_moved"}
+        for node in tree.body
+    )
+
+
 def main() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     contracts = config["contracts"]
@@ -53,7 +65,7 @@ def main() -> None:
             print(f"  {'':<12} source modules listed {len(contract['source_modules'])}")
 
     files = sorted(PACKAGE.rglob("*.py"))
-    modules = public = names = public_names = with_all = 0
+    modules = public = names = public_names = with_all = aliases = 0
     functions: list[tuple[int, str]] = []
     lines = code = 0
     for path in files:
@@ -62,6 +74,9 @@ def main() -> None:
         name = module_name(path)
         modules += 1
         is_public = not any(part.startswith("_") for part in name.split("."))
+        is_alias = is_public and deprecated(tree)
+        aliases += is_alias
+        is_public = is_public and not is_alias
         public += is_public
         names_here = exported(tree)
         if names_here is not None and names_here:
@@ -81,7 +96,7 @@ def main() -> None:
 
     print()
     print(f"modules                      {modules}")
-    print(f"public modules               {public}")
+    print(f"public modules               {public} (and {aliases} deprecated aliases)")
     print(f"modules exporting names      {with_all} ({names} names)")
     print(f"names public modules export  {public_names}")
     print()
