@@ -78,7 +78,7 @@ _ = TenantRange  # imported for the map's snippet
 def move_tenant(old: Any, new: Any, tenant: str, move_business_rows: Any) -> None:
     """Steps 3 and 5 of moving a tenant: ``old`` and ``new`` are the two engines."""
     # --8<-- [start:move]
-    from inbox_middleware.storage.tenants import copy_tenant, delete_tenant
+    from inbox_middleware import copy_tenant, delete_tenant
 
     with old.begin() as source, new.begin() as target:
         copy_tenant(source, target, tenant)

@@ -18,6 +18,7 @@ from ._core.canonical import loads as canonical_loads
 from ._core.consumption import Settlement, settle_steps
 from ._core.exceptions import (
     ClaimInProgress,
+    ClaimNotCommitted,
     ConfigurationError,
     DatabaseUnavailable,
     DirectPublishRefused,
@@ -40,7 +41,7 @@ from ._core.exceptions import (
 from ._core.identity import MessageIdentity, PayloadHash
 from ._core.policy import ConsumerPolicy
 from ._core.protocol import Decision, Delivery, ReasonCode
-from ._core.tenancy import DatabaseMap, MapFile, TenantRange, load_map
+from ._core.tenancy import DatabaseMap, MapFile, Router, TenantRange, load_map
 from ._storage import (
     LATEST_VERSION,
     ClaimSession,
@@ -56,6 +57,8 @@ from ._storage import (
     render_sql,
 )
 from ._storage.engines import engine_from_url
+from ._storage.routed import AsyncRoutedInbox, RoutedInbox
+from ._storage.tenants import copy_tenant, delete_tenant
 
 if TYPE_CHECKING:
     from ._storage.aio import AsyncInbox
@@ -63,7 +66,9 @@ if TYPE_CHECKING:
 __all__ = [
     "LATEST_VERSION",
     "AsyncInbox",
+    "AsyncRoutedInbox",
     "ClaimInProgress",
+    "ClaimNotCommitted",
     "ClaimSession",
     "Committed",
     "ConfigurationError",
@@ -90,6 +95,8 @@ __all__ = [
     "PrerequisiteError",
     "ReasonCode",
     "RouteUnavailable",
+    "RoutedInbox",
+    "Router",
     "SchemaError",
     "Settlement",
     "TenantRange",
@@ -100,7 +107,9 @@ __all__ = [
     "canonical_json",
     "canonical_loads",
     "check_schema",
+    "copy_tenant",
     "current_delivery",
+    "delete_tenant",
     "drop_inbox",
     "engine_from_url",
     "exclude_inbox_tables",

@@ -131,6 +131,15 @@ _INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "First-seen messages older than the retention window, by what was done",
         ("consumer", "outcome"),
     ),
+    "routes": (
+        "counter",
+        "inbox_database_routes",
+        "Deliveries of a fleet over many databases, by database (the map's name, never the "
+        "tenant) and outcome (routed; unavailable: the database did not answer, handed "
+        "back; busy: the database holds pool_size deliveries already, handed back; "
+        "unknown_tenant: dead-lettered, database none; unresolved: handed back)",
+        ("consumer", "database", "outcome"),
+    ),
     "outbox_attempts": (
         "counter",
         "inbox_outbox_attempts",
@@ -295,6 +304,13 @@ class Metrics:
         """A redriven or accepted message later processed successfully."""
         if self.enabled:
             self._get("recovered", consumer, source).add()
+
+    def route(self, consumer: str, database: str, outcome: str) -> None:
+        """A delivery over many databases: ``routed`` to ``database``, or not
+        (``unavailable``, ``unknown_tenant``, ``unresolved``). One label value per
+        database of the map: the tenant is never a label."""
+        if self.enabled:
+            self._get("routes", consumer, database, outcome).add()
 
     def expired(self, consumer: str, outcome: str) -> None:
         """A first-seen message older than the retention window: ``rejected`` or
