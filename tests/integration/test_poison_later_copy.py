@@ -171,3 +171,21 @@ def test_a_copy_poisoned_after_a_later_copy_committed_is_written_recovered(engin
             recorder.record_poison(conn, d, reason_code="boom", error="boom", attempts=1)
     # Then the applied one is no operator's business; the other payload's row is
     assert _decisions(engine) == {"m-1": "recovered", "m-2": "pending"}
+
+
+@pytest.mark.parametrize("order", ["claim_then_poison", "poison_then_copy"])
+def test_outputs_that_could_not_be_sent_stay_pending_beside_their_own_claim(pg_engine, order):
+    # Given m-1 applied, its outputs never sent: its row (outputs_undeliverable) waits for
+    # the redrive that sends them, beside the message's own committed claim
+    inbox = Inbox(pg_engine)
+    recorder = FailureRecorder(InboxSchema(), "postgresql")
+    inbox.process(_delivery("m-1", 10), lambda session: None)
+    with pg_engine.begin() as conn:
+        recorder.record_poison(
+            conn, _delivery("m-1", 10), reason_code="outputs_undeliverable", error="x", attempts=2
+        )
+    if order == "poison_then_copy":
+        # When a copy of it arrives (a duplicate: its claim exists)
+        inbox.process(_delivery("m-1", 10), lambda session: None)
+    # Then the row is still the operator's
+    assert _decisions(pg_engine) == {"m-1": "pending"}

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
+    and_,
     bindparam,
     case,
     delete,
@@ -38,6 +39,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._core.consumption import RedeliveryCount
+from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import Delivery
 from .tables import InboxSchema
 
@@ -82,10 +84,15 @@ class FailureRecorder:
         # A later copy of this message that committed already (same identity, same payload)
         # applied the intent: the row is written recovered, not pending (the claim of a
         # copy that commits later marks a pending row recovered itself: `statements`).
+        # Not for outputs that could not be sent: that message's own claim committed, and
+        # its row waits for the redrive that sends them.
         inbox = tables.inbox
-        applied = exists().where(
-            *(inbox.c[name] == bindparam(name) for name in key),
-            inbox.c.payload_sha256 == bindparam("payload_sha256"),
+        applied = and_(
+            exists().where(
+                *(inbox.c[name] == bindparam(name) for name in key),
+                inbox.c.payload_sha256 == bindparam("payload_sha256"),
+            ),
+            bindparam("reason_code") != OUTPUTS_UNDELIVERABLE,
         )
         decision = case((applied, "recovered"), else_="pending")
         recovered_at = case((applied, func.now()), else_=None)

@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import (
     Claim,
     ClaimBatch,
@@ -235,6 +236,9 @@ class ClaimStatements:
             update(poison)
             .where(tuple_(*columns).in_([tuple_(*key) for key in keys]))
             .where(poison.c.decision == "pending")
+            # outputs that could not be sent: that message's own claim committed, and its
+            # row waits for the redrive that sends them
+            .where(poison.c.reason_code != OUTPUTS_UNDELIVERABLE)
             .values(decision="recovered", recovered_at=func.now())
             .returning(poison.c.id)
             .cte("inbox_recovered")
