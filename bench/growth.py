@@ -82,6 +82,13 @@ def _compiled(statement: Any) -> str:
 
 CLAIMS = ClaimStatements(InboxSchema(), "postgresql", lock_timeout=5.0)
 CLAIM_SQL, LOOK_UP_SQL = _compiled(CLAIMS.claim), _compiled(CLAIMS.look_up)
+# The claim's own constants (the values its statement binds itself), under the names the
+# compiled SQL gives them.
+CLAIM_CONSTANTS = {
+    name: value
+    for name, value in CLAIMS.claim.compile(dialect=psycopg_dialect.dialect()).params.items()
+    if value is not None
+}
 UPDATE_SQL = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = %(account)s"
 
 
@@ -134,7 +141,7 @@ def _fill(conn: psycopg.Connection[Any], shape: str, start: int, stop: int, top:
 
 def _claim_params(shape: str, n: int) -> dict[str, Any]:
     now = datetime.now(UTC)
-    return {
+    return CLAIM_CONSTANTS | {
         "consumer_name": CONSUMER,
         "producer_name": PRODUCER,
         "tenant": "",
@@ -221,7 +228,7 @@ def _transaction(mode: str, shape: str, stored: int, fresh: Counter) -> Callable
 
 def _server_counters(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     conn.execute("SELECT pg_stat_force_next_flush()")
-    wal = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    wal = conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
     reads = conn.execute(
         "SELECT blks_read FROM pg_stat_database WHERE datname = current_database()"
     ).fetchone()
