@@ -260,7 +260,14 @@ class Executor:
         in the same round trip: before any ack, the inbox knows that the transaction that
         committed holds the claim, and that it did commit."""
         if session.info.pop(MARKED_KEY, None) and self.dialect == "postgresql":
-            commit_checked(session.connection())
+            connection = session.connection()
+            # The session's own commit work first (its last flush, its before_commit hooks,
+            # the outbox's refusal of an add that was not awaited): what refuses the commit
+            # must refuse it before the COMMIT is sent, not after.
+            transaction = session.get_transaction()
+            if transaction is not None:
+                transaction._prepare_impl()
+            commit_checked(connection)
         Session.commit(session)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
