@@ -439,6 +439,22 @@ ROWS: dict[str, Row] = {
         BatchProcessed,
         policy={"redelivery_limit": None},
     ),
+    "held before the claim (the start-up check has not passed): handed back, a hand-back "
+    "counted for each message, nothing claimed": Row(
+        replace(batch(2, delivered=((0, 9),)), held=SchemaError("not migrated")),
+        {CountHandBack: [None]},
+        ["CountHandBack", "CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 1},
+        expect={"counted": False},
+    ),
+    "held, and the hand-backs could not be counted: handed back all the same": Row(
+        replace(batch(), held=DatabaseUnavailable("down")),
+        {CountHandBack: [DatabaseUnavailable("down")]},
+        ["CountHandBack", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
     "the redelivery could not be counted: handed back, a hand-back counted for each": Row(
         batch(2, delivered=((0, 4),)),
         {CountRedelivery: [DatabaseUnavailable()], CountHandBack: [None]},

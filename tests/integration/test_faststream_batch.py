@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, event, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware._core.protocol import Decision
 from inbox_middleware._operate.tally import tally
@@ -22,7 +23,9 @@ from inbox_middleware.faststream import (
 from inbox_middleware.faststream._payload import delivery, headers_identity
 
 from ..apps.domain import apply_credit_async, effects
+from ..support import services
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
+from ..support.proxy import Proxy
 
 
 def order(message_id: str, delta: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -266,3 +269,49 @@ async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_
     assert all("x-1" not in ids for ids in handled)
     assert sorted(ident for ids in handled for ident in ids) == ["x-0", "x-2"]
     assert effects_now(pg_engine) == before + 2
+
+
+async def test_faststream_batch__held_at_start_up_is_counted_as_handed_back_not_poisoned(
+    pg_async_url: str, pg_engine: Engine, seen: Seen
+) -> None:
+    # Given a NATS batch subscriber without guard, a redelivery limit of 1, and its
+    # database down when the app starts
+    services.require(services.NATS, "nats")
+    proxy = Proxy(("127.0.0.1", 5432))
+    engine = create_async_engine(
+        pg_async_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"), pool_pre_ping=True
+    )
+    inbox = FastStreamInbox(engine, retry_backoff=(0.05, 0.2), redelivery_limit=1)
+    harness = Harness("nats", [recorder(seen), inbox.middleware])
+    before = tally.totals().get(("billing", "handed_back"), 0)
+    try:
+
+        @harness.subscribe(inbox.consumer("billing"), batch=True)
+        async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+            for body in bodies:
+                await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+        await harness.prepare_source()
+        proxy.down()
+        async with harness.broker:
+            for body, headers in [order("h-1", 10), order("h-2", 20)]:
+                await harness.publish(body, headers)
+            await harness.broker.start()
+            # When the first batch meets the failing start-up check, again and again
+            await eventually(lambda: seen.count("NackForRedelivery") >= 3, what="hold-backs")
+            assert effects_now(pg_engine) == 0
+            # ... each hold a hand-back of each of its messages, counted as one message's
+            # is (the counts `status` shows)
+            held = tally.totals().get(("billing", "handed_back"), 0) - before
+            assert held >= 2 * 3
+            # Then, once the database is back, each message is applied once: the holds
+            # were hand-backs, not crashes over the limit
+            proxy.up()
+            await eventually(lambda: effects_now(pg_engine) == 2, timeout=20, what="effects")
+    finally:
+        await harness.cleanup()
+        await engine.dispose()
+        proxy.close()
+    with pg_engine.connect() as conn:
+        poison = conn.execute(text("SELECT count(*) FROM inbox_poison")).scalar_one()
+    assert poison == 0

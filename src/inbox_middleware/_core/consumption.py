@@ -949,6 +949,9 @@ class BatchArrival:
     where the broker keeps one per message of a batch (JetStream): the redelivery limit
     applies to those items as to one message. Without (Redis streams, Kafka), it does not
     apply, as it does not to one message of those brokers."""
+    held: BaseException | None = None
+    """Why the batch is held back before its claim (the start-up check has not passed):
+    handed back, a hand-back counted for each of its messages, as one message is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1011,6 +1014,8 @@ def settle_batch_steps(
       poison at once;
     - a hand-back is counted for each message, so its redelivery is no crash.
     """
+    if batch.held is not None:
+        return (yield from _batch_held(batch.held, batch.deliveries))
     poisoned: dict[int, Poisoned] = {}
     delivered = dict(batch.delivered)
     try:
@@ -1145,6 +1150,17 @@ def _batch_hand_back(
     `_hand_back`), so that the redelivery is not taken for a crash."""
     for _, delivery in claims:
         yield from _hand_back(exc, delivery)
+    return HandedBack(exc, counted=False)
+
+
+def _batch_held(
+    exc: BaseException, claims: Sequence[tuple[int, Delivery]]
+) -> Generator[Op, Any, HandedBack]:
+    """A batch held back before its claim, as `_held` holds one message: a hand-back
+    counted in this process for each of its messages."""
+    for _, delivery in claims:
+        with contextlib.suppress(Exception):  # best effort
+            yield CountHandBack(delivery, unreachable=True)
     return HandedBack(exc, counted=False)
 
 

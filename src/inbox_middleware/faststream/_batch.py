@@ -96,8 +96,28 @@ async def consume_batch(sub: BatchSubscription, call_next: CallNext, message: An
         return await _consume(sub, call_next, message, items, trace)
 
 
+async def hold_batch(sub: BatchSubscription, message: Any, error: Exception) -> Any:
+    """Hand a batch back, through the core, because the start-up check has not passed
+    (run at the first message, without ``guard``): a hand-back counted for each of its
+    messages; ends as `_tell_batch` does."""
+
+    async def nothing(_: Any) -> Any:  # never called: a held batch is not claimed
+        raise AssertionError("a held batch runs no handler")
+
+    items = sub.adapter.items(message)
+    with sub.tracing.delivery(sub.consumer.name, items[0].headers if items else None) as trace:
+        trace.batch(len(items))
+        return await _consume(sub, nothing, message, items, trace, held=error)
+
+
 async def _consume(
-    sub: BatchSubscription, call_next: CallNext, message: Any, items: list[Item], trace: Any
+    sub: BatchSubscription,
+    call_next: CallNext,
+    message: Any,
+    items: list[Item],
+    trace: Any,
+    *,
+    held: Exception | None = None,
 ) -> Any:
     deliveries: list[tuple[int, Delivery]] = []
     rejected: dict[int, InboxError] = {}
@@ -120,6 +140,7 @@ async def _consume(
         delivered=tuple(
             (index, item.deliveries) for index, item in enumerate(items) if item.deliveries
         ),
+        held=held,
     )
 
     def body(op: ProcessBatch) -> Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[Any]]:
@@ -159,7 +180,9 @@ async def _consume(
     except Exception as exc:  # the inbox's own bug: the batch stays with the broker
         logger.exception("inbox consumer %s failed to settle a batch", sub.consumer.name)
         settlement = core.HandedBack(exc, counted=False)
-    return await _tell_batch(sub, trace, message, key, settlement, size=len(items))
+    return await _tell_batch(
+        sub, trace, message, key, settlement, size=len(items), quiet=held is not None
+    )
 
 
 async def _publish(
@@ -227,8 +250,10 @@ async def _tell_batch(
     settlement: BatchSettlement,
     *,
     size: int,
+    quiet: bool = False,
 ) -> Any:
-    """Tell the broker a batch's settlement: the one place that does, for batches."""
+    """Tell the broker a batch's settlement: the one place that does, for batches.
+    ``quiet``: a held batch, whose warning the start-up check prints once."""
     faults.at("settle", None)
     name = sub.consumer.name
     try:  # whatever happens here, the broker is still told
@@ -240,13 +265,14 @@ async def _tell_batch(
             trace.settled(settlement)
             wait = sub.backoff.next(key)
             await sub.adapter.retry_later(message, wait)
-            logger.warning(
-                "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
-                name,
-                type(error).__name__,
-                error,
-                wait,
-            )
+            if not quiet:
+                logger.warning(
+                    "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
+                    name,
+                    type(error).__name__,
+                    error,
+                    wait,
+                )
             if isinstance(error, TransientError) or not isinstance(error, Exception):
                 raise NackForRedelivery(f"{type(error).__name__}: {error}") from error
             raise error

@@ -413,12 +413,16 @@ class FastStreamInbox:
         waiting = self._waiting.get(subscriber)
         if waiting is None and not isinstance(error, ConfigurationError):
             waiting = self._not_checked(broker, subscriber)
-        if waiting is not None and not waiting.adapter.batch:
-            # Through the core, as every hand-back: counted as one, with this message's
-            # own delays (a crash count would otherwise take the redelivery for a crash).
+        if waiting is not None:
+            # Through the core, as every hand-back: counted as one (for each message of a
+            # batch), with this message's own delays (a crash count would otherwise take
+            # the redelivery for a crash).
             held = DatabaseUnavailable(f"the inbox start-up check has not passed: {error}")
             held.__cause__ = error
             return await waiting.hold(message, held)
+        # A subscriber the inbox refused (its settings, its broker) has no consumer, and so
+        # no settings the core could decide with: its messages wait with the broker, told
+        # CRITICAL, until it is fixed; nothing of theirs is counted, since none is consumed.
         delay = self.backoff.next(("check", id(subscriber)))
         logger.log(
             logging.CRITICAL if isinstance(error, ConfigurationError) else logging.WARNING,

@@ -80,7 +80,7 @@ from .._core.protocol import Delivery
 from .._observe.instruments import metrics
 from .._observe.tracing import OFF, NoTracing, Tracing
 from .._operate.reporting import report
-from ._batch import consume_batch
+from ._batch import consume_batch, hold_batch
 from ._brokers import BrokerAdapter, Item
 from ._consumer import InboxConsumer, _Unset
 from ._context import (
@@ -195,7 +195,10 @@ class Subscription:
 
     async def hold(self, message: Any, error: Exception) -> Any:
         """Hand ``message`` back, through the core, because the start-up check has not
-        passed (run at the first message, without ``guard``); ends as `_tell` does."""
+        passed (run at the first message, without ``guard``); ends as `_tell` does (a
+        batch: as `_batch._tell_batch` does, a hand-back counted for each message)."""
+        if self.adapter.batch:
+            return await hold_batch(self, message, error)
         (item,) = self.adapter.items(message)
         arrival = replace(self.arrival(message, item), held=error)
         perform = partial(self._perform, _no_handler, message, item)
