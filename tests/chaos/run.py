@@ -54,6 +54,9 @@ class Config:
     workers: int = 3
     seed: int = 0
     kill_every: tuple[float, float] = (2.0, 4.0)
+    kill_at: tuple[float, ...] = (0.15, 0.45)
+    """Shares of the intents settled at which a running worker is killed whatever the
+    clock says, so that a short or fast run still has its kills mid-stream."""
     cut_every: tuple[float, float] = (1.0, 3.0)
     backlog: int = 1500
     """Intents sent ahead of those settled, at most."""
@@ -474,6 +477,7 @@ def _chaos(
     next_kill = time.monotonic() + rng.uniform(*config.kill_every)
     next_cut = time.monotonic() + rng.uniform(*config.cut_every)
     next_log = time.monotonic() + 10
+    kill_points = sorted(config.kill_at)
     rss_middle: int | None = None
     victims = fleet.names[1:]
     restarts = Restarts(config, fleet.target, events, log)
@@ -493,7 +497,7 @@ def _chaos(
                 stats = fleet.stats(fleet.survivor)
                 rss_middle = int(stats["rss_kb"]) if stats else None
             settled = journal + poison >= intents and quarantine >= conflicts
-            if producing.done.is_set() and settled and restarts.done:
+            if producing.done.is_set() and settled and restarts.done and not kill_points:
                 if journal > intents - refused or poison > refused or quarantine > conflicts:
                     raise AssertionError(
                         f"more settled than sent: journal {journal}, poison {poison}, "
@@ -531,10 +535,13 @@ def _chaos(
             chaos = progress < config.chaos_until or not producing.done.is_set()
             # A worker still starting has nothing in flight: only running ones are killed.
             running = [name for name in victims if fleet.stats(name) is not None]
-            if chaos and now >= next_kill and running:
+            point_due = bool(kill_points) and progress >= kill_points[0]
+            if (point_due or (chaos and now >= next_kill)) and running:
                 fleet.kill(rng.choice(running))
                 events.kills += 1
                 next_kill = now + rng.uniform(*config.kill_every)
+                if point_due:
+                    kill_points.pop(0)
             if chaos and proxy is not None and now >= next_cut:
                 # Running workers only: a starting one would fail its start-up check.
                 names = [APPLICATION + n for n in fleet.names if fleet.stats(n) is not None]
