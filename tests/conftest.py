@@ -19,12 +19,20 @@ from inbox_middleware._storage import migrate
 from .apps import domain
 from .support import database, services
 from .support.engines import async_engine, sync_engine
+from .support.serial import is_serial
 
 pytest_plugins = [
     "pytester",  # the plugin's own tests run users' suites
     "tests.support.outage",  # the outage PostgreSQL fixture
     "tests.support.tenants",  # the three tenant databases
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        if is_serial(Path(str(item.path)).relative_to(root).as_posix()):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The chaos run at CI size: 10,000 messages through three worker processes, with
+"""The chaos run at CI size: 6,000 messages through three worker processes, with
 SIGKILLs every few seconds, a PostgreSQL restart, a broker restart and database
 connections cut mid-transaction; then the ledger must match what was sent, exactly.
 
@@ -16,8 +16,9 @@ import pytest
 
 from .run import Config, run
 
-# scripts/test's second run, through PgBouncer, sets a smaller size for its time budget.
-CI_MESSAGES = int(os.environ.get("INBOX_TEST_CHAOS_MESSAGES", "10000"))
+# The size the suite's time budget allows (a run of 4,000 had 3 SIGKILLs on the clock,
+# the least the test accepts, besides the two at fixed shares of the run).
+CI_MESSAGES = int(os.environ.get("INBOX_TEST_CHAOS_MESSAGES", "6000"))
 KAFKA_CI_MESSAGES = 1500
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
