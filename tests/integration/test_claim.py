@@ -542,6 +542,38 @@ async def test_async_claim__first_duplicate_conflict(pg_async_engine, pg_engine)
         assert effects(conn) == 1
 
 
+@pytest.mark.parametrize("message_id", ["m-1", "it's", "back\\slash", "100%", "é€𝄞"])
+async def test_async_claim__sent_with_its_begin_in_one_message(
+    pg_async_engine, pg_engine, monkeypatch, message_id
+):
+    # Given a record of what each claim sent with its BEGIN answered (None: the BEGIN
+    # went alone and the claim with parameters after it, a round trip more)
+    answers = []
+    real = driver.claim_with_begin_asyncpg
+
+    def recording(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(driver, "claim_with_begin_asyncpg", recording)
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def handler(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+
+    # When a message is claimed, then claimed again
+    first = await inbox.process(delivery(message_id), handler)
+    again = await inbox.process(delivery(message_id), handler)
+
+    # Then both claims went in one message with their BEGIN, and said what they found
+    assert answers == [True, False]
+    assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+        stored = conn.scalar(text("SELECT message_id FROM consumer_inbox"))
+    assert stored == message_id
+
+
 async def test_async_claim__commit_refused_and_rolled_back(pg_async_engine, pg_engine):
     inbox = AsyncInbox(pg_async_engine)
 
