@@ -473,6 +473,28 @@ def test_claim__values_written_as_literals_are_stored_as_sent(pg_engine, begins,
     assert abs(utc(stored[0].received_at) - datetime.now(UTC)) < timedelta(minutes=1)
 
 
+@pytest.mark.parametrize("message_id", ["it's", "back\\slash", "é"])
+def test_claim__on_another_client_encoding_libpq_escapes_the_literals(
+    pg_url, pg_engine, begins, message_id
+):
+    # Given a connection whose client encoding is not UTF-8 (the plain literals are
+    # written for UTF-8 only)
+    engine = sync_engine(pg_url, connect_args={"client_encoding": "LATIN1"})
+    inbox = Inbox(engine)
+    try:
+        # When a message is claimed twice
+        first = inbox.process(delivery(message_id), credit())
+        again = inbox.process(delivery(message_id), credit())
+    finally:
+        engine.dispose()
+
+    # Then both went with their BEGIN, escaped by libpq, and the id is stored as sent
+    assert begins == [CLAIMED, ()]
+    assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    with pg_engine.connect() as conn:
+        assert conn.scalar(text("SELECT message_id FROM consumer_inbox")) == message_id
+
+
 def test_claim__an_open_transaction_or_autocommit_leaves_the_claim_to_the_cursor(pg_engine):
     statement = Inbox(pg_engine).statements.driver_sql(pg_engine.dialect)[Claim]
     args = statement.parameters(Inbox(pg_engine).statements.statement(claim_step())[1])

@@ -463,6 +463,9 @@ _TRANSACTION_CONTROL = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _IN_FAILED_TRANSACTION = "25P02"
+# libpq's PQtransactionStatus: psycopg.pq.TransactionStatus.IDLE and INERROR.
+_PQ_IDLE = 0
+_PQ_INERROR = 3
 _UNRECORDED_MEMORY = REMEMBERED_MESSAGES
 
 
@@ -483,8 +486,8 @@ def _aborted(session: Session) -> bool:
     """
     conn = session.connection()
     if conn.dialect.driver == "psycopg":
-        status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
-        return getattr(status, "name", None) == "INERROR"
+        pgconn = conn.connection.dbapi_connection.pgconn  # type: ignore[union-attr]
+        return bool(pgconn.transaction_status == _PQ_INERROR)
     if not conn.info.get(ABORTED):
         return False
     try:
@@ -515,8 +518,8 @@ def _ended(session: Session) -> bool:
         return True
     if conn.dialect.driver != "psycopg":
         return False
-    status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
-    return getattr(status, "name", None) == "IDLE"
+    pgconn = conn.connection.dbapi_connection.pgconn  # type: ignore[union-attr]
+    return bool(pgconn.transaction_status == _PQ_IDLE)
 
 
 def enter_handler(session: Session, conn: Connection) -> None:
@@ -577,10 +580,10 @@ def _idle(cursor: Any) -> bool:
     round trip: psycopg (libpq's status), and asyncpg in a transaction the inbox began (its
     protocol's status; in SQLAlchemy's own, the adapter would begin one for the statement).
     Other drivers: False (they do not say)."""
-    info = getattr(getattr(cursor, "connection", None), "info", None)
-    status = getattr(info, "transaction_status", None)
-    if status is not None:
-        return getattr(status, "name", None) == "IDLE"
+    # psycopg: libpq's status as a number (its ConnectionInfo builds an enum member).
+    pgconn = getattr(getattr(cursor, "connection", None), "pgconn", None)
+    if pgconn is not None:
+        return bool(pgconn.transaction_status == _PQ_IDLE)
     adapter = getattr(cursor, "_adapt_connection", None)
     if isinstance(getattr(adapter, "_transaction", None), InboxTransaction):
         return not adapter._connection.is_in_transaction()  # type: ignore[union-attr]
