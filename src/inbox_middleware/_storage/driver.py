@@ -115,6 +115,9 @@ def _claim_text(pgconn: Any, compiled: DriverStatement, args: dict[str, Any]) ->
         return None
     literals: dict[str, str] = {}
     for name, value in args.items():
+        if value.__class__ is str and "\x00" not in value:  # most values: inline
+            literals[name] = "'" + value.replace("'", "''") + "'"
+            continue
         literal = _quote(value)
         if literal is None:
             return None
