@@ -378,3 +378,10 @@ def _nested(depth: int) -> object:
 )
 def test_canonical_json__edge_values_take_the_same_form(value):
     _same_form(value)
+
+
+@pytest.mark.parametrize("value", [{"\ud800": 1}, {"a": {"\udfff": None}}, [{"\ud83d": "x"}]])
+def test_canonical_json__a_lone_surrogate_in_a_key_has_no_form(value):
+    # A JSON body may escape one ("\ud800"), which json reads as a lone surrogate.
+    with pytest.raises(PayloadNotHashable, match="lone surrogate"):
+        canonical_json(value)

@@ -98,7 +98,8 @@ def _rfc8785_form(value: object) -> bytes:
     """`canonical_json` by rfc8785 alone, for every value."""
     try:
         return rfc8785.dumps(value)  # type: ignore[arg-type]  # refuses what it cannot write
-    except (rfc8785.CanonicalizationError, RecursionError):
+    except (rfc8785.CanonicalizationError, RecursionError, UnicodeEncodeError):
+        # (rfc8785 sorts keys by their UTF-16 form, which a lone surrogate has not)
         pass  # not plain JSON in RFC 8785's domain: give the rest its form, or say where not
     try:
         plain = _plain(value, "$")
