@@ -2,6 +2,7 @@
 
     python -m bench.hotpath                 # 3,000 messages a mode, 5 alternating reps
     python -m bench.hotpath --profile       # and the functions that cost most (cProfile)
+    python -m bench.hotpath --breakdown     # the CPU the inbox adds, part by part
     python -m bench.hotpath --driver asyncpg   # AsyncInbox on asyncpg (FastStream's path)
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
@@ -18,6 +19,12 @@ takes: `AsyncInbox.process` with a handler running the update on its `AsyncSessi
 message after another on one event loop, against the update in an `AsyncSession`
 transaction of its own (FastStream's own part is not in it: ``python -m bench.profile
 faststream`` shows that one).
+
+With ``--breakdown``, one more inbox repetition runs under cProfile (on CPU time) and the
+message's CPU is told part by part (`PARTS`): each part's time as cProfile measured it
+(inclusive of what it calls), scaled so that the whole matches the repetitions run without
+the profiler. cProfile's own cost lands on each part in proportion to its function calls,
+so a part of many small calls looks somewhat larger than it is.
 """
 
 from __future__ import annotations
@@ -87,7 +94,111 @@ def _consume(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any]) -> Callab
     return consume
 
 
-def measure(count: int, reps: int, profile: bool) -> None:
+# Where the inbox's message goes, by the functions that do each part: (label, file ending,
+# function name, the caller it is counted under or None for every call). Indented labels
+# are part of the one above; "rest" is whatever the listed parts leave.
+Part = tuple[str, str, str, "str | None"]
+PARTS: dict[str, list[Part]] = {
+    "psycopg": [
+        (
+            "arrival (adapter: identity, hash)",
+            "dramatiq/_middleware.py",
+            "before_process_message",
+            None,
+        ),
+        ("  payload hash (RFC 8785, SHA-256)", "dramatiq/_payload.py", "hash", None),
+        ("session opened", "sqlalchemy/orm/session.py", "__call__", "_run"),
+        ("claim (BEGIN + INSERT, verdict)", "_storage/base.py", "_claim", None),
+        ("  session's connection", "sqlalchemy/orm/session.py", "connection", "_claim"),
+        ("  driver call (literals, libpq)", "_storage/driver.py", "claim_with_begin", None),
+        ("  claim histogram", "_storage/base.py", "claim_took", None),
+        ("handler (the bare UPDATE)", "bench/hotpath.py", "credit", None),
+        ("commit checks (transaction state)", "_storage/base.py", "_before_commit", None),
+        ("COMMIT with its check", "_storage/base.py", "_commit", None),
+        ("  driver call", "_storage/driver.py", "commit_checked", None),
+        ("  SQLAlchemy's commit", "sqlalchemy/orm/session.py", "commit", "_commit"),
+        ("commit histogram, decision counter", "_storage/base.py", "committed", None),
+        ("session closed", "sqlalchemy/orm/session.py", "close", "_run"),
+        ("settlement (core, adapter's settle)", "dramatiq/_middleware.py", "settle", None),
+        ("after hook (dramatiq's middleware)", "dramatiq/broker.py", "emit_after", None),
+    ],
+    # On asyncpg the claim, the commit and the handler run in greenlets, whose switches
+    # cProfile nests wrongly: only the own-time table below is told.
+    "asyncpg": [],
+}
+
+
+def breakdown(profiler: cProfile.Profile, parts: list[Part], count: int, measured: float) -> None:
+    """Print ``parts`` of the profiled inbox messages in µs a message, scaled to
+    ``measured`` µs (the median inbox CPU without the profiler)."""
+    stats: dict[Any, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    profiled = sum(entry[2] for entry in stats.values())  # every function's own time
+
+    def seconds(path: str, name: str, caller: str | None) -> float:
+        total = 0.0
+        for (filename, _, function), (_, _, _, cumulative, callers) in stats.items():
+            if function != name or not filename.endswith(path):
+                continue
+            if caller is None:
+                total += cumulative
+            else:
+                total += sum(c[3] for (_, _, f), c in callers.items() if f == caller)
+        return total
+
+    scale = measured / (profiled / count * 1e6)
+    print(
+        f"\nwhere an inbox message's {measured:.0f} µs of CPU go (cProfile, scaled by {scale:.2f})"
+    )
+    listed = 0.0
+    for label, path, name, caller in parts:
+        value = seconds(path, name, caller) / count * 1e6 * scale
+        if not label.startswith(" "):
+            listed += value
+        print(f"  {label:38s} {value:6.1f} µs")
+    if parts:
+        print(f"  {'rest (core steps, wrappers, dramatiq)':38s} {measured - listed:6.1f} µs")
+    # Own time by package: robust where inclusive times are not (a greenlet switch inside
+    # a call, on asyncpg, confuses cProfile's nesting but not whose code ran).
+    packages: dict[str, float] = {}
+    for (filename, _, function), (_, _, own, _, _) in stats.items():
+        name = _package(filename, function)
+        packages[name] = packages.get(name, 0.0) + own
+    print(f"\nthe same {measured:.0f} µs by whose code ran (own time)")
+    for name, own in sorted(packages.items(), key=lambda item: -item[1])[:14]:
+        print(f"  {name:38s} {own / count * 1e6 * scale:6.1f} µs")
+
+
+_C_CODE = (
+    ("psycopg", "psycopg's C (libpq, its system calls)"),
+    ("asyncpg", "asyncpg's C"),
+    ("greenlet", "greenlet (switches)"),
+    ("socket", "sockets (system calls)"),
+    ("select", "event loop's poll (system calls)"),
+    ("_hashlib", "hashlib (SHA-256)"),
+    ("json", "json's C encoder"),
+)
+
+
+def _package(filename: str, function: str) -> str:
+    """The package (the inbox's: its subpackage) of a profiled function's file."""
+    if filename == "~":  # a built-in: by whose C code it is
+        for marker, name in _C_CODE:
+            if marker in function:
+                return name
+        return "Python's built-ins"
+    path = filename.replace("\\", "/")
+    if "/inbox_middleware/" in path:
+        return "inbox_middleware." + path.rsplit("/inbox_middleware/", 1)[1].split("/")[
+            0
+        ].removesuffix(".py")
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1].split("/")[0].removesuffix(".py")
+    if "/bench/" in path:
+        return "the benchmark's handler"
+    return "standard library (" + path.rsplit("/", 1)[-1].removesuffix(".py") + ")"
+
+
+def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
     reset_database()
     engine = create_engine(sqlalchemy_url(), pool_size=2)
@@ -111,6 +222,15 @@ def measure(count: int, reps: int, profile: bool) -> None:
             cpu[mode].append((time.process_time() - start) / count * 1e6)
             if profiler is not None:
                 profiler.disable()
+    if parts:
+        broker, actor = setups["inbox"]
+        messages = _messages(actor, count)
+        consume = _consume(broker, actor)
+        profiled = cProfile.Profile(time.process_time)
+        profiled.enable()
+        for message in messages:
+            consume(message)
+        profiled.disable()
     engine.dispose()
     added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
     for mode, values in cpu.items():
@@ -119,16 +239,23 @@ def measure(count: int, reps: int, profile: bool) -> None:
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(30)
+    if parts:
+        breakdown(profiled, PARTS["psycopg"], count, statistics.median(cpu["inbox"]))
 
 
-def measure_async(count: int, reps: int, profile: bool) -> None:
+def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
     reset_database()
-    cpu = asyncio.run(_measure_async(count, reps, profile))
+    profiled = cProfile.Profile(time.process_time) if parts else None
+    cpu = asyncio.run(_measure_async(count, reps, profile, profiled))
     _report(cpu)
+    if profiled is not None:
+        breakdown(profiled, PARTS["asyncpg"], count, statistics.median(cpu["inbox"]))
 
 
-async def _measure_async(count: int, reps: int, profile: bool) -> dict[str, list[float]]:
+async def _measure_async(
+    count: int, reps: int, profile: bool, profiled: cProfile.Profile | None = None
+) -> dict[str, list[float]]:
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
     from inbox_middleware._storage import AsyncInbox
@@ -169,6 +296,11 @@ async def _measure_async(count: int, reps: int, profile: bool) -> dict[str, list
             cpu[mode].append((time.process_time() - start) / count * 1e6)
             if profiler is not None:
                 profiler.disable()
+    if profiled is not None:
+        profiled.enable()
+        for n in range(reps * count, (reps + 1) * count):
+            await inboxed(n)
+        profiled.disable()
     await engine.dispose()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
@@ -191,12 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="the inbox's CPU a message, part by part"
+    )
     parser.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
     args = parser.parse_args(argv)
     if args.driver == "asyncpg":
-        measure_async(args.messages, args.reps, args.profile)
+        measure_async(args.messages, args.reps, args.profile, args.breakdown)
     else:
-        measure(args.messages, args.reps, args.profile)
+        measure(args.messages, args.reps, args.profile, args.breakdown)
     return 0
 
 

@@ -473,6 +473,28 @@ def test_claim__values_written_as_literals_are_stored_as_sent(pg_engine, begins,
     assert abs(utc(stored[0].received_at) - datetime.now(UTC)) < timedelta(minutes=1)
 
 
+@pytest.mark.parametrize("message_id", ["it's", "back\\slash", "é"])
+def test_claim__on_another_client_encoding_libpq_escapes_the_literals(
+    pg_url, pg_engine, begins, message_id
+):
+    # Given a connection whose client encoding is not UTF-8 (the plain literals are
+    # written for UTF-8 only)
+    engine = sync_engine(pg_url, connect_args={"client_encoding": "LATIN1"})
+    inbox = Inbox(engine)
+    try:
+        # When a message is claimed twice
+        first = inbox.process(delivery(message_id), credit())
+        again = inbox.process(delivery(message_id), credit())
+    finally:
+        engine.dispose()
+
+    # Then both went with their BEGIN, escaped by libpq, and the id is stored as sent
+    assert begins == [CLAIMED, ()]
+    assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    with pg_engine.connect() as conn:
+        assert conn.scalar(text("SELECT message_id FROM consumer_inbox")) == message_id
+
+
 def test_claim__an_open_transaction_or_autocommit_leaves_the_claim_to_the_cursor(pg_engine):
     statement = Inbox(pg_engine).statements.driver_sql(pg_engine.dialect)[Claim]
     args = statement.parameters(Inbox(pg_engine).statements.statement(claim_step())[1])
@@ -540,6 +562,38 @@ async def test_async_claim__first_duplicate_conflict(pg_async_engine, pg_engine)
     ]
     with pg_engine.connect() as conn:
         assert effects(conn) == 1
+
+
+@pytest.mark.parametrize("message_id", ["m-1", "it's", "back\\slash", "100%", "é€𝄞"])
+async def test_async_claim__sent_with_its_begin_in_one_message(
+    pg_async_engine, pg_engine, monkeypatch, message_id
+):
+    # Given a record of what each claim sent with its BEGIN answered (None: the BEGIN
+    # went alone and the claim with parameters after it, a round trip more)
+    answers = []
+    real = driver.claim_with_begin_asyncpg
+
+    def recording(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(driver, "claim_with_begin_asyncpg", recording)
+    inbox = AsyncInbox(pg_async_engine)
+
+    async def handler(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+
+    # When a message is claimed, then claimed again
+    first = await inbox.process(delivery(message_id), handler)
+    again = await inbox.process(delivery(message_id), handler)
+
+    # Then both claims went in one message with their BEGIN, and said what they found
+    assert answers == [True, False]
+    assert (first.decision, again.decision) == (Decision.FIRST, Decision.DUPLICATE)
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 1
+        stored = conn.scalar(text("SELECT message_id FROM consumer_inbox"))
+    assert stored == message_id
 
 
 async def test_async_claim__commit_refused_and_rolled_back(pg_async_engine, pg_engine):

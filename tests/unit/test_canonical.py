@@ -12,6 +12,8 @@ import pydantic
 import pytest
 import rfc8785
 from dramatiq import Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import inbox_middleware
 from inbox_middleware._core.canonical import NotJSON, canonical_json, digest, loads
@@ -305,3 +307,81 @@ def test_custom_forms__a_json_valued_form_is_versioned_with_the_canonical_json()
     assert actor.rehash(arguments, "custom:credit.v1") == old != hashed.sha256
     as_bytes = ActorPayload("add_credit", add_credit, CanonicalForm("b", lambda n, a: b"x"))
     assert as_bytes.hash(arguments).scheme == "custom:b"
+
+
+# -- the standard library's writer for plain JSON, byte for byte rfc8785's ----------------
+
+
+def _same_form(value: object) -> None:
+    """canonical_json and the rfc8785-only form agree, or refuse alike."""
+    from inbox_middleware._core.canonical import _rfc8785_form
+
+    try:
+        expected: object = _rfc8785_form(value)
+    except Exception as exc:
+        expected = type(exc)
+    try:
+        got: object = canonical_json(value)
+    except Exception as exc:
+        got = type(exc)
+    assert got == expected, value
+
+
+_TEXT = st.text(st.characters(codec=None, categories=None), max_size=12)
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**54), max_value=2**54)
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _TEXT
+    | st.sampled_from(["\x00", "\x1f", "\x7f", "\u2028", "\ud800", '"\\/', "\U0001f600", "\ufffd"])
+)
+_KEYS = _TEXT | st.sampled_from(["a", "b", "\ue000", "\U0001f600", "é", "A", "_", ""])
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(_KEYS, inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_JSON)
+def test_canonical_json__the_plain_writer_is_rfc8785s_form_byte_for_byte(value):
+    _same_form(value)
+
+
+def _nested(depth: int) -> object:
+    value: object = "deep"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"\U0001f600": 1, "\ue000": 2},  # UTF-16 order is not code point order here
+        {"b": [1, 2**53 - 1, -(2**53) + 1], "a": {"z": None, "y": True}},
+        [2**53, -(2**53)],  # beyond the safe integers: exact digits
+        {"a": 1.0, "b": 1e21, "c": -0.0},  # floats: ECMAScript's form
+        {"s": '\x00\x08\x0c\n\r\t\x1f\x7f"\\/é\u2028'},
+        ["lone \ud800 surrogate"],
+        _nested(70),  # deeper than the plain writer goes
+        ("tuple", True),
+        {"k": Decimal("1.5")},
+    ],
+)
+def test_canonical_json__edge_values_take_the_same_form(value):
+    _same_form(value)
+
+
+@pytest.mark.parametrize("value", [{"\ud800": 1}, {"a": {"\udfff": None}}, [{"\ud83d": "x"}]])
+def test_canonical_json__a_lone_surrogate_in_a_key_has_no_form(value):
+    # A JSON body may escape one ("\ud800"), which json reads as a lone surrogate.
+    with pytest.raises(PayloadNotHashable, match="lone surrogate"):
+        canonical_json(value)

@@ -246,12 +246,13 @@ class Executor:
         SQLite's is taken as open): reported, not judged."""
         if self.dialect != "postgresql":
             return TransactionState.OPEN
-        if _ended(session):
+        conn = session.connection()  # once: each call is SQLAlchemy's look-up of the bind
+        if _ended(conn):
             return TransactionState.ENDED
         # In a transaction the inbox began on asyncpg, the checked COMMIT finds an aborted
         # transaction itself (25P02), with no probe of its own.
-        checked = session.info.get(MARKED_KEY) and _owned(session)
-        if not checked and _aborted(session):
+        checked = session.info.get(MARKED_KEY) and _owned(conn)
+        if not checked and _aborted(conn):
             return TransactionState.ABORTED
         return TransactionState.OPEN
 
@@ -463,6 +464,9 @@ _TRANSACTION_CONTROL = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _IN_FAILED_TRANSACTION = "25P02"
+# libpq's PQtransactionStatus: psycopg.pq.TransactionStatus.IDLE and INERROR.
+_PQ_IDLE = 0
+_PQ_INERROR = 3
 _UNRECORDED_MEMORY = REMEMBERED_MESSAGES
 
 
@@ -471,7 +475,7 @@ def _message_id(op: Op) -> str | None:
     return delivery.identity.message_id if isinstance(delivery, Delivery) else None
 
 
-def _aborted(session: Session) -> bool:
+def _aborted(conn: Connection) -> bool:
     """Whether the session's transaction is in the failed state (25P02 on any statement).
 
     psycopg reads libpq's own state, with no round trip. asyncpg keeps its state private,
@@ -481,10 +485,9 @@ def _aborted(session: Session) -> bool:
     Only then is the server asked, with one statement that fails in an aborted
     transaction (25P02) and does nothing in a healthy one.
     """
-    conn = session.connection()
     if conn.dialect.driver == "psycopg":
-        status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
-        return getattr(status, "name", None) == "INERROR"
+        pgconn = conn.connection.dbapi_connection.pgconn  # type: ignore[union-attr]
+        return bool(pgconn.transaction_status == _PQ_INERROR)
     if not conn.info.get(ABORTED):
         return False
     try:
@@ -497,26 +500,25 @@ def _aborted(session: Session) -> bool:
     return False
 
 
-def _owned(session: Session) -> bool:
-    """Whether the inbox began the session's transaction on asyncpg (and commits it)."""
-    adapter = session.connection().connection.dbapi_connection
+def _owned(conn: Connection) -> bool:
+    """Whether the inbox began the connection's transaction on asyncpg (and commits it)."""
+    adapter = conn.connection.dbapi_connection
     return isinstance(getattr(adapter, "_transaction", None), InboxTransaction)
 
 
-def _ended(session: Session) -> bool:
+def _ended(conn: Connection) -> bool:
     """Whether the transaction ended behind the inbox: the connection's ``rollback()``
     (SQLAlchemy's transaction is inactive), or a ``ROLLBACK`` or ``COMMIT`` sent on the
     driver's own connection with nothing after it (psycopg reads libpq's state, idle: no
     transaction, with no round trip). The other ways are refused as they happen
     (`guard_transaction`)."""
-    conn = session.connection()
     transaction = conn.get_transaction()
     if transaction is None or not transaction.is_active:
         return True
     if conn.dialect.driver != "psycopg":
         return False
-    status = conn.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
-    return getattr(status, "name", None) == "IDLE"
+    pgconn = conn.connection.dbapi_connection.pgconn  # type: ignore[union-attr]
+    return bool(pgconn.transaction_status == _PQ_IDLE)
 
 
 def enter_handler(session: Session, conn: Connection) -> None:
@@ -577,10 +579,10 @@ def _idle(cursor: Any) -> bool:
     round trip: psycopg (libpq's status), and asyncpg in a transaction the inbox began (its
     protocol's status; in SQLAlchemy's own, the adapter would begin one for the statement).
     Other drivers: False (they do not say)."""
-    info = getattr(getattr(cursor, "connection", None), "info", None)
-    status = getattr(info, "transaction_status", None)
-    if status is not None:
-        return getattr(status, "name", None) == "IDLE"
+    # psycopg: libpq's status as a number (its ConnectionInfo builds an enum member).
+    pgconn = getattr(getattr(cursor, "connection", None), "pgconn", None)
+    if pgconn is not None:
+        return bool(pgconn.transaction_status == _PQ_IDLE)
     adapter = getattr(cursor, "_adapt_connection", None)
     if isinstance(getattr(adapter, "_transaction", None), InboxTransaction):
         return not adapter._connection.is_in_transaction()  # type: ignore[union-attr]

@@ -85,27 +85,53 @@ def claim_with_begin(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]
     """Open the transaction and claim in one round trip on a psycopg connection: the
     claim's row (``()`` when it returned none), or None when this connection or these
     values must take the ordinary path (nothing was sent then)."""
-    from psycopg import errors, pq
-
     pgconn = dbapi.pgconn
-    if dbapi.autocommit or pgconn.transaction_status != pq.TransactionStatus.IDLE:
-        return None
-    encoding = dbapi.info.encoding
-    literals = _literals(pq.Escaping(pgconn), args, encoding)
-    if literals is None:
+    if dbapi.autocommit or pgconn.transaction_status != _IDLE:
         return None
     begin = begin_command(dbapi.isolation_level, dbapi.read_only, dbapi.deferrable)
-    result = pgconn.exec_(begin + b"; " + compiled.sql_bytes % literals)
-    if result.status != pq.ExecStatus.TUPLES_OK:
-        raise errors.error_from_result(result, encoding=encoding)
+    command = _claim_text(pgconn, compiled, args)
+    if command is None:  # another encoding, or text no plain literal holds: libpq escapes
+        encoding = dbapi.info.encoding
+        literals = _literals(_psycopg().pq.Escaping(pgconn), args, encoding)
+        if literals is None:
+            return None
+        command = compiled.sql_bytes % literals
+    result = pgconn.exec_(begin + b"; " + command)
+    if result.status != _TUPLES_OK:
+        raise _psycopg().errors.error_from_result(result, encoding=dbapi.info.encoding)
     if not result.ntuples:
         return ()
     return tuple(result.get_value(0, column) for column in range(result.nfields))
 
 
+def _claim_text(pgconn: Any, compiled: DriverStatement, args: dict[str, Any]) -> bytes | None:
+    """The claim with its values as plain literals (`_quote`), encoded: on a UTF-8
+    connection with standard_conforming_strings on (a backslash is then no escape), the
+    literal libpq would write too. None otherwise, or for a value of another type."""
+    if (
+        pgconn.parameter_status(b"client_encoding") != b"UTF8"
+        or pgconn.parameter_status(b"standard_conforming_strings") != b"on"
+    ):
+        return None
+    literals: dict[str, str] = {}
+    for name, value in args.items():
+        if value.__class__ is str and "\x00" not in value:  # most values: inline
+            literals[name] = "'" + value.replace("'", "''") + "'"
+            continue
+        literal = _quote(value)
+        if literal is None:
+            return None
+        literals[name] = literal
+    try:
+        return (compiled.sql % literals).encode()
+    except UnicodeEncodeError:  # a lone surrogate: the cursor raises psycopg's own error
+        return None
+
+
 def _literals(escaping: Any, args: dict[str, Any], encoding: str) -> dict[bytes, bytes] | None:
-    """The values as SQL literals, or None for a value of another type, or text the
-    connection's encoding cannot hold (the cursor then raises psycopg's own error)."""
+    """The values as SQL literals escaped by libpq, or None for a value of another type,
+    or text the connection's encoding cannot hold (the cursor then raises psycopg's own
+    error)."""
     literals: dict[bytes, bytes] = {}
     try:
         for name, value in args.items():
@@ -121,6 +147,22 @@ def _literals(escaping: Any, args: dict[str, Any], encoding: str) -> dict[bytes,
     except UnicodeEncodeError:
         return None
     return literals
+
+
+@functools.cache
+def _psycopg() -> Any:
+    """psycopg's modules, imported at the first claim (not with this module: asyncpg
+    installations need not have psycopg)."""
+    import psycopg
+
+    return psycopg
+
+
+# libpq's codes (psycopg.pq.TransactionStatus.IDLE, ExecStatus.TUPLES_OK, FATAL_ERROR),
+# compared as plain numbers on the hot path.
+_IDLE = 0
+_TUPLES_OK = 2
+_FATAL_ERROR = 7
 
 
 # -- asyncpg: the inbox owns BEGIN and COMMIT ------------------------------------------------
@@ -269,18 +311,17 @@ def commit_checked(conn: Connection) -> bool:
 
 
 def _commit_checked_psycopg(conn: Connection, dbapi: Any) -> bool:
-    from psycopg import errors, pq
-
-    pgconn = dbapi.pgconn
     try:
-        result = pgconn.exec_(_CHECKED_COMMIT_BYTES)
-        if result.status == pq.ExecStatus.FATAL_ERROR:
-            state = result.error_field(pq.DiagnosticField.SQLSTATE)
+        result = dbapi.pgconn.exec_(_CHECKED_COMMIT_BYTES)
+        if result.status == _FATAL_ERROR:
+            psycopg = _psycopg()
+            state = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
             _refuse((state or b"").decode(), result.error_message.decode(errors="replace"))
-            raise errors.error_from_result(result, encoding=dbapi.info.encoding)
+            raise psycopg.errors.error_from_result(result, encoding=dbapi.info.encoding)
     except conn.dialect.loaded_dbapi.Error as exc:
         raise from_driver(exc, conn, dbapi, CHECKED_COMMIT, ()) from exc
-    _read_reply((result.command_status or b"").decode())
+    if result.command_status != b"COMMIT":
+        _read_reply((result.command_status or b"").decode())
     return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from sqlalchemy import (
@@ -385,10 +386,16 @@ class ClaimStatements:
             Claim: self._compile(self.claim, dialect),
             LookUp: self._compile(self.look_up, dialect),
         }
+        # A constant that is an enum member (a reason code) goes as its plain value: the
+        # claim's literals are written for plain text only (`driver.claim_with_begin`).
         return {
             step: DriverStatement(
                 str(c),
-                {k: v for k, v in c.params.items() if v is not None},
+                {
+                    k: v.value if isinstance(v, Enum) else v
+                    for k, v in c.params.items()
+                    if v is not None
+                },
                 tuple(c.positiontup) if dialect.positional and c.positiontup else None,
             )
             for step, c in compiled.items()
