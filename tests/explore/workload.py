@@ -281,6 +281,8 @@ class Extras:
         while not self.stopping.wait(1.0):
             for kind in ("poison", "quarantine"):
                 for row in self._pending(kind):
+                    if self.stopping.is_set():
+                        return  # the run settles: no decision after the faults
                     if (kind, row["id"]) in decided or row.get("consumer_name") != "explore":
                         continue
                     action = actions[kind][_coin(seed, row["id"], len(actions[kind]))]
