@@ -218,6 +218,8 @@ def _workload_valid(values: dict[str, Any]) -> bool:
             return False
         if "n/a" in (values.get("guard"), values.get("ack_policy")):
             return False  # a Dramatiq worker
+        if values.get("missing_identity") == "process":
+            return False  # refused at start-up: a batch is claimed as a whole
         # A batch subscriber with a publisher is refused at start-up (docs/how-to/outputs.md)
         if values.get("outputs") == "result":
             return False
