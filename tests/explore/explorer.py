@@ -48,6 +48,8 @@ class Verdict:
             )
             if h.faults_missed:
                 head += f" | faults not as scheduled: {', '.join(h.faults_missed)}"
+            if h.extra.get("not_available"):
+                head += f" | not available: {', '.join(h.extra['not_available'])}"
         if self.outcome == "finding":
             return head + " | " + " | ".join(map(str, self.findings))
         if self.outcome == "harness":
