@@ -298,8 +298,8 @@ def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
     allowed = set()
     if config.redelivery_limit is not None and killed:
         allowed.add("redelivery_limit")
-    if behaviour in ("transient", "sometimes"):
-        allowed.add("retries_exhausted")
+    if behaviour in ("transient", "sometimes", "deferred", "timelimit"):
+        allowed.add("retries_exhausted")  # fails its first attempts, or by a coin
     return allowed
 
 

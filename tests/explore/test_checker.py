@@ -256,3 +256,15 @@ def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     history.effects.append(("a", "a", 1))
     history.extra["effect_times"] = [("a", 1, 70.0), ("a", 1, 90.0), ("c", 3, 99.0)]
     assert check(history) == []
+
+
+def test_check__a_failure_at_commit_meets_max_attempts_like_any_failure() -> None:
+    # Given a handler whose first two COMMITs fail (a deferred constraint), max_attempts=2
+    history = _history(max_attempts=2, handlers="extended")
+    history.schedule.intents.append(Intent("d", "deferred", 4))
+    history.sent.append((0.0, "d", "first", 4))
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("d", "retries_exhausted", "pending")]
+    # Then its poison row is what the limit explains (seed 3108 said otherwise)
+    assert check(history) == []
