@@ -185,6 +185,7 @@ else:
         durable=f"d{SOURCE}",
         pull_sub=PullSub(batch_size=CONCURRENCY, timeout=0.2, batch=BATCH),
         config=ConsumerConfig(ack_wait=3),
-        max_workers=CONCURRENCY,
+        # FastStream ignores a PullSub's batch with max_workers (it warns): one at a time
+        max_workers=1 if BATCH else CONCURRENCY,
         **options,
     )(handler)

@@ -403,6 +403,15 @@ def _workload(
         "misusing handlers not kept as poison handler_transaction",
     )
     problem(
+        "dead-lettered-unexplained",
+        (
+            k
+            for k in identified
+            if dead[k] and k not in poison and behaviour[k] != "invalid" and k not in applied
+        ),
+        "intents dead-lettered without a poison row (only a body the handler's model refuses is)",
+    )
+    problem(
         "invalid-applied",
         (k for k in applied if behaviour[k] == "invalid"),
         "bodies refused by validation, applied",

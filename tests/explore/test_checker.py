@@ -268,3 +268,14 @@ def test_check__a_failure_at_commit_meets_max_attempts_like_any_failure() -> Non
     history.poison = [("b", "explore_refused", "pending"), ("d", "retries_exhausted", "pending")]
     # Then its poison row is what the limit explains (seed 3108 said otherwise)
     assert check(history) == []
+
+
+def test_check__an_intent_dead_lettered_without_its_poison_row_is_a_finding() -> None:
+    # Seed 3114: every message of a batch handler delivered one by one, not fitting it
+    history = _history()
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.destinations = {"dead-letter": [{"key": "b"}, {"key": "c"}]}
+    history.extra = {"not_available": []}
+    assert _kinds(history) == ["dead-lettered-unexplained"]
