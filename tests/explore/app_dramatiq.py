@@ -4,7 +4,10 @@ Configured by environment variables (set by `tests.explore.run`): EXPLORE_DATABA
 (SQLAlchemy, psycopg), EXPLORE_BROKER ("rabbitmq" or "redis"), EXPLORE_BROKER_URL,
 EXPLORE_QUEUE (the actor's queue, and the Redis namespace), EXPLORE_CONCURRENCY (threads,
 for the pool's size), EXPLORE_MISSING_IDENTITY, EXPLORE_MAX_ATTEMPTS and
-EXPLORE_REDELIVERY_LIMIT ("" for None), EXPLORE_WORKER (the worker's name).
+EXPLORE_REDELIVERY_LIMIT ("" for None), EXPLORE_WORKER (the worker's name); the
+workload's axes: EXPLORE_OUTPUTS ("result": an ``on_success`` callback to an inbox actor
+downstream), EXPLORE_OUTBOX ("on": an outbox effect per intent), EXPLORE_HANDLERS
+("extended": the actor has a time limit).
 Only the library's public API is used, so that it runs on older commits unchanged.
 """
 
@@ -61,6 +64,15 @@ broker.add_middleware(InboxMiddleware(engine, lock_timeout=5, **settings))
 dramatiq.set_broker(broker)
 
 
+OUTPUTS = ENV.get("EXPLORE_OUTPUTS", "none") == "result"
+OUTBOX = ENV.get("EXPLORE_OUTBOX", "off") == "on"
+options: dict[str, Any] = {}
+if OUTPUTS:
+    options["on_success"] = "explore_after"
+if ENV.get("EXPLORE_HANDLERS", "basic") == "extended":
+    options["time_limit"] = 5000
+
+
 @dramatiq.actor(
     actor_name="explore",
     queue_name=QUEUE,
@@ -68,6 +80,21 @@ dramatiq.set_broker(broker)
     max_retries=8,
     min_backoff=100,
     max_backoff=1000,
+    **options,
 )
-def explore(payload: dict[str, Any]) -> None:
-    domain.apply(current_session(), payload, engine)
+def explore(payload: dict[str, Any]) -> dict[str, Any]:
+    return domain.apply(current_session(), payload, engine, outbox_on=OUTBOX)
+
+
+if OUTPUTS:
+
+    @dramatiq.actor(
+        actor_name="explore_after",
+        queue_name=QUEUE,
+        inbox_consumer="explore_after",
+        max_retries=8,
+        min_backoff=100,
+        max_backoff=1000,
+    )
+    def explore_after(message: dict[str, Any], result: dict[str, Any]) -> None:
+        domain.downstream(current_session(), result, "on_success")

@@ -22,6 +22,28 @@ with ``process``. Nothing is stuck: a bounded time after the faults stop every i
 settled and the broker holds nothing (``stuck``, ``left-in-broker``).
 
 A refused start-up is a correct outcome, not a finding.
+
+The workload axes (`space.WORKLOAD_AXES`, checked in `_workload`):
+  * extended handlers: a handler that ends the transaction or settles its message itself
+    is never applied and kept as poison ``handler_transaction`` (``misuse-applied``,
+    ``misuse-unrecorded``); a body refused by validation is dead-lettered, never applied
+    nor poisoned (``invalid-applied``, ``poison-reason``); a failure at COMMIT or a time
+    limit is an ordinary failed attempt (``retries_exhausted`` only after the limit);
+  * a batch: a failure counts for each message of the batch, so a message poisoned for a
+    reason another message of the schedule explains is no finding;
+  * outputs: every applied intent's output applied downstream exactly once, with the
+    applied payload, and no output of an intent that did not commit
+    (``output-missing``, ``output-twice``, ``output-uncommitted``);
+  * the outbox: one effect per applied intent and none for work that rolled back,
+    every effect dispatched and received by the remote (``outbox-*``);
+  * the operator: a row redriven or accepted with the CLI is published
+    (``repair-unpublished``); an accepted conflict applied once under its new id
+    (``accepted-not-applied``); a discarded conflict never applied
+    (``discarded-applied``); a redriven poison message applied at most once and its row
+    then ``recovered`` (``redriven-not-recovered``);
+  * a purge (``--older-than 10s``) deletes no claim younger than its window
+    (``purge-too-young``); a copy applied again after its claim was purged is the
+    documented limit ("Memory is as long as the retention window"), not ``twice``.
 """
 
 from __future__ import annotations
@@ -32,6 +54,7 @@ from typing import Any
 
 from .domain import REFUSED
 from .run import History
+from .workload import MISUSES, OPERATOR, PURGE_WINDOW
 
 __all__ = ["Finding", "check"]
 
@@ -87,9 +110,20 @@ def check(history: History) -> list[Finding]:
     identified = {k: i for k, i in intents.items() if i.identified}
     unidentified = {k: i for k, i in intents.items() if not i.identified}
 
+    extra = history.extra
+    accepted = _accepted(history, conflicts_sent)
+    """key -> the payload (n) of its quarantined conflict the operator accepted"""
+    for key, n in accepted.items():
+        # The accepted payload is an intent of its own (a new message id): set it apart.
+        if n in effects.get(key, []):
+            effects[key].remove(n)
+    forgotten = _forgotten(history)
+    """keys applied again after a purge deleted their claim: the documented window"""
+    purgeable = _purgeable(history)
+    """keys whose claim a purge was allowed to delete (older than its window)"""
     problem(
         "twice",
-        (k for k in identified if len(effects.get(k, [])) > 1),
+        (k for k in identified if len(effects.get(k, [])) > 1 and k not in forgotten),
         "intents applied more than once",
     )
     problem(
@@ -131,7 +165,8 @@ def check(history: History) -> list[Finding]:
         ),
         f"refused intents without a poison row of reason {REFUSED}",
     )
-    innocent = ("ok", "transient", "sometimes")
+    innocent = ("ok", "transient", "sometimes", "deferred", "timelimit", "invalid")
+    batched = _batch_reasons(config, intents, killed)
     problem(
         "poison-reason",
         (
@@ -139,10 +174,10 @@ def check(history: History) -> list[Finding]:
             for k, i in identified.items()
             if k in poison
             and (
-                (i.behaviour == "permanent" and not set(poison[k]) <= refusal)
+                (i.behaviour == "permanent" and not set(poison[k]) <= refusal | batched)
                 or (
                     i.behaviour in innocent
-                    and not set(poison[k]) <= _allowed(config, i.behaviour, killed)
+                    and not set(poison[k]) <= _allowed(config, i.behaviour, killed) | batched
                 )
             )
         ),
@@ -155,6 +190,11 @@ def check(history: History) -> list[Finding]:
     # before the intent's first effect (so before the claim of the copy that applied it)
     # is one too; a row written while that copy was in flight is the documented race.
     copies = Counter(key for _, key, kind, _ in history.sent if kind != "conflict")
+    redriven = {
+        str(r.get("message_id"))
+        for r in extra.get("inbox_poison", [])
+        if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
+    }
     problem(
         "poisoned-copy-pending",
         (
@@ -169,18 +209,22 @@ def check(history: History) -> list[Finding]:
         (
             f"{k} (poison {'/'.join(poison[k])})"
             for k in identified
-            if k in effects and k in poison and copies[k] == 1
+            if k in effects and k in poison and copies[k] == 1 and k not in redriven
         ),
         "intents sent once, applied and also poisoned (a message ends in one place only)",
     )
     problem(
         "record-contradicts",
-        (f"{k} ({claims[k]} claims)" for k in identified if k in effects and claims[k] != 1),
+        (
+            f"{k} ({claims[k]} claims)"
+            for k in identified
+            if k in effects and claims[k] != 1 and not (claims[k] == 0 and k in purgeable)
+        ),
         "applied intents without exactly one claim",
     )
     problem(
         "record-contradicts",
-        (f"{k}" for k in claims if k not in effects),
+        (f"{k}" for k in claims if k not in effects and k.split("+accepted-")[0] not in effects),
         "claims whose effect is not in the database (marked processed, never applied)",
     )
     # Conflicts: recorded and published, their payload never applied.
@@ -194,9 +238,18 @@ def check(history: History) -> list[Finding]:
         (k for k in conflicts_sent if k not in _keys(in_quarantine)),
         "conflicts missing from the quarantine destination",
     )
+    operated = {
+        str(r.get("message_id"))
+        for r in extra.get("inbox_quarantine", [])
+        if r.get("decided_by") == OPERATOR
+    }
     problem(
         "record-contradicts",
-        (k for k, (decision, _) in quarantined.items() if decision != "pending"),
+        (
+            k
+            for k, (decision, _) in quarantined.items()
+            if decision != "pending" and k not in operated
+        ),
         "quarantine rows decided by nobody (not pending)",
     )
     problem(
@@ -226,6 +279,7 @@ def check(history: History) -> list[Finding]:
             ),
             "messages without identity never applied under process",
         )
+    findings += _workload(history, identified, effects, poison, dead, killed, accepted, forgotten)
     # Nothing stuck.
     if not history.settled:
         findings.append(
@@ -244,6 +298,249 @@ def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
     allowed = set()
     if config.redelivery_limit is not None and killed:
         allowed.add("redelivery_limit")
-    if behaviour in ("transient", "sometimes"):
-        allowed.add("retries_exhausted")
+    if behaviour in ("transient", "sometimes", "deferred", "timelimit"):
+        allowed.add("retries_exhausted")  # fails its first attempts, or by a coin
     return allowed
+
+
+# -- the workload axes -----------------------------------------------------------------------
+
+MARGIN = 2.0
+"""Seconds of slack between an effect's time and its claim's ``processed_at``."""
+
+
+def _batch_reasons(config: Any, intents: dict[str, Any], killed: bool) -> set[str]:
+    """In a batch, a failure counts for each message of the batch (docs/how-to/
+    faststream.md, "Batches"): the reasons the schedule's other messages explain."""
+    if config.batch != "on":
+        return set()
+    reasons = {"retries_exhausted"}
+    behaviours = {i.behaviour for i in intents.values()}
+    if "permanent" in behaviours:
+        reasons.add(REFUSED)
+    if behaviours & MISUSES:
+        reasons.add("handler_transaction")
+    if config.redelivery_limit is not None and killed:
+        reasons.add("redelivery_limit")
+    return reasons
+
+
+def _accepted(history: History, conflicts_sent: dict[str, int]) -> dict[str, int]:
+    return {
+        str(r["message_id"]): conflicts_sent[str(r["message_id"])]
+        for r in history.extra.get("inbox_quarantine", [])
+        if r.get("decision") == "accepted" and str(r.get("message_id")) in conflicts_sent
+    }
+
+
+def _last_purge(history: History) -> float | None:
+    starts = [at for at, _ in history.extra.get("purges", [])]
+    return max(starts) if starts else None
+
+
+def _purgeable(history: History) -> set[str]:
+    last = _last_purge(history)
+    if last is None:
+        return set()
+    first = history.extra.get("first_effect", {})
+    return {k for k, at in first.items() if at < last - PURGE_WINDOW + MARGIN}
+
+
+def _forgotten(history: History) -> set[str]:
+    """Keys applied again more than the purge's window after their first effect, once a
+    purge had run: the purge may have deleted the claim before the copy came."""
+    if _last_purge(history) is None:
+        return set()
+    times: dict[str, list[float]] = {}
+    for key, _n, at in history.extra.get("effect_times", []):
+        times.setdefault(key, []).append(at)
+    return {
+        k
+        for k, ats in times.items()
+        if len(ats) > 1 and max(ats) - min(ats) > PURGE_WINDOW - MARGIN
+    }
+
+
+def _workload(
+    history: History,
+    identified: dict[str, Any],
+    effects: dict[str, list[int]],
+    poison: dict[str, list[str]],
+    dead: Counter[str],
+    killed: bool,
+    accepted: dict[str, int],
+    forgotten: set[str],
+) -> list[Finding]:
+    config = history.schedule.config
+    extra = history.extra
+    findings: list[Finding] = []
+
+    def problem(kind: str, keys: Any, what: str) -> None:
+        keys = set(keys)
+        if keys:
+            findings.append(Finding(kind, f"{len(keys)} {what}: {_sample(keys)}"))
+
+    if not extra:
+        return findings
+    behaviour = {k: i.behaviour for k, i in identified.items()}
+    applied = {k for k in identified if effects.get(k)}
+    limits = {"redelivery_limit"} if config.redelivery_limit is not None and killed else set()
+    # Extended handlers.
+    problem(
+        "misuse-applied",
+        (k for k in applied if behaviour[k] in MISUSES),
+        "handlers that ended the transaction or settled the message themselves, applied",
+    )
+    problem(
+        "misuse-unrecorded",
+        (
+            f"{k} ({'/'.join(poison.get(k, [])) or 'no poison row'})"
+            for k in identified
+            if behaviour[k] in MISUSES
+            and config.batch != "on"
+            and not set(poison.get(k, [])) & ({"handler_transaction"} | limits)
+        ),
+        "misusing handlers not kept as poison handler_transaction",
+    )
+    problem(
+        "dead-lettered-unexplained",
+        (
+            k
+            for k in identified
+            if dead[k] and k not in poison and behaviour[k] != "invalid" and k not in applied
+        ),
+        "intents dead-lettered without a poison row (only a body the handler's model refuses is)",
+    )
+    problem(
+        "invalid-applied",
+        (k for k in applied if behaviour[k] == "invalid"),
+        "bodies refused by validation, applied",
+    )
+    problem(
+        "poison-reason",
+        (
+            f"{k} ({'/'.join(poison[k])})"
+            for k in identified
+            if behaviour[k] == "invalid" and k in poison and not set(poison[k]) <= limits
+        ),
+        "bodies refused by validation kept as poison (a body that does not fit is "
+        "dead-lettered without a poison row)",
+    )
+    # Outputs, applied downstream once each.
+    if config.outputs == "result" and "outputs" not in extra.get("not_available", []):
+        downstream = Counter((k, n) for k, n, _via in extra.get("downstream", []))
+        expected = {(k, n) for k in applied for n in effects[k]} | set(accepted.items())
+        problem(
+            "output-missing",
+            (f"{k}/{n}" for k, n in expected if not downstream[(k, n)]),
+            "outputs of applied intents never applied downstream",
+        )
+        problem(
+            "output-twice",
+            (
+                f"{k}/{n} ({c}x)"
+                for (k, n), c in downstream.items()
+                if c > 1 and k in identified and k not in forgotten
+            ),
+            "outputs applied more than once downstream",
+        )
+        problem(
+            "output-uncommitted",
+            (f"{k}/{n}" for (k, n) in downstream if k in identified and (k, n) not in expected),
+            "outputs applied downstream for an intent that did not commit (or another payload)",
+        )
+    # The outbox: one effect per commit, dispatched, received.
+    if "outbox" in extra:
+        rows = extra["outbox"]
+        per_key = Counter(str(k) for _e, k, _status in rows)
+        received = {e: (k, n, d) for e, k, n, d in extra.get("received", [])}
+        problem(
+            "outbox-uncommitted",
+            (k for k in per_key if k in identified and k not in applied),
+            "outbox effects of intents that did not commit",
+        )
+        problem(
+            "outbox-missing",
+            (
+                f"{k} ({per_key[k]} effects, {len(effects[k])} commits)"
+                for k in applied
+                if per_key[k] != len(effects[k]) + (k in accepted) and k not in forgotten
+            ),
+            "applied intents without one outbox effect per commit",
+        )
+        problem(
+            "outbox-undispatched",
+            (f"{e} ({status})" for e, _k, status in rows if status != "dispatched"),
+            "outbox effects not dispatched once the run settled",
+        )
+        problem(
+            "outbox-unreceived",
+            (e for e, _k, status in rows if status == "dispatched" and e not in received),
+            "outbox effects recorded dispatched that the remote never received",
+        )
+        problem(
+            "outbox-uncommitted",
+            (e for e in received if e not in {r[0] for r in rows}),
+            "effects the remote received that are not in the outbox table",
+        )
+    # The operator's decisions.
+    decided = {
+        (kind, row_id): (action, status)
+        for kind, row_id, action, _m, status in extra.get("decisions", [])
+    }
+    for table, kind in (("inbox_poison", "poison"), ("inbox_quarantine", "quarantine")):
+        for row in extra.get(table, []):
+            if row.get("decided_by") != OPERATOR:
+                continue
+            key = str(row.get("message_id"))
+            _action, status = decided.get((kind, row.get("id")), ("", 1))
+            if (
+                row.get("decision") in ("redriven", "accepted")
+                and status == 0
+                and "published_at" in row
+                and row["published_at"] is None
+            ):
+                findings.append(Finding("repair-unpublished", f"{kind} row {row['id']} ({key})"))
+            if (
+                kind == "quarantine"
+                and row.get("decision") == "accepted"
+                and key in identified
+                and accepted.get(key)
+                not in (n for k, n, _at in extra.get("effect_times", []) if k == key)
+            ):
+                findings.append(
+                    Finding("accepted-not-applied", f"quarantine row {row['id']} ({key})")
+                )
+            if kind == "quarantine" and row.get("decision") in ("discarded", "redriven"):
+                conflict = next(
+                    (n for _, k, c, n in history.sent if k == key and c == "conflict"), None
+                )
+                if conflict is not None and conflict in effects.get(key, []):
+                    findings.append(
+                        Finding("discarded-applied", f"quarantine row {row['id']} ({key})")
+                    )
+            if (
+                kind == "poison"
+                and row.get("decision") == "redriven"
+                and key in applied
+                and sum(1 for _, k, c, _ in history.sent if k == key and c != "conflict") == 1
+            ):
+                findings.append(
+                    Finding("redriven-not-recovered", f"poison row {row['id']} ({key}) applied")
+                )
+    # The purge.
+    if extra.get("purges"):
+        last = _last_purge(history)
+        assert last is not None
+        claims = Counter(history.claims)
+        first = extra.get("first_effect", {})
+        problem(
+            "purge-too-young",
+            (
+                f"{k} (applied {last - first[k]:.1f}s before the last purge)"
+                for k in applied
+                if claims[k] == 0 and k in first and first[k] > last - PURGE_WINDOW + MARGIN
+            ),
+            f"claims deleted younger than the purge's window ({PURGE_WINDOW:.0f}s)",
+        )
+    return findings

@@ -4,6 +4,17 @@ A payload is ``{"key": ..., "do": behaviour, "n": ...}``. The effect is a row in
 ``explore_effects`` written in the inbox's transaction (no unique key: an effect applied
 twice must show up, not fail). Attempts are counted in ``explore_attempts`` on a
 connection of their own, so that a failed attempt's count survives its rollback.
+
+With the workload's axes (`space.WORKLOAD_AXES`), the handler also records an outbox
+effect (``outbox``), returns ``{"key", "n"}`` for an output (``outputs``), and has the
+extended behaviours: ``deferred`` writes a row that breaks a DEFERRABLE INITIALLY
+DEFERRED foreign key on its first two attempts (the failure comes at COMMIT),
+``timelimit`` sleeps in SQL past Dramatiq's time limit on its first attempt, ``msg_ack``
+acknowledges its FastStream message itself (refused: ``handler_transaction``), and
+``invalid`` is a body that FastStream's validation refuses before the handler runs.
+What downstream consumers see is written to ``explore_downstream`` (outputs) and
+``explore_outbox_received`` (the outbox's remote, which applies each effect id once and
+counts its deliveries).
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from sqlalchemy import text
 
 from inbox_middleware import PermanentError, current_delivery
 
-__all__ = ["DDL", "REFUSED", "apply", "apply_async"]
+__all__ = ["DDL", "REFUSED", "apply", "apply_async", "downstream", "downstream_async"]
 
 REFUSED = "explore_refused"
 DDL = [
@@ -28,8 +39,30 @@ DDL = [
         at timestamptz NOT NULL DEFAULT clock_timestamp()
     )""",
     "CREATE TABLE IF NOT EXISTS explore_attempts (key text PRIMARY KEY, attempts int NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS explore_parent (id int PRIMARY KEY)",
+    """CREATE TABLE IF NOT EXISTS explore_deferred (
+        key text NOT NULL,
+        parent int REFERENCES explore_parent (id) DEFERRABLE INITIALLY DEFERRED
+    )""",
+    """CREATE TABLE IF NOT EXISTS explore_downstream (
+        key text NOT NULL,
+        n bigint NOT NULL,
+        via text NOT NULL,
+        at timestamptz NOT NULL DEFAULT clock_timestamp()
+    )""",
+    """CREATE TABLE IF NOT EXISTS explore_outbox_received (
+        effect_id text PRIMARY KEY,
+        key text NOT NULL,
+        n bigint NOT NULL,
+        deliveries int NOT NULL
+    )""",
 ]
+OUTBOX_DESTINATION = "explore"
+COUNTED = ("transient", "sometimes", "deferred", "timelimit")
+"""Behaviours whose failures depend on the attempt, counted on a connection of its own."""
 _EFFECT = text("INSERT INTO explore_effects (key, message_id, n, pid) VALUES (:k, :m, :n, :p)")
+_ORPHAN = text("INSERT INTO explore_deferred (key, parent) VALUES (:k, -1)")
+_DOWNSTREAM = text("INSERT INTO explore_downstream (key, n, via) VALUES (:k, :n, :v)")
 _COUNT = text(
     "INSERT INTO explore_attempts (key, attempts) VALUES (:k, 1) ON CONFLICT (key) "
     "DO UPDATE SET attempts = explore_attempts.attempts + 1 RETURNING attempts"
@@ -61,10 +94,29 @@ def _effect(session: Any, payload: dict[str, Any]) -> None:
     )
 
 
-def apply(session: Any, payload: dict[str, Any], engine: Any) -> None:
-    """The handler body, on the inbox's (sync) session."""
+def _output(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"key": payload["key"], "n": payload["n"]}
+
+
+def _record_outbox(payload: dict[str, Any], effect_id: str | None) -> tuple[Any, dict[str, Any]]:
+    from inbox_middleware import outbox
+
+    if payload["do"] == "no-identity":
+        # No identity to derive an id from (outbox.add would refuse): the key's own.
+        effect_id = f"explore-{payload['key']}"
+    kwargs: dict[str, Any] = {"destination": OUTBOX_DESTINATION, "payload": _output(payload)}
+    if effect_id is not None:
+        kwargs["effect_id"] = effect_id
+    return outbox, kwargs
+
+
+def apply(
+    session: Any, payload: dict[str, Any], engine: Any, *, outbox_on: bool = False
+) -> dict[str, Any]:
+    """The handler body, on the inbox's (sync) session; its output."""
     behaviour = payload["do"]
-    if behaviour in ("transient", "sometimes"):
+    attempt = 0
+    if behaviour in COUNTED:
         with engine.begin() as conn:
             attempt = int(conn.execute(_COUNT, {"k": payload["key"]}).scalar_one())
         _fails(behaviour, payload["key"], attempt)
@@ -72,14 +124,32 @@ def apply(session: Any, payload: dict[str, Any], engine: Any) -> None:
     if behaviour == "rollback":
         session.rollback()
     _effect(session, payload)
+    if outbox_on:
+        module, kwargs = _record_outbox(payload, None)
+        module.add(session, **kwargs)
+    if behaviour == "deferred" and attempt <= 2:
+        session.execute(_ORPHAN, {"k": payload["key"]})  # refused at COMMIT
+    if behaviour == "timelimit" and attempt <= 1:
+        session.execute(text("SELECT pg_sleep(8)"))  # past the actor's time limit
     if behaviour == "commit":
         session.commit()
+    return _output(payload)
 
 
-async def apply_async(session: Any, payload: dict[str, Any], engine: Any) -> None:
-    """The handler body, on the inbox's AsyncSession."""
+async def apply_async(
+    session: Any,
+    payload: dict[str, Any],
+    engine: Any,
+    *,
+    outbox_on: bool = False,
+    effect_id: str | None = None,
+    message: Any = None,
+) -> dict[str, Any]:
+    """The handler body, on the inbox's AsyncSession; its output. ``effect_id``: the
+    outbox effect's id where the delivery names none (a batch)."""
     behaviour = payload["do"]
-    if behaviour in ("transient", "sometimes"):
+    attempt = 0
+    if behaviour in COUNTED:
         async with engine.begin() as conn:
             attempt = int((await conn.execute(_COUNT, {"k": payload["key"]})).scalar_one())
         _fails(behaviour, payload["key"], attempt)
@@ -87,5 +157,22 @@ async def apply_async(session: Any, payload: dict[str, Any], engine: Any) -> Non
     if behaviour == "rollback":
         await session.rollback()
     await session.run_sync(_effect, payload)
+    if outbox_on:
+        module, kwargs = _record_outbox(payload, effect_id)
+        await module.add(session, **kwargs)
+    if behaviour == "deferred" and attempt <= 2:
+        await session.execute(_ORPHAN, {"k": payload["key"]})  # refused at COMMIT
+    if behaviour == "msg_ack" and message is not None:
+        await message.ack()
     if behaviour == "commit":
         await session.commit()
+    return _output(payload)
+
+
+def downstream(session: Any, output: dict[str, Any], via: str) -> None:
+    """A consumer downstream of an output: counts what it applied."""
+    session.execute(_DOWNSTREAM, {"k": output["key"], "n": output["n"], "v": via})
+
+
+async def downstream_async(session: Any, output: dict[str, Any], via: str) -> None:
+    await session.execute(_DOWNSTREAM, {"k": output["key"], "n": output["n"], "v": via})

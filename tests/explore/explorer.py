@@ -48,11 +48,36 @@ class Verdict:
             )
             if h.faults_missed:
                 head += f" | faults not as scheduled: {', '.join(h.faults_missed)}"
+            seen = _workload_summary(h.extra)
+            if seen:
+                head += f" | {seen}"
+            if h.extra.get("not_available"):
+                head += f" | not available: {', '.join(h.extra['not_available'])}"
         if self.outcome == "finding":
             return head + " | " + " | ".join(map(str, self.findings))
         if self.outcome == "harness":
             return head + f" | harness trouble, not a finding: {self.trouble}"
         return head
+
+
+def _workload_summary(extra: dict[str, Any]) -> str:
+    """What the workload axes' extras did, in a few numbers."""
+    parts = []
+    if extra.get("downstream"):
+        parts.append(f"outputs applied downstream {len(extra['downstream'])}")
+    if "outbox" in extra:
+        received = extra.get("received", [])
+        deliveries = sum(d for *_, d in received)
+        parts.append(
+            f"outbox effects {len(extra['outbox'])}, received {len(received)} "
+            f"in {deliveries} deliveries"
+        )
+    if extra.get("decisions"):
+        done = [d for d in extra["decisions"] if d[4] == 0]
+        parts.append(f"operator decisions {len(done)}/{len(extra['decisions'])}")
+    if extra.get("purges"):
+        parts.append(f"purges {len(extra['purges'])}")
+    return ", ".join(parts)
 
 
 def select(seed: int, faults: list[int] | None = None, intents: int | None = None) -> Schedule:

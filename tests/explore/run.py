@@ -37,7 +37,7 @@ import psycopg
 
 from ..chaos.run import Admin
 from ..support import servers
-from . import domain
+from . import domain, workload
 from .brokers import RABBITMQ_URL, REDIS_URL, Broker, make_broker
 from .schedule import Fault, Schedule
 
@@ -88,6 +88,10 @@ class History:
     folder: Path | None = None
     faults_missed: list[str] = field(default_factory=list)
     """Faults that could not happen as scheduled (reported with the verdict)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What the workload axes' extras saw (`workload.Extras.collect`)."""
+    workload: Any = None
+    """The run's `workload.Extras`, while it runs."""
 
     def event(self, started: float, what: str) -> None:
         self.events.append(f"{time.monotonic() - started:6.1f}s {what}")
@@ -516,11 +520,14 @@ def _unsettled(schedule: Schedule, admin: Admin, history: History) -> int:
     quarantined = {m for (m,) in admin.query("SELECT message_id FROM inbox_quarantine")}
     count = 0
     for intent in schedule.intents:
+        if intent.behaviour == "invalid":
+            continue  # dead-lettered without a record (validation): read at the end
         if intent.identified and intent.key not in effects | poison:
             count += 1
         elif intent.behaviour == "no-identity" and schedule.config.missing_identity == "process":
             count += intent.key not in effects
-    return count + len(sent - quarantined)
+    extras = history.workload.unsettled(admin) if history.workload is not None else 0
+    return count + len(sent - quarantined) + extras
 
 
 def _patiently(call: Any, what: str, patience: float = 90) -> Any:
@@ -574,6 +581,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
     url = {"rabbitmq": RABBITMQ_URL, "redis": REDIS_URL}.get(config.broker) or nats.url  # type: ignore[union-attr]
     broker = make_broker(config.target, source, url)
     fleet: Fleet | None = None
+    extras: workload.Extras | None = None
     try:
         with database(source) as admin_url:
             driver = (
@@ -595,10 +603,17 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 if config.redelivery_limit is None
                 else str(config.redelivery_limit),
             }
+            available = workload.features(library_env())
+            env |= workload.worker_env(config, available) | {"EXPLORE_OUTBOX_URL": admin_url}
+            extras = workload.Extras(
+                schedule, admin_url, library_env() | env, folder, available, Slot
+            )
+            history.workload = extras
             _patiently(broker.prepare, "preparing the broker")
             fleet = Fleet(schedule, env, folder)
             started = time.monotonic()
             fleet.start()
+            extras.start(started)
             failure: list[BaseException] = []
             producer = threading.Thread(
                 target=_publish_all,
@@ -620,6 +635,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             if failure:
                 raise HarnessTrouble(f"publishing failed: {failure[0]!r}") from failure[0]
             history.event(started, "sends and faults done; settling")
+            extras.end_of_faults()
             admin = Admin(admin_url)
             try:
                 quiet_from = time.monotonic()
@@ -641,6 +657,8 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                     fleet.stop()
                     history.event(started, "workers stopped")
                     leftover = _patiently(broker.leftover, "reading the broker")
+                extras.stop()
+                history.extra = extras.collect(admin)
                 history.worker_exits = list(fleet.exits)
                 history.refused = [
                     line.strip()
@@ -683,7 +701,9 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 }
             finally:
                 admin.close()
-        (folder / "events.txt").write_text("\n".join(history.events) + "\n\n" + fleet.tails())
+        (folder / "events.txt").write_text(
+            "\n".join(history.events + history.extra.get("events", [])) + "\n\n" + fleet.tails()
+        )
         return history
     except psycopg.OperationalError as exc:
         raise HarnessTrouble(f"the explorer's own connection failed: {exc}") from exc
@@ -702,7 +722,11 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             for slot in fleet.slots:
                 slot.held = True
                 slot.kill()
+        if extras is not None:
+            extras.kill()
         with contextlib.suppress(Exception):
             broker.cleanup()
+            if extras is not None:
+                extras.cleanup()
         if nats is not None:
             nats.close()

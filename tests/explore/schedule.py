@@ -139,6 +139,9 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
             replace(i, behaviour="sometimes") if i.behaviour in ("commit", "rollback") else i
             for i in chosen
         ]
+    from .workload import extend  # the workload axes' kinds (their own generator)
+
+    chosen = extend(seed, config, chosen)
     sends: list[Send] = []
     conflicts: list[Send] = []
     for intent in chosen:

@@ -57,6 +57,12 @@ class Config:
     max_attempts: int | None
     redelivery_limit: int | None
     focus: str
+    # the workload and operations block (issue 29): defaults are the earlier space
+    batch: str = "off"
+    outputs: str = "none"
+    outbox: str = "off"
+    operator: str = "none"
+    handlers: str = "basic"
 
     @property
     def framework(self) -> str:
@@ -77,6 +83,11 @@ class Config:
             f"max_attempts={self.max_attempts}",
             f"redelivery_limit={self.redelivery_limit}",
             f"focus {self.focus}",
+        ]
+        parts += [
+            f"{axis} {getattr(self, axis)}"
+            for axis, values in WORKLOAD_AXES.items()
+            if getattr(self, axis) != values[0]
         ]
         return ", ".join(parts)
 
@@ -100,7 +111,9 @@ def valid(values: dict[str, Any]) -> bool:
         and (values["ack_policy"] == "n/a") != (values["guard"] == "n/a")
     ):
         return False
-    return not (values.get("processes") == 1 and values.get("layout") == "forked")
+    if values.get("processes") == 1 and values.get("layout") == "forked":
+        return False
+    return _workload_valid(values)
 
 
 def _pairs(row: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
@@ -176,6 +189,43 @@ ISSUE_27: dict[str, Any] = {
     "redelivery_limit": 10,
     "focus": "pg_fast",
 }
+# -- the workload and operations (issue 29) --------------------------------------------------
+# What the handlers do and what runs beside them; the runtime is in `workload`.
+WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
+    "batch": ("off", "on"),
+    "outputs": ("none", "result"),
+    "outbox": ("off", "on"),
+    "operator": ("none", "repair", "purge"),
+    "handlers": ("basic", "extended"),
+}
+"""``batch``: a FastStream batch subscriber (Redis streams, NATS, Kafka);
+``outputs``: a FastStream publisher on the handler, or a Dramatiq ``on_success`` callback,
+each consumed by an inbox consumer downstream; ``outbox``: the handler records an outbox
+effect, ``outbox run`` dispatchers (SIGKILLed and SIGTERMed) deliver it; ``operator``:
+``poison``/``quarantine`` redrive, discard and accept through the CLI while the workers
+run, or ``purge`` running in a loop; ``handlers``: "extended" adds failures at commit
+time (a deferred constraint), Dramatiq's time limit, FastStream validation errors and a
+handler that settles its message itself."""
+BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
+AXES.update(WORKLOAD_AXES)
+ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
+
+
+def _workload_valid(values: dict[str, Any]) -> bool:
+    target = values.get("target")
+    if values.get("batch") == "on":
+        if target is not None and target not in BATCH_TARGETS:
+            return False
+        if "n/a" in (values.get("guard"), values.get("ack_policy")):
+            return False  # a Dramatiq worker
+        if values.get("missing_identity") == "process":
+            return False  # refused at start-up: a batch is claimed as a whole
+        # A batch subscriber with a publisher is refused at start-up (docs/how-to/outputs.md)
+        if values.get("outputs") == "result":
+            return False
+    return True
+
+
 ROWS: list[dict[str, Any]] = _build()
 
 

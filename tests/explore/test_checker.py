@@ -7,7 +7,8 @@ from __future__ import annotations
 from .check import check
 from .run import History
 from .schedule import Fault, Intent, Schedule, draw
-from .space import ISSUE_27, ROWS, Config, uncovered_pairs, valid
+from .space import ISSUE_27, ROWS, WORKLOAD_AXES, Config, uncovered_pairs, valid
+from .workload import OPERATOR
 
 
 def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
@@ -33,7 +34,8 @@ def test_schedule__a_seed_draws_the_same_schedule() -> None:
 
 
 def _history(**config: object) -> History:
-    base = dict(ROWS[1]) | config
+    defaults = {axis: values[0] for axis, values in WORKLOAD_AXES.items()}
+    base = dict(ROWS[1]) | defaults | config
     intents = [Intent("a", "ok", 1), Intent("b", "permanent", 2), Intent("c", "ok", 3)]
     schedule = Schedule(1, Config(**base), intents, [], [], [])  # type: ignore[arg-type]
     history = History(schedule, settled=True)
@@ -147,3 +149,133 @@ def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented(
     # But one copy sent, applied and poisoned is one
     history.sent = [s for s in history.sent if s[2] != "duplicate"]
     assert "poisoned-and-applied" in _kinds(history)
+
+
+# -- the workload axes -----------------------------------------------------------------------
+
+
+def test_space__the_workload_axes_hold_their_rules() -> None:
+    # A batch only where FastStream has batch subscribers, and never with a publisher
+    # (refused at start-up); row 0 keeps the earlier space's defaults.
+    assert not valid({"target": "faststream-rabbitmq", "batch": "on"})
+    assert not valid({"target": "dramatiq-redis", "batch": "on"})
+    assert not valid({"batch": "on", "outputs": "result"})
+    assert valid({"target": "faststream-nats", "batch": "on", "outputs": "none"})
+    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic"}
+    for axis, values in WORKLOAD_AXES.items():
+        assert {row[axis] for row in ROWS} == set(values)
+
+
+def test_check__misusing_handlers_are_poisoned_never_applied() -> None:
+    history = _history()
+    history.schedule.intents.append(Intent("m", "msg_ack", 5))
+    history.sent.append((0.0, "m", "first", 5))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("m", "m", 5)]
+    history.claims = ["a", "c", "m"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.extra = {"not_available": []}
+    assert {"misuse-applied", "misuse-unrecorded"} <= set(_kinds(history))
+    history.effects.remove(("m", "m", 5))
+    history.claims.remove("m")
+    history.poison.append(("m", "handler_transaction", "pending"))
+    assert check(history) == []
+
+
+def test_check__outputs_are_applied_downstream_once_and_only_for_commits() -> None:
+    history = _history(outputs="result")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.extra = {"downstream": [("a", 1, "publisher"), ("a", 1, "publisher")]}
+    history.extra["downstream"].append(("b", 2, "publisher"))
+    assert _kinds(history) == ["output-missing", "output-twice", "output-uncommitted"]
+    history.extra["downstream"] = [("a", 1, "publisher"), ("c", 3, "publisher")]
+    assert check(history) == []
+
+
+def test_check__an_outbox_effect_per_commit_dispatched_and_received() -> None:
+    history = _history(outbox="on")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.extra = {
+        "outbox": [("fx-a", "a", "dispatched"), ("fx-b", "b", "pending")],
+        "received": [("fx-z", "z", 9, 1)],
+    }
+    assert _kinds(history) == [
+        "outbox-missing",
+        "outbox-uncommitted",
+        "outbox-undispatched",
+        "outbox-unreceived",
+    ]
+    history.extra = {
+        "outbox": [("fx-a", "a", "dispatched"), ("fx-c", "c", "dispatched")],
+        "received": [("fx-a", "a", 1, 2), ("fx-c", "c", 3, 1)],
+    }
+    assert check(history) == []
+
+
+def test_check__operator_decisions_leave_their_documented_records() -> None:
+    # Given a conflict on a that the operator accepted: its payload is an intent of its
+    # own, applied once under its new id
+    history = _history(operator="repair")
+    history.sent.append((1.0, "a", "conflict", 9))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("a", "a+accepted-1", 9)]
+    history.claims = ["a", "c", "a+accepted-1"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.quarantine = [("a", "accepted", "identity_conflict")]
+    history.destinations = {"quarantine": [{"key": "a", "n": 9}]}
+    row = {"id": 1, "message_id": "a", "decided_by": OPERATOR, "published_at": "now"}
+    history.extra = {
+        "inbox_quarantine": [row | {"decision": "accepted"}],
+        "decisions": [("quarantine", 1, "accept", "a", 0)],
+        "effect_times": [("a", 1, 0.0), ("c", 3, 0.0), ("a", 9, 1.0)],
+    }
+    assert check(history) == []
+    # Not published though the CLI said it was: a finding
+    history.extra["inbox_quarantine"] = [row | {"decision": "accepted", "published_at": None}]
+    assert _kinds(history) == ["repair-unpublished"]
+    # Discarded instead, and its payload applied all the same: a finding
+    history.quarantine = [("a", "discarded", "identity_conflict")]
+    history.extra["inbox_quarantine"] = [row | {"decision": "discarded"}]
+    history.claims.remove("a+accepted-1")
+    assert "discarded-applied" in _kinds(history)
+
+
+def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
+    history = _history(operator="purge")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = []
+    history.poison = [("b", "explore_refused", "pending")]
+    # a applied 30 s before the last purge began (older than the window), c 1 s before
+    history.extra = {"purges": [(100.0, 0)], "first_effect": {"a": 70.0, "c": 99.0}}
+    assert _kinds(history) == ["purge-too-young", "record-contradicts"]
+    # A copy applied again 20 s after the first, once its claim could be purged: the
+    # documented window, not twice
+    history.claims = ["c"]
+    history.effects.append(("a", "a", 1))
+    history.extra["effect_times"] = [("a", 1, 70.0), ("a", 1, 90.0), ("c", 3, 99.0)]
+    assert check(history) == []
+
+
+def test_check__a_failure_at_commit_meets_max_attempts_like_any_failure() -> None:
+    # Given a handler whose first two COMMITs fail (a deferred constraint), max_attempts=2
+    history = _history(max_attempts=2, handlers="extended")
+    history.schedule.intents.append(Intent("d", "deferred", 4))
+    history.sent.append((0.0, "d", "first", 4))
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("d", "retries_exhausted", "pending")]
+    # Then its poison row is what the limit explains (seed 3108 said otherwise)
+    assert check(history) == []
+
+
+def test_check__an_intent_dead_lettered_without_its_poison_row_is_a_finding() -> None:
+    # Seed 3114: every message of a batch handler delivered one by one, not fitting it
+    history = _history()
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.destinations = {"dead-letter": [{"key": "b"}, {"key": "c"}]}
+    history.extra = {"not_available": []}
+    assert _kinds(history) == ["dead-lettered-unexplained"]

@@ -1,6 +1,7 @@
 """Failure classification and repair with FastStream on real RabbitMQ, Redis streams,
 NATS JetStream and Kafka: permanent errors become poison at once, repeated transient failures after
-`max_attempts`, and a poison message redriven after a repair is applied once."""
+`max_attempts`, and a poison message redriven after a repair is applied once, by a
+subscriber of one message or of a batch, and its row marked recovered."""
 
 from __future__ import annotations
 
@@ -185,3 +186,45 @@ async def test_faststream_poison__redrive_after_repair_applies_once(h, inbox, pg
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
     assert poison_rows(pg_engine)[0]["recovered_at"] is not None
+
+
+async def test_faststream_poison__redriven_into_a_batch_marks_the_row_recovered(
+    h, inbox, pg_engine, pg_url
+):
+    # Found by the explorer (seed 3102: NATS, a batch subscriber, an operator redriving
+    # poison rows): the redriven message was applied, its row left `redriven`.
+    if h.kind == "rabbit":
+        pytest.skip("RabbitMQ has no batch subscriber")
+    # Given a batch handler that refuses accounts that are not open, and a message refused
+    with pg_engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS open_accounts (id integer PRIMARY KEY)"))
+        conn.execute(text("DELETE FROM open_accounts"))
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, int]], session: InboxSession) -> None:
+        for body in bodies:
+            found = await session.execute(
+                text("SELECT 1 FROM open_accounts WHERE id = :a"), {"a": body["account"]}
+            )
+            if found.first() is None:
+                raise PermanentError("account_not_open")
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    async with h.broker:
+        await h.broker.start()
+        await h.publish(ORDER, ident())
+        await eventually(lambda: poison_rows(pg_engine), what="the poison row")
+        (row,) = poison_rows(pg_engine)
+        # When the cause is repaired and the operator redrives it
+        with pg_engine.begin() as conn:
+            conn.execute(text("INSERT INTO open_accounts VALUES (7)"))
+        result = cli(pg_url, "poison", "redrive", str(row["id"]), "--broker-url", URLS[h.kind])
+        assert result.returncode == 0, result.stderr
+        await eventually(lambda: applied(pg_engine) == 1, what="the repaired effect")
+        # Then the row says the repaired message committed, in its transaction
+        await eventually(
+            lambda: poison_rows(pg_engine)[0]["decision"] == "recovered", what="recovery"
+        )
+    assert poison_rows(pg_engine)[0]["recovered_at"] is not None
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), balance(conn, 7)) == (1, 10)

@@ -38,7 +38,7 @@ from .base import (
     track_aborts,
 )
 from .errors import as_transient
-from .failures import mark_recovered
+from .failures import mark_batch_recovered, mark_recovered
 from .migrate import check_schema
 from .session import ClaimSession
 from .tables import InboxSchema
@@ -130,11 +130,21 @@ class AsyncInbox(Executor):
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[R]],
+        *,
+        repair_markers: Sequence[str | None] = (),
     ) -> BatchCommitted[R]:
         """See `Inbox.process_batch`."""
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
-            return await handler(session, verdicts) if any_first_seen(verdicts) else None
+            if not any_first_seen(verdicts):
+                return None
+            result = await handler(session, verdicts)
+            await session.run_sync(
+                lambda sync: mark_batch_recovered(
+                    sync.connection(), self.naming, deliveries, verdicts, repair_markers
+                )
+            )
+            return result
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = await self._run(attempts, body)

@@ -63,7 +63,7 @@ from .base import (
     track_aborts,
 )
 from .errors import as_transient
-from .failures import mark_recovered
+from .failures import mark_batch_recovered, mark_recovered
 from .migrate import check_schema
 from .session import ClaimSession
 from .tables import InboxSchema
@@ -167,13 +167,23 @@ class Inbox(Executor):
         self,
         deliveries: Sequence[Delivery],
         handler: Callable[[Session, tuple[Verdict, ...]], R],
+        *,
+        repair_markers: Sequence[str | None] = (),
     ) -> BatchCommitted[R]:
         """Claim every delivery of a batch in one statement and, when at least one is first
         seen, run ``handler`` with every verdict (in the batch's order); commit once.
-        Raises when the attempt rolled back: ack none of the batch then."""
+        Raises when the attempt rolled back: ack none of the batch then.
+        ``repair_markers``: each delivery's, as `process` takes one; a first-seen message
+        that repairs a row marks it recovered in the batch's transaction."""
 
         def body(session: Session, verdicts: tuple[Verdict, ...]) -> R | None:
-            return handler(session, verdicts) if any_first_seen(verdicts) else None
+            if not any_first_seen(verdicts):
+                return None
+            result = handler(session, verdicts)
+            mark_batch_recovered(
+                session.connection(), self.naming, deliveries, verdicts, repair_markers
+            )
+            return result
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = self._run(attempts, body)

@@ -20,6 +20,7 @@ only writes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,10 +41,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from .._core.consumption import RedeliveryCount
 from .._core.outputs import OUTPUTS_UNDELIVERABLE
-from .._core.protocol import Delivery
+from .._core.protocol import Delivery, Verdict
 from .tables import InboxSchema
 
-__all__ = ["FailureRecorder", "Marker", "PoisonRecord", "mark_recovered", "parse_marker"]
+__all__ = [
+    "FailureRecorder",
+    "Marker",
+    "PoisonRecord",
+    "mark_batch_recovered",
+    "mark_recovered",
+    "parse_marker",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,3 +315,18 @@ def mark_recovered(
         same.append(or_(redriven, accepted))
     found = conn.execute(update(table).where(*same).values(**values)).rowcount
     return parsed.kind if found else None
+
+
+def mark_batch_recovered(
+    conn: Connection,
+    naming: InboxSchema,
+    deliveries: Sequence[Delivery],
+    verdicts: Sequence[Verdict],
+    markers: Sequence[str | None],
+) -> None:
+    """`mark_recovered` for each first-seen message of a batch that carries a marker
+    (``markers``: each delivery's, in the batch's order; empty: none), in the batch's
+    transaction, after its handler."""
+    for delivery, verdict, marker in zip(deliveries, verdicts, markers, strict=False):
+        if marker is not None and verdict.runs_handler:
+            mark_recovered(conn, naming, marker, delivery.key)

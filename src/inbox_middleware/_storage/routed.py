@@ -351,10 +351,12 @@ class RoutedInbox(_Routes):
                 self._went_down(database, delivery.consumer)
                 raise
 
-    def process_batch(self, deliveries: Sequence[Delivery], handler: Callable[..., R]) -> Any:
+    def process_batch(
+        self, deliveries: Sequence[Delivery], handler: Callable[..., R], **kw: Any
+    ) -> Any:
         first = _one_database(self, deliveries)
         with self._slot(self.route(first), first.consumer):
-            return self._use(first).process_batch(deliveries, handler)
+            return self._use(first).process_batch(deliveries, handler, **kw)
 
     def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -478,12 +480,12 @@ class AsyncRoutedInbox(_Routes):
                 raise
 
     async def process_batch(
-        self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]]
+        self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
         with self._slot(self.route(first), first.consumer):
             inbox = await self._use(first)
-            return await inbox.process_batch(deliveries, handler)
+            return await inbox.process_batch(deliveries, handler, **kw)
 
     async def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):

@@ -40,6 +40,7 @@ from ._telling import (
     ACKED,
     CONFLICT_HEADER,
     REJECTED_HEADER,
+    REPAIR_HEADER,
     NackForRedelivery,
     Skipped,
     message_id_of,
@@ -159,7 +160,10 @@ async def _consume(
     async def perform(op: Op) -> Any:
         match op:
             case ProcessBatch(deliveries=claims):
-                return await sub.storage.process_batch(list(claims), body(op))
+                markers = [_repair_marker(items[index]) for index in op.items]
+                return await sub.storage.process_batch(
+                    list(claims), body(op), repair_markers=markers
+                )
             case Publish(route=Route.QUARANTINE, details=details, item=index):
                 assert index is not None
                 faults.at("quarantine_publish", details.get("message_id"))
@@ -183,6 +187,15 @@ async def _consume(
     return await _tell_batch(
         sub, trace, message, key, settlement, size=len(items), quiet=held is not None
     )
+
+
+def _repair_marker(item: Item) -> str | None:
+    """The row a redriven or accepted message repairs (its ``x-inbox-repair`` header), as
+    one message's arrival reads it."""
+    marker = item.headers.get(REPAIR_HEADER)
+    if isinstance(marker, bytes | bytearray):
+        marker = bytes(marker).decode("utf-8", "replace")
+    return marker if isinstance(marker, str) else None
 
 
 async def _publish(
