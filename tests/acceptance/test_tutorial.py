@@ -54,7 +54,7 @@ DRAMATIQ = [
     "cd examples/dramatiq",
     "inbox-middleware migrate --database-url postgresql://postgres@127.0.0.1/inbox_demo",
     'python -c "import accounts; accounts.reset_database(accounts.engine_from_env(), 5)"',
-    "dramatiq service --processes 2 --threads 4",
+    "dramatiq service --processes 1 --threads 1",
     "python ../../docs/snippets/tutorial/dramatiq_one_order.py",
     "inbox-middleware quarantine list --database-url postgresql://postgres@127.0.0.1/inbox_demo",
 ]

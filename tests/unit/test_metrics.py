@@ -21,6 +21,7 @@ ALLOWED_LABELS = {
     "kind",
     "le",
     "table",
+    "database",  # the map's name of a database (a shard), never a tenant's
 }
 
 
