@@ -31,6 +31,7 @@ from inbox_middleware._core.consumption import (
     CountRedelivery,
     HandBackRequested,
     HandedBack,
+    LookUpClaim,
     ProcessBatch,
     Publish,
     RecordPoison,
@@ -223,10 +224,12 @@ ROWS: dict[str, Row] = {
         {
             ProcessBatch: [Boom("no")],
             CountFailure: [1, 3],
+            LookUpClaim: [None],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
-        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison", "RecordPoison"]
+        ["ProcessBatch", "CountFailure", "CountFailure", "LookUpClaim", "LookUpClaim"]
+        + ["RecordPoison", "RecordPoison"]
         + ["Publish"] * 3,
         BatchRejected,
         policy={"max_attempts": 3},
@@ -237,10 +240,11 @@ ROWS: dict[str, Row] = {
         {
             ProcessBatch: [InboxError("broken")],
             CountFailure: [3],
+            LookUpClaim: [None],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
-        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        ["ProcessBatch", "CountFailure", "LookUpClaim", "RecordPoison", "Publish"],
         BatchRejected,
         policy={"max_attempts": 3},
         expect={"reason": INBOX_ERROR},
@@ -250,10 +254,11 @@ ROWS: dict[str, Row] = {
         {
             ProcessBatch: [KeyError("gone")],
             CountFailure: [1],
+            LookUpClaim: [None],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
-        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        ["ProcessBatch", "CountFailure", "LookUpClaim", "RecordPoison", "Publish"],
         BatchRejected,
         policy={"permanent_errors": (KeyError,)},
         expect={"reason": "KeyError"},
@@ -263,10 +268,11 @@ ROWS: dict[str, Row] = {
         {
             ProcessBatch: [HandlerTransactionError("commit() inside the handler")],
             CountFailure: [1],
+            LookUpClaim: [None],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         },
-        ["ProcessBatch", "CountFailure", "RecordPoison", "Publish"],
+        ["ProcessBatch", "CountFailure", "LookUpClaim", "RecordPoison", "Publish"],
         BatchRejected,
         expect={"reason": HANDLER_TRANSACTION},
     ),
@@ -301,10 +307,20 @@ ROWS: dict[str, Row] = {
         {
             ProcessBatch: [Boom("no")],
             CountFailure: [1],
+            LookUpClaim: [None],
             RecordPoison: [DatabaseUnavailable()],
             CountHandBack: [None],
         },
-        ["ProcessBatch", "CountFailure", "CountFailure", "RecordPoison", *["CountHandBack"] * 2],
+        [
+            "ProcessBatch",
+            "CountFailure",
+            "CountFailure",
+            "LookUpClaim",
+            "LookUpClaim",
+            "RecordPoison",
+            "CountHandBack",
+            "CountHandBack",
+        ],
         HandedBack,
         policy={"max_attempts": 1},
         expect={"counted": False},
@@ -498,6 +514,7 @@ def test_core_batch__a_poison_batch_says_why_in_each_dead_letter() -> None:
         {
             ProcessBatch: [Boom("no")],
             CountFailure: [2, 1],
+            LookUpClaim: [None],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         }
@@ -550,6 +567,7 @@ def test_core_batch__a_poison_batch_after_one_kept_alone_dead_letters_that_one_a
             RecordPoison: [POISON],
             ProcessBatch: [KeyError("gone")],
             CountFailure: [1],
+            LookUpClaim: [None],
             Publish: [CONFIRMED],
         }
     )
@@ -651,3 +669,47 @@ def test_core_batch__every_script_ends_in_one_settlement(
         assert {f"ord-{index}" for index in settled.poisoned} <= recorded
         # and was not claimed with the rest
         assert len(settled.verdicts) == len(arrival.deliveries) - len(settled.poisoned)
+
+
+def test_core_batch__a_copy_applied_before_is_a_duplicate_in_a_poison_batch() -> None:
+    # Given a batch failing for good whose first message is a redelivery of a message
+    # applied before (its ack lost), with the same payload, and whose second is new
+    applied = StoredClaim("cd" * 32, "v1", "h1", datetime(2026, 1, 1, tzinfo=UTC))
+    script = Script(
+        {
+            ProcessBatch: [KeyError("gone")],
+            CountFailure: [1],
+            LookUpClaim: [applied, None],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        }
+    )
+    policy = replace(ConsumerPolicy(), permanent_errors=(KeyError,))
+    settled = drive(settle_batch_steps(batch(2), policy), script)
+    # Then the copy is a duplicate: acked, neither kept as poison nor dead-lettered
+    assert isinstance(settled, BatchRejected)
+    assert settled.duplicates == (0,)
+    assert settled.dead_lettered == (1,)
+    records = [
+        op.delivery.identity.message_id for op in script.performed if isinstance(op, RecordPoison)
+    ]
+    assert records == ["ord-1"]
+
+
+def test_core_batch__a_copy_of_another_payload_is_kept_as_poison_with_its_batch() -> None:
+    # Given the same, but the earlier claim holds another payload (a conflict)
+    other = StoredClaim("ef" * 32, "v1", "h1", datetime(2026, 1, 1, tzinfo=UTC))
+    script = Script(
+        {
+            ProcessBatch: [KeyError("gone")],
+            CountFailure: [1],
+            LookUpClaim: [other, None],
+            RecordPoison: [POISON],
+            Publish: [CONFIRMED],
+        }
+    )
+    policy = replace(ConsumerPolicy(), permanent_errors=(KeyError,))
+    settled = drive(settle_batch_steps(batch(2), policy), script)
+    # Then it fails with its batch, as before
+    assert isinstance(settled, BatchRejected)
+    assert (settled.duplicates, settled.dead_lettered) == ((), (0, 1))

@@ -4,6 +4,7 @@ settled on its own, one commit."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -214,6 +215,45 @@ async def test_faststream_batch__a_batch_that_always_fails_ends_in_poison_not_a_
     # Then after its attempts each message is kept as poison and dead-lettered, not looped
     assert sorted(poisoned()) == ["p-0", "p-1", "p-2"]
     assert len(dead) == 3
+
+
+async def test_faststream_batch__a_copy_applied_before_is_a_duplicate_when_its_batch_fails(
+    h, pg_async_engine, pg_engine, seen
+):
+    # Found by the explorer (seed 3114): a message applied, its ack lost to a kill, came
+    # back in a batch that then failed for good, and was kept as poison with it.
+    from sqlalchemy import select
+
+    from inbox_middleware._storage import InboxSchema
+
+    # Given p-0 applied before, and a batch handler that fails every time
+    claim_directly(pg_engine, *order("p-0", 1))
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
+    h.broker.add_middleware(inbox.middleware)
+    inbox.guard(h.broker)
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        raise RuntimeError("the ledger service is broken")
+
+    poison = InboxSchema().tables.poison
+
+    def poisoned() -> list[str]:
+        with pg_engine.connect() as conn:
+            return sorted(row.message_id for row in conn.execute(select(poison)))
+
+    # When p-0 comes back in a batch with two new messages
+    await h.prepare_source()
+    async with h.broker:
+        for number in range(3):
+            await h.publish(*order(f"p-{number}", 1))
+        await h.broker.start()
+        await eventually(lambda: len(poisoned()) >= 2, timeout=30, what="the poison rows")
+        await asyncio.sleep(1)  # a third dead letter, were there one, would be there now
+        dead = await h.read_at_least(f"{h.source}.dead-letter", 2)
+    # Then the two new ones are kept as poison and dead-lettered, the copy is a duplicate
+    assert poisoned() == ["p-1", "p-2"]
+    assert len(dead) == 2
 
 
 async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_rest_applied(

@@ -63,7 +63,15 @@ from .exceptions import (
 )
 from .outputs import OUTPUTS_UNDELIVERABLE, Output
 from .policy import ConsumerPolicy
-from .protocol import Decision, Delivery, QuarantineRecord, ReasonCode, StoredClaim, Verdict
+from .protocol import (
+    Decision,
+    Delivery,
+    QuarantineRecord,
+    ReasonCode,
+    StoredClaim,
+    Verdict,
+    compare,
+)
 
 __all__ = [
     "EXPIRED_REDELIVERY",
@@ -989,6 +997,10 @@ class BatchRejected:
     records: tuple[Any, ...]
     dead_lettered: tuple[int, ...]
     failure: BaseException | None = None
+    duplicates: tuple[int, ...] = ()
+    """The items whose same payload had committed before (a copy whose ack was lost, back
+    in a batch that failed for good): duplicates, acked, neither recorded nor
+    dead-lettered."""
 
 
 BatchSettlement = BatchProcessed | BatchRejected | HandedBack
@@ -1052,7 +1064,7 @@ def settle_batch_steps(
             failed = yield from _batch_failed(claims, rules, exc)
             if isinstance(failed, HandedBack):
                 return failed
-            everything = tuple(range(batch.size))
+            everything = tuple(i for i in range(batch.size) if i not in failed.duplicates)
             return (yield from _batch_dead_letter(batch, failed, everything, poisoned))
     verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
     try:
@@ -1073,6 +1085,21 @@ def settle_batch_steps(
         result, verdicts, tuple(sorted(rejected)), kept, tuple(poisoned[i] for i in kept), old
     )
     return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered, poisoned))
+
+
+def _applied_earlier(claims: Sequence[tuple[int, Delivery]]) -> Generator[Op, Any, set[int]]:
+    """The messages of a batch about to be kept as poison whose same payload had
+    committed before (a redelivery whose ack was lost): each read back, a duplicate."""
+    applied = set()
+    for index, delivery in claims:
+        if delivery.shadow:
+            continue  # in shadow mode a duplicate runs, and fails with its batch
+        stored: StoredClaim | None = yield LookUpClaim(delivery)
+        if stored is None or stored.processed_at is None:
+            continue
+        if compare(stored, delivery)[0] is Decision.DUPLICATE:
+            applied.add(index)
+    return applied
 
 
 def _refused(delivery: Delivery, error: PermanentError) -> Generator[Op, Any, Poisoned]:
@@ -1104,9 +1131,11 @@ def _batch_failed(
         if code is None and not _last(rules, max(counts), exc):
             return HandedBack(exc, counted=True)
         code = code or _exhausted(exc)
+        applied = yield from _applied_earlier(claims)
         records = []
-        for (_, claim), attempts in zip(claims, counts, strict=True):
-            records.append((yield RecordPoison(claim, code, error, attempts)))
+        for (index, claim), attempts in zip(claims, counts, strict=True):
+            if index not in applied:
+                records.append((yield RecordPoison(claim, code, error, attempts)))
     except Exception as trouble:
         # Not recorded (the database may be down): nothing may be dropped, so the batch
         # is handed back whatever kind of failure this was, counted against nothing.
@@ -1115,7 +1144,7 @@ def _batch_failed(
     why = InboxError(
         f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
     )
-    return BatchRejected(code, why, tuple(records), (), exc)
+    return BatchRejected(code, why, tuple(records), (), exc, tuple(sorted(applied)))
 
 
 def _batch_dead_letter(
