@@ -8,7 +8,9 @@ databases gives ``--map FILE`` (or ``INBOX_DATABASE_MAP``: the `DatabaseMap` fil
 workers read) instead of the URL: the command then runs on every database of the map, one
 after the other, or on the database of one tenant (``--tenant``); each database's output
 follows a line ``== database NAME`` on standard error, a database that fails is reported
-and the others still run, and the command fails at the end if any did.
+and the others still run, and the command fails at the end if any did. ``outbox run``
+takes the map itself (its function is marked ``takes_the_map``): one dispatcher over
+every database of the map, or the tenant's, in rotation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "map_options",
     "naming_from",
     "naming_options",
+    "takes_the_map",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -142,9 +145,19 @@ def database_options(command: F) -> F:
 
     # A command with a tenant of its own (explain: the identity's) routes by that one.
     own_tenant = any(p.name == "tenant" for p in getattr(command, "__click_params__", []))
+    # A command that takes the map itself (outbox run: one dispatcher over every database).
+    whole_map = getattr(command, "takes_the_map", False)
 
     @functools.wraps(command)
     def per_database(*args: Any, **kwargs: Any) -> Any:
+        if whole_map:
+            if kwargs["map_file"] is None and kwargs["tenant"] is not None:
+                raise click.UsageError("--tenant needs --map (the database map)")
+            if (kwargs["map_file"] is None) == (kwargs["database_url"] is None):
+                raise click.UsageError("give --database-url or --map (one of them)")
+            if kwargs["database_url"] is None:
+                return command(*args, **kwargs)
+            return under_driver(*args, **kwargs)
         map_file = kwargs.pop("map_file")
         tenant = kwargs.get("tenant") if own_tenant else kwargs.pop("tenant")
         if map_file is None:
@@ -214,11 +227,6 @@ def _each_database(
     from .._core.exceptions import InboxError
     from .._core.tenancy import load_map
 
-    if click.get_current_context().command_path.endswith("outbox run"):
-        raise click.UsageError(
-            "a dispatcher runs until stopped: start one `outbox run` per database "
-            "(--database-url), or one per database and tenant group"
-        )
     routes = load_map(map_file)
     names = routes.databases_of(tenant)
     failed: list[str] = []
@@ -235,6 +243,13 @@ def _each_database(
         raise click.ClickException(
             f"{len(failed)} of {len(names)} databases failed: {', '.join(failed)}"
         )
+
+
+def takes_the_map(command: F) -> F:
+    """Mark a command that takes ``--map`` and ``--tenant`` itself (below
+    `database_options`), rather than being run once per database."""
+    command.takes_the_map = True  # type: ignore[attr-defined]
+    return command
 
 
 def naming_from(schema: str | None, prefix: str) -> InboxSchema:
