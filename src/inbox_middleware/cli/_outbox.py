@@ -138,7 +138,7 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
 def run_command(
     database_url: str | None,
     map_file: str | None,
-    tenant: str | None,
+    databases: tuple[str, ...] | None,
     schema: str | None,
     prefix: str,
     target: str,
@@ -180,7 +180,9 @@ def run_command(
             raise click.UsageError(
                 "--listen is for one database; over a map the rotation is the wake-up"
             )
-        _run_over_map(map_file, tenant, target, path, log_level, burst, settings, sweep, parallel)
+        _run_over_map(
+            map_file, databases, target, path, log_level, burst, settings, sweep, parallel
+        )
         return
     assert database_url is not None
     engine = connect(database_url)
@@ -206,7 +208,7 @@ def run_command(
 
 def _run_over_map(
     map_file: str,
-    tenant: str | None,
+    databases: tuple[str, ...] | None,
     target: str,
     path: str,
     log_level: str,
@@ -215,15 +217,14 @@ def _run_over_map(
     sweep: int,
     parallel: int,
 ) -> None:
-    """One dispatcher over the map's databases (the tenant's only, with --tenant). A
-    database that cannot be reached at start is not a refusal: the dispatcher tries it
-    again in turn, as it does any database that fails later."""
+    """One dispatcher over the map's databases (``databases``: the tenant's or the one
+    named). A database that cannot be reached at start is not a refusal: the dispatcher
+    tries it again in turn, as it does any database that fails later."""
     routes = MapFile(map_file)
-    only = routes.databases_of(tenant) if tenant is not None else None
     destinations = load_destinations(target, path)
     logs.configure(log_level.upper())
     dispatcher = RoutedDispatcher(
-        routes, destinations, databases=only, sweep=sweep, parallel=parallel, **settings
+        routes, destinations, databases=databases, sweep=sweep, parallel=parallel, **settings
     )
     asyncio.run(_serve(dispatcher, burst))
     for name, stats in sorted(dispatcher.stats_by_database().items()):
