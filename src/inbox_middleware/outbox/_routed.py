@@ -95,8 +95,14 @@ class RoutedDispatcher:
       down_pause: seconds a failing database is left alone, doubled at each failure in
         a row up to ``down_pause_cap``.
       engine_options: more `create_engine` options for every database.
-      naming, batch_size, lease, delivery_timeout, max_attempts, backoff,
-      poll_interval, shutdown_grace: as `Dispatcher`, for each database.
+      naming: as `Dispatcher`, for each database.
+      batch_size: as `Dispatcher`, for each database.
+      lease: as `Dispatcher`.
+      delivery_timeout: as `Dispatcher`.
+      max_attempts: as `Dispatcher`.
+      backoff: as `Dispatcher`.
+      poll_interval: seconds between two sweeps of the rotation.
+      shutdown_grace: as `Dispatcher`.
     """
 
     def __init__(
