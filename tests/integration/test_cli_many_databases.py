@@ -4,13 +4,17 @@ the others still run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -22,7 +26,7 @@ from inbox_middleware._storage import InboxSchema
 from inbox_middleware._storage.failures import FailureRecorder
 from inbox_middleware._storage.routed import RoutedInbox
 
-from ..support.tenants import TENANTS, TenantDatabases, tenant_database
+from ..support.tenants import TENANTS, TenantDatabases, account, tenant_database
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -258,3 +262,109 @@ def test_cli_map__outbox_run_list_and_retry_over_the_map(
     assert retried.stdout.count("0 failed effects are pending again") == 3
     listening = run(*dispatch, "--map", path, "--listen")
     assert listening.returncode == 2 and "--listen is for one database" in listening.stderr
+
+
+def test_cli_map__status_shows_each_databases_own_settlement_counts(
+    tenant_databases: TenantDatabases,
+):
+    from inbox_middleware._operate.tally import RoutedCountFlusher, Tally
+
+    # Given a worker over the map that counted settlements under each delivery's database
+    counted = Tally()
+    for _ in range(3):
+        counted.count("billing", "duplicate", "db1")
+    counted.count("billing", "duplicate", "db2")
+    counted.count("billing", "processed", "db2")
+    counted.count("billing", "dead_lettered", "")  # an unknown tenant: no database
+    routes = DatabaseMap({f"db{i}": tenant_databases.url(i) for i in range(3)})
+    inbox = RoutedInbox(routes)
+    try:
+        # When its flusher writes them
+        RoutedCountFlusher.for_routed(inbox, 5.0, counted).flush()
+    finally:
+        inbox.dispose()
+    # Then each database's status shows its own
+    shown = run("status", "--map", str(tenant_databases.map_path), "--json")
+    assert shown.returncode == 0, shown.stderr
+    by_database = {}
+    for name, document in zip(("db0", "db1", "db2"), _documents(shown.stdout), strict=True):
+        by_database[name] = {
+            consumer["consumer"]: {k: v for k, v in consumer["counted"].items() if v}
+            for consumer in document["consumers"]
+        }
+    assert by_database["db0"] == {}
+    assert by_database["db1"] == {"billing": {"duplicate": 3}}
+    assert by_database["db2"] == {"billing": {"duplicate": 1, "processed": 1}}
+
+
+@pytest.mark.slow
+def test_cli_map__a_faststream_worker_over_the_map_writes_each_databases_counts(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    import pika
+
+    from ..support import services
+    from ..support.faststream_worker import FastStreamWorker
+    from ..support.workers import wait_for
+
+    services.require(services.RABBITMQ, "rabbitmq")
+    queue = f"tenant-counts-{uuid.uuid4().hex[:8]}"
+    env = {
+        "INBOX_TEST_MAP": str(tenant_databases.map_path),
+        "INBOX_TEST_BROKER_URL": services.RABBITMQ,
+        "INBOX_TEST_SOURCE": queue,
+    }
+    connection = pika.BlockingConnection(pika.URLParameters(services.RABBITMQ))
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True)
+    worker = FastStreamWorker("tests.apps.tenants_faststream:app", env, tmp_path / "w.log")
+    try:
+        wait_for(worker.ready, timeout=60, what="the FastStream worker")
+        # Given t4's message twice (db1: a duplicate) and t5's once (db2)
+        for tenant, message_id in [("t4", "m-1"), ("t4", "m-1"), ("t5", "m-2")]:
+            channel.basic_publish(
+                "",
+                queue,
+                json.dumps({"account": account(tenant, 1), "delta": 5}).encode(),
+                pika.BasicProperties(
+                    content_type="application/json",
+                    headers={
+                        "x-inbox-producer": "orders",
+                        "x-inbox-message-id": message_id,
+                        "x-inbox-tenant": tenant,
+                    },
+                ),
+            )
+
+        # Then, after the flush interval, each database's status shows its own counts
+        def counts() -> dict[str, dict[str, int]] | None:
+            shown = run("status", "--map", str(tenant_databases.map_path), "--json")
+            found = {}
+            for name, document in zip(
+                ("db0", "db1", "db2"), _documents(shown.stdout), strict=False
+            ):
+                found[name] = {
+                    k: v
+                    for consumer in document["consumers"]
+                    for k, v in consumer["counted"].items()
+                    if v
+                }
+            wanted = {"db0": {}, "db1": {"processed": 1, "duplicate": 1}, "db2": {"processed": 1}}
+            return found if found == wanted else None
+
+        wait_for(counts, timeout=30, interval=1, what="each database's counts")
+    finally:
+        worker.kill()
+        with contextlib.suppress(Exception):
+            channel.queue_delete(queue)
+        connection.close()
+
+
+def _documents(text_: str) -> list[dict[str, Any]]:
+    """The JSON documents printed one after the other (one per database)."""
+    decoder, documents = json.JSONDecoder(), []
+    while text_.strip():
+        document, end = decoder.raw_decode(text_.lstrip())
+        documents.append(document)
+        text_ = text_.lstrip()[end:]
+    return documents
