@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -358,6 +359,62 @@ def test_cli_map__a_faststream_worker_over_the_map_writes_each_databases_counts(
         with contextlib.suppress(Exception):
             channel.queue_delete(queue)
         connection.close()
+
+
+@pytest.mark.slow
+def test_cli_map__a_dramatiq_worker_over_the_map_writes_each_databases_counts(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+
+    from inbox_middleware.dramatiq import identity
+
+    from ..support import services
+    from ..support.workers import WorkerProcess, wait_for
+
+    services.require(services.REDIS, "redis")
+    queue = f"t{uuid.uuid4().hex[:12]}"
+    env = {
+        "INBOX_TEST_MAP": str(tenant_databases.map_path),
+        "INBOX_TEST_BROKER": "redis",
+        "INBOX_TEST_BROKER_URL": services.REDIS,
+        "INBOX_TEST_NAMESPACE": f"inbox-test-{queue}",
+        "INBOX_TEST_QUEUE": queue,
+    }
+    broker = RedisBroker(url=services.REDIS, namespace=f"inbox-test-{queue}")
+    actor = dramatiq.actor(
+        lambda account_id, delta: None, actor_name="add_credit", queue_name=queue, broker=broker
+    )
+    worker = WorkerProcess("tests.apps.tenants_dramatiq", env, tmp_path / "w.log")
+    try:
+        # Given t4's message twice (db1: a duplicate) and t5's once (db2)
+        for tenant, message_id in [("t4", "m-1"), ("t4", "m-1"), ("t5", "m-2")]:
+            actor.send_with_options(
+                args=(account(tenant, 1), 5),
+                **identity(producer="orders", message_id=message_id, tenant=tenant),
+            )
+        wait_for(
+            lambda: (
+                len(tenant_databases.rows(1)["inbox"]) == 1
+                and len(tenant_databases.rows(2)["inbox"]) == 1
+            ),
+            timeout=60,
+            what="the claims",
+        )
+        time.sleep(1)  # the duplicate, queued after the first
+    finally:
+        worker.stop()  # its last flush
+        broker.close()
+    # Then each database's status shows its own counts
+    shown = run("status", "--map", str(tenant_databases.map_path), "--json")
+    found = {
+        name: {k: v for c in document["consumers"] for k, v in c["counted"].items() if v}
+        for name, document in zip(("db0", "db1", "db2"), _documents(shown.stdout), strict=True)
+    }
+    assert found == {"db0": {}, "db1": {"processed": 1, "duplicate": 1}, "db2": {"processed": 1}}, (
+        worker.output()
+    )
 
 
 def _documents(text_: str) -> list[dict[str, Any]]:
