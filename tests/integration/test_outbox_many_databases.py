@@ -159,3 +159,57 @@ def test_outbox_map__one_tenants_database_only(tenant_databases: TenantDatabases
     assert set(remote.applied) == set(outbox_rows(tenant_databases, 1))
     assert set(outbox_rows(tenant_databases, 0).values()) == {"pending"}
     assert len(remote.applied) == len(recorded) // 3
+
+
+def test_outbox_map__a_black_holed_database_holds_one_slot_the_others_keep_flowing(
+    tenant_databases: TenantDatabases, remote: Remote
+):
+    from urllib.parse import urlsplit
+
+    from ..support.proxy import Proxy
+
+    # Given db1 reached through a proxy, and a dispatcher that has looked at it already
+    upstream = urlsplit(tenant_databases.url(1))
+    proxy = Proxy(("127.0.0.1", upstream.port or 5451))
+    urls = {f"db{i}": tenant_databases.url(i) for i in range(3)}
+    urls["db1"] = urls["db1"].replace(f":{upstream.port}/", f":{proxy.port}/")
+    routed = outbox.RoutedDispatcher(
+        DatabaseMap(urls),
+        outbox.Destinations({"remote": HttpDestination(remote.url)}),
+        poll_interval=0.1,
+        lease=5,
+        delivery_timeout=2,
+        parallel=2,
+        connect_timeout=1,
+    )
+    thread = routed.start()
+    try:
+        time.sleep(1.0)
+        # When db1's packets are dropped (its open connection hangs, new ones are never
+        # served) while effects are recorded in every database
+        proxy.blackhole()
+        added = {index: [f"fx-hole-{index}-{k}" for k in range(3)] for index in (1, 0, 2)}
+        for index, ids in added.items():
+            engine = tenant_databases.engine(index)
+            try:
+                with Session(engine) as session, session.begin():
+                    for effect_id in ids:
+                        outbox.add(session, destination="remote", payload={}, effect_id=effect_id)
+            finally:
+                engine.dispose()
+        started = time.monotonic()
+        # Then the other databases' effects are delivered at once, db1's wait
+        healthy = added[0] + added[2]
+        wait_for(lambda: set(healthy) <= set(remote.applied), timeout=10, what="db0 and db2")
+        healthy_in = time.monotonic() - started
+        assert not set(added[1]) & set(remote.applied)
+        # And once db1 answers again, its effects are delivered too
+        proxy.unblackhole()
+        wait_for(lambda: set(added[1]) <= set(remote.applied), timeout=30, what="db1")
+    finally:
+        routed.stop()
+        proxy.close()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert healthy_in < 3.0, healthy_in
+    assert len(remote.received) == 9

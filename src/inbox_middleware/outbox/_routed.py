@@ -236,6 +236,11 @@ class RoutedDispatcher:
         url = database_url(self.router.url(database), asynchronous=False)
         connect: dict[str, Any] = pooler_connect_args(url.get_driver_name())
         connect["connect_timeout"] = max(1, round(self.connect_timeout))
+        # A database whose packets are dropped after the connect (a black hole) fails a
+        # statement once its bytes go unacknowledged this long, rather than after the
+        # kernel's TCP timeout (minutes), so its look ends and frees its slot.
+        connect["tcp_user_timeout"] = round(max(self.connect_timeout, 1.0) * 2000)
+        connect |= {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5}
         options: dict[str, Any] = {
             "pool_size": 1,  # a look leases, then settles: one connection at a time
             "max_overflow": 1,  # `run(burst=True)`'s look ahead, beside an in-flight look
@@ -316,8 +321,20 @@ class RoutedDispatcher:
                         hot.add(name)
         finally:
             stopping.cancel()
-            if in_flight:  # each ends within its shutdown grace (they share the events)
-                await asyncio.gather(*in_flight, return_exceptions=True)
+            await self._end(list(in_flight))
+
+    async def _end(self, looks: list[asyncio.Task[int]]) -> None:
+        """Let the looks in flight end: their deliveries within the shutdown grace (they
+        share the stop events); a look stuck on a database that does not answer is
+        cancelled after it (its leases end on their own, and the effects are taken over)."""
+        if not looks:
+            return
+        grace = self.settings["shutdown_grace"]
+        grace = self.settings["delivery_timeout"] if grace is None else grace
+        _, stuck = await asyncio.wait(looks, timeout=grace + self.connect_timeout)
+        for look in stuck:
+            look.cancel()
+        await asyncio.gather(*looks, return_exceptions=True)
 
     def _next_sweep(self, now: float, skip: set[str]) -> list[str]:
         """The next ``sweep`` databases of the rotation, past the paused ones and those
