@@ -213,3 +213,30 @@ def test_outbox_map__a_black_holed_database_holds_one_slot_the_others_keep_flowi
     assert not thread.is_alive()
     assert healthy_in < 3.0, healthy_in
     assert len(remote.received) == 9
+
+
+def test_outbox_map__a_database_not_migrated_is_reported_the_others_dispatched(
+    tenant_databases: TenantDatabases, remote: Remote, caplog: pytest.LogCaptureFixture
+):
+    recorded = record(tenant_databases)
+    # Given a map naming a fourth database without the inbox tables
+    urls = {f"db{i}": tenant_databases.url(i) for i in range(3)}
+    urls["bare"] = tenant_databases.url(0).rsplit("/", 1)[0] + "/postgres"
+    routed = outbox.RoutedDispatcher(
+        DatabaseMap(urls),
+        outbox.Destinations({"remote": HttpDestination(remote.url)}),
+        poll_interval=0.1,
+        lease=5,
+        delivery_timeout=2,
+    )
+    # When it runs until nothing is due
+    with caplog.at_level("WARNING", logger="inbox_middleware.outbox"):
+        asyncio.run(routed.run(burst=True))
+    # Then the three databases' effects are delivered, and the bare one is named
+    assert sorted(remote.applied) == sorted(recorded)
+    assert "database bare failed" in caplog.text
+    assert "migrate" in caplog.text
+    assert (
+        "bare" not in routed.stats_by_database()
+        or routed.stats_by_database()["bare"] == outbox.DispatcherStats()
+    )

@@ -43,10 +43,12 @@ from dataclasses import fields
 from typing import Any
 
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import DBAPIError
 
-from .._core.exceptions import ConfigurationError, RouteUnavailable
+from .._core.exceptions import ConfigurationError, InboxError, RouteUnavailable
 from .._core.tenancy import Router
 from .._storage.engines import pooler_connect_args
+from .._storage.migrate import check_schema
 from .._storage.routed import database_url
 from .._storage.tables import InboxSchema
 from ._destination import Destination, Destinations
@@ -178,6 +180,7 @@ class RoutedDispatcher:
         self._open: OrderedDict[str, None] = OrderedDict()
         self._failures: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
+        self._checked: set[str] = set()
         self._cursor = 0
         self._names: tuple[str, ...] = ()
         self._lock = threading.Lock()
@@ -353,13 +356,20 @@ class RoutedDispatcher:
         return chosen
 
     async def _look(self, database: str) -> int:
-        """One batch from ``database``; its size, 0 when the database failed (paused)."""
+        """One batch from ``database``; its size, 0 when the database failed (paused).
+
+        A database is checked before its first lease (its tables at this code's version):
+        one not migrated yet is paused and reported, never a reason to stop the others.
+        """
         try:
             one = self.dispatcher(database)
+            if database not in self._checked:
+                await asyncio.to_thread(self._check, one)
+                self._checked.add(database)
             count = await one.dispatch_once()
         except Exception as exc:
             mapped = database_error(exc)
-            if mapped is None and not isinstance(exc, ConfigurationError):
+            if mapped is None and not isinstance(exc, InboxError | DBAPIError):
                 raise
             self._went_down(database, mapped or exc)
             return 0
@@ -368,6 +378,10 @@ class RoutedDispatcher:
         self._down_until.pop(database, None)
         self._keep(database)
         return count
+
+    def _check(self, one: Dispatcher) -> None:
+        with one.engine.connect() as conn:
+            check_schema(conn, one.naming)
 
     def _went_down(self, database: str, reason: BaseException) -> None:
         failures = self._failures[database] = self._failures.get(database, 0) + 1
