@@ -9,7 +9,7 @@ database is started again and its effects are dispatched too. At the end every e
 applied once downstream (delivered at least once, deduplicated by its effect id) and
 marked dispatched in its own database.
 
-The second stops a server: run it under the fault lock (``flock /tmp/inbox-fault.lock``).
+The second stops a server: run it under the fault lock, as every test that stops one.
 """
 
 from __future__ import annotations
