@@ -15,16 +15,26 @@ APP = "tests.apps.outbox_app:destinations"
 
 
 class DispatcherProcess:
-    def __init__(self, database_url: str, env: dict[str, str], log: Path, *args: str) -> None:
+    def __init__(
+        self, database_url: str | Path, env: dict[str, str], log: Path, *args: str
+    ) -> None:
+        """``database_url`` a URL, or the `Path` of a database map (``--map``)."""
         self.log = log
+        where = (
+            ["--map", str(database_url)]
+            if isinstance(database_url, Path)
+            else [
+                "--database-url",
+                database_url,
+            ]
+        )
         command = [
             sys.executable,
             "-c",
             "from inbox_middleware.cli import run; run()",
             "outbox",
             "run",
-            "--database-url",
-            database_url,
+            *where,
             "--destinations",
             APP,
             *args,

@@ -70,6 +70,7 @@ PUBLIC = {
         "InvalidEffect",
         "OutboxError",
         "PermanentDeliveryError",
+        "RoutedDispatcher",
         "add",
         "effect_id_for",
     },

@@ -33,12 +33,19 @@ logger = logging.getLogger("inbox_middleware")
 
 
 def report(
-    arrival: Arrival, settlement: Settlement, *, consumer: str, where: str, message: object = None
+    arrival: Arrival,
+    settlement: Settlement,
+    *,
+    consumer: str,
+    where: str,
+    message: object = None,
+    database: str = "",
 ) -> None:
     """Log and count ``settlement`` of ``arrival`` for ``consumer``; ``where`` names the
     dead-letter path (``the dead-letter queue``, ``orders.dead-letter``), ``message`` the
-    broker's id of the message (for a message without a usable identity of its own)."""
-    tally.count(consumer, outcome_of(settlement))  # in memory; flushed to inbox_counts
+    broker's id of the message (for a message without a usable identity of its own),
+    ``database`` the map's database of the delivery (a worker over many databases)."""
+    tally.count(consumer, outcome_of(settlement), database)  # flushed to inbox_counts
     if type(settlement) is Duplicate or (
         type(settlement) is Processed
         and settlement.verdict is not None

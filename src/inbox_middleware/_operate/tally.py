@@ -15,6 +15,12 @@ The hot path pays one dict increment in a dict of its own thread: no lock, no I/
 flush that fails (the database is down) is logged once for the outage and the next one
 writes the grown cumulative values, so nothing is lost but what a SIGKILL takes: the
 counts since the last flush. The figures are therefore approximate, and say so.
+
+A worker over many databases counts each settlement under its delivery's database too,
+and `RoutedCountFlusher` (`AsyncRoutedCountFlusher`) writes each database's counts to
+that database, so ``inbox-middleware status --map`` shows each database's own. A
+delivery that routes to no database (an unknown tenant) is counted in memory only: no
+database holds it.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ __all__ = [
     "DEFAULT_COUNT_INTERVAL",
     "OUTCOMES",
     "AsyncCountFlusher",
+    "AsyncRoutedCountFlusher",
     "CountFlusher",
+    "RoutedCountFlusher",
     "Tally",
     "check_interval",
     "outcome_of",
@@ -79,6 +87,8 @@ OUTCOMES = (
 trouble: retried, counts against nothing)."""
 
 Counts = dict[tuple[str, str], int]
+"""Counts by (consumer, outcome)."""
+_Keyed = dict[tuple[str, str, str], int]  # by (consumer, outcome, database); "": one database
 
 
 def outcome_of(settlement: Settlement) -> str:
@@ -114,37 +124,46 @@ class Tally:
     def _reset(self) -> None:
         # A forked child is another worker: its own name, its own counts from zero.
         self._local = threading.local()
-        self._threads: list[Counts] = []
+        self._threads: list[_Keyed] = []
         self._lock = threading.Lock()
         host = socket.gethostname()[:100]
         self.worker = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.since = datetime.now(UTC)
 
-    def count(self, consumer: str, outcome: str) -> None:
-        """One settlement more: the hot path's only cost (no lock, no I/O)."""
+    def count(self, consumer: str, outcome: str, database: str = "") -> None:
+        """One settlement more: the hot path's only cost (no lock, no I/O). ``database``:
+        the map's name of the delivery's database, for a worker over many."""
         try:
-            counts: Counts = self._local.counts
+            counts: _Keyed = self._local.counts
         except AttributeError:
             counts = self._thread_counts()
-        key = (consumer, outcome)
+        key = (consumer, outcome, database)
         counts[key] = counts.get(key, 0) + 1
 
-    def _thread_counts(self) -> Counts:
-        counts: Counts = {}
+    def _thread_counts(self) -> _Keyed:
+        counts: _Keyed = {}
         self._local.counts = counts
         with self._lock:
             self._threads.append(counts)
         return counts
 
-    def totals(self) -> Counts:
+    def _all(self) -> _Keyed:
         """Every thread's counts, summed (each thread's dict copied whole, atomically)."""
         with self._lock:
             threads = list(self._threads)
-        totals: Counts = {}
+        totals: _Keyed = {}
         for counts in threads:
             for key, value in dict(counts).items():
                 totals[key] = totals.get(key, 0) + value
         return totals
+
+    def totals(self, database: str = "") -> Counts:
+        """The counts of one database (by default, those of a worker over one)."""
+        return {(c, o): v for (c, o, d), v in self._all().items() if d == database}
+
+    def databases(self) -> set[str]:
+        """The databases of a map that counts were taken for."""
+        return {d for (_, _, d) in self._all() if d}
 
 
 tally = Tally()
@@ -166,33 +185,38 @@ class _Flushes:
     """What the two flushers share: which counts changed since the last write, and one
     log line per outage."""
 
-    def __init__(self, interval: float, source: Tally) -> None:
+    def __init__(self, interval: float, source: Tally, database: str = "") -> None:
         self.interval = interval
         self.source = source
+        self.database = database
         self._written: Counts = {}
         self._failing = False
 
     def changes(self) -> Counts:
-        totals = self.source.totals()
+        totals = self.source.totals(self.database)
         return {k: v for k, v in totals.items() if self._written.get(k) != v}
 
     def done(self, written: Counts) -> None:
         self._written.update(written)
         if self._failing:
             self._failing = False
-            logger.info("the inbox's settlement counts are written again")
+            logger.info("the inbox's settlement counts are written again%s", self._where())
 
     def failed(self, error: Exception) -> None:
         if not self._failing:  # once per outage: the next flush retries
             self._failing = True
             cause = getattr(error, "orig", None) or error  # the driver's, without the SQL
             logger.warning(
-                "could not write the inbox's settlement counts (%s: %s); retrying every "
+                "could not write the inbox's settlement counts%s (%s: %s); retrying every "
                 "%gs, nothing is lost meanwhile",
+                self._where(),
                 type(cause).__name__,
                 (str(cause).strip().splitlines() or [""])[0],
                 self.interval,
             )
+
+    def _where(self) -> str:
+        return f" to database {self.database}" if self.database else ""
 
 
 class CountFlusher(_Flushes):
@@ -311,3 +335,95 @@ class AsyncCountFlusher(_Flushes):
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await self.flush()
+
+
+RoutedWrite = Callable[[str, str, datetime, Counts], Any]
+"""``write(database, worker, since, counts)``: one flush of one database's counts."""
+
+
+class _PerDatabase:
+    """What the routed flushers share: one `_Flushes` per database counts were taken for,
+    each failing and recovering on its own (one database down delays only its counts)."""
+
+    interval: float
+    source: Tally
+    _databases: dict[str, _Flushes]
+
+    def _each(self) -> list[tuple[_Flushes, Counts]]:
+        found = self._databases
+        changed = []
+        for database in sorted(self.source.databases()):
+            flushes = found.get(database)
+            if flushes is None:
+                flushes = found[database] = _Flushes(self.interval, self.source, database)
+            counts = flushes.changes()
+            if counts:
+                changed.append((flushes, counts))
+        return changed
+
+
+class RoutedCountFlusher(_PerDatabase, CountFlusher):
+    """`CountFlusher` for a worker over many databases (Dramatiq): each database's counts
+    go to that database, through ``write(database, worker, since, counts)``."""
+
+    def __init__(self, write: RoutedWrite, interval: float, source: Tally = tally) -> None:
+        super().__init__(lambda *args: None, interval, source)
+        self._write_to = write
+        self._databases = {}
+
+    @classmethod
+    def for_routed(cls, routed: Any, interval: float, source: Tally = tally) -> RoutedCountFlusher:
+        """A flusher writing through a `RoutedInbox`'s engine of each database."""
+
+        def write(database: str, worker: str, since: datetime, counts: Counts) -> None:
+            inbox = routed.inbox(database)
+            with inbox.engine.begin() as conn:
+                flush_counts(conn, inbox.naming, worker, since, counts)
+
+        return cls(write, interval, source)
+
+    def flush(self) -> None:
+        for flushes, counts in self._each():
+            try:
+                self._write_to(flushes.database, self.source.worker, self.source.since, counts)
+            except Exception as exc:
+                flushes.failed(exc)
+            else:
+                flushes.done(counts)
+
+
+class AsyncRoutedCountFlusher(_PerDatabase, AsyncCountFlusher):
+    """`AsyncCountFlusher` for a worker over many databases (FastStream)."""
+
+    def __init__(self, write: RoutedWrite, interval: float, source: Tally = tally) -> None:
+        super().__init__(_nothing, interval, source)
+        self._write_to = write
+        self._databases = {}
+
+    @classmethod
+    def for_routed(
+        cls, routed: Any, interval: float, source: Tally = tally
+    ) -> AsyncRoutedCountFlusher:
+        """A flusher writing through an `AsyncRoutedInbox`'s engine of each database."""
+
+        async def write(database: str, worker: str, since: datetime, counts: Counts) -> None:
+            inbox = routed.inbox(database)
+            async with inbox.engine.begin() as conn:
+                await flush_counts_async(conn, inbox.naming, worker, since, counts)
+
+        return cls(write, interval, source)
+
+    async def flush(self) -> None:
+        for flushes, counts in self._each():
+            try:
+                await self._write_to(
+                    flushes.database, self.source.worker, self.source.since, counts
+                )
+            except Exception as exc:
+                flushes.failed(exc)
+            else:
+                flushes.done(counts)
+
+
+async def _nothing(*args: Any) -> None:
+    return None

@@ -8,7 +8,9 @@ databases gives ``--map FILE`` (or ``INBOX_DATABASE_MAP``: the `DatabaseMap` fil
 workers read) instead of the URL: the command then runs on every database of the map, one
 after the other, or on the database of one tenant (``--tenant``); each database's output
 follows a line ``== database NAME`` on standard error, a database that fails is reported
-and the others still run, and the command fails at the end if any did.
+and the others still run, and the command fails at the end if any did. ``outbox run``
+takes the map itself (its function is marked ``takes_the_map``): one dispatcher over
+every database of the map, or the tenant's, in rotation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "map_options",
     "naming_from",
     "naming_options",
+    "takes_the_map",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -142,20 +145,30 @@ def database_options(command: F) -> F:
 
     # A command with a tenant of its own (explain: the identity's) routes by that one.
     own_tenant = any(p.name == "tenant" for p in getattr(command, "__click_params__", []))
+    # A command that takes the map itself (outbox run: one dispatcher over every database).
+    whole_map = getattr(command, "takes_the_map", False)
 
     @functools.wraps(command)
     def per_database(*args: Any, **kwargs: Any) -> Any:
         map_file = kwargs.pop("map_file")
+        name = kwargs.pop("database_name")
         tenant = kwargs.get("tenant") if own_tenant else kwargs.pop("tenant")
         if map_file is None:
-            if tenant is not None and not own_tenant:
-                raise click.UsageError("--tenant needs --map (the database map)")
+            if (tenant is not None and not own_tenant) or name is not None:
+                raise click.UsageError("--tenant and --database need --map (the database map)")
             if kwargs["database_url"] is None:
                 raise click.UsageError("Missing option '--database-url' (or --map).")
+            if whole_map:
+                kwargs.update(map_file=None, databases=None)
             return under_driver(*args, **kwargs)
         if kwargs["database_url"] is not None:
             raise click.UsageError("give --database-url or --map, not both")
-        return _each_database(map_file, tenant, under_driver, args, kwargs)
+        if name is not None and tenant is not None and not own_tenant:
+            raise click.UsageError("give --tenant or --database, not both")
+        if whole_map:
+            names = _databases(map_file, tenant, name)
+            return command(*args, **kwargs, map_file=map_file, databases=names)
+        return _each_database(map_file, tenant, name, under_driver, args, kwargs)
 
     def under_driver(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -181,7 +194,14 @@ def database_options(command: F) -> F:
 
 
 def map_options(command: F, *, tenant: bool = True) -> F:
-    """``--map`` and ``--tenant``: every database of a fleet's map, or one tenant's."""
+    """``--map``, ``--tenant`` and ``--database``: every database of a fleet's map, one
+    tenant's, or one by name."""
+    command = click.option(
+        "--database",
+        "database_name",
+        default=None,
+        help="With --map: only this database of the map (by its name in the map).",
+    )(command)
     if tenant:
         command = click.option(
             "--tenant",
@@ -200,41 +220,66 @@ def map_options(command: F, *, tenant: bool = True) -> F:
     )(command)
 
 
+_PER_DATABASE_IDS = ("row_id", "row_ids", "effect_id", "effect_ids")
+"""Arguments that name rows by an id of one database: over a map, they need the one."""
+
+
+def _databases(map_file: str, tenant: str | None, name: str | None) -> tuple[str, ...] | None:
+    """The databases ``--tenant`` or ``--database`` select (None: every one)."""
+    from .._core.tenancy import load_map
+
+    routes = load_map(map_file)
+    if name is not None:
+        routes.url(name)  # ConfigurationError naming a database the map does not have
+        return (name,)
+    return None if tenant is None else routes.databases_of(tenant)
+
+
 def _each_database(
     map_file: str,
     tenant: str | None,
+    name: str | None,
     run: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    """Run the command on each database of the map (or the tenant's); report each failure
-    and go on, then fail when any did."""
+    """Run the command on each database of the map (or the tenant's, or the one named);
+    report each failure and go on, then fail when any did."""
     from sqlalchemy.exc import DBAPIError
 
     from .._core.exceptions import InboxError
     from .._core.tenancy import load_map
 
-    if click.get_current_context().command_path.endswith("outbox run"):
+    names = _databases(map_file, tenant, name) or load_map(map_file).names()
+    if len(names) > 1 and any(kwargs.get(arg) for arg in _PER_DATABASE_IDS):
         raise click.UsageError(
-            "a dispatcher runs until stopped: start one `outbox run` per database "
-            "(--database-url), or one per database and tenant group"
+            "ids name rows of one database: with --map, give --tenant or --database too"
         )
     routes = load_map(map_file)
-    names = routes.databases_of(tenant)
     failed: list[str] = []
-    for name in names:
-        click.echo(f"== database {name}", err=True)
+    for one in names:
+        click.echo(f"== database {one}", err=True)
         try:
-            run(*args, **{**kwargs, "database_url": routes.url(name)})
+            run(*args, **{**kwargs, "database_url": routes.url(one)})
         except (InboxError, DBAPIError, click.ClickException) as exc:
             text = str(exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc)
             first = (text.strip().splitlines() or [type(exc).__name__])[0]
-            click.echo(f"error: database {name}: {first}", err=True)
-            failed.append(name)
+            click.echo(f"error: database {one}: {first}", err=True)
+            failed.append(one)
+        except SystemExit as exc:  # a command that said why on standard error, then exited
+            if exc.code not in (None, 0):
+                failed.append(one)
     if failed:
         raise click.ClickException(
             f"{len(failed)} of {len(names)} databases failed: {', '.join(failed)}"
         )
+
+
+def takes_the_map(command: F) -> F:
+    """Mark a command that takes ``--map`` and ``--tenant`` itself (below
+    `database_options`), rather than being run once per database."""
+    command.takes_the_map = True  # type: ignore[attr-defined]
+    return command
 
 
 def naming_from(schema: str | None, prefix: str) -> InboxSchema:

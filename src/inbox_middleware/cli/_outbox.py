@@ -15,12 +15,21 @@ from sqlalchemy import Connection
 
 from .._core import logs
 from .._core.exceptions import ConfigurationError
+from .._core.tenancy import MapFile
 from .._storage.migrate import check_schema
 from ..outbox._destination import Destination
-from ..outbox._dispatcher import Backoff, Dispatcher, require_postgresql
+from ..outbox._dispatcher import Backoff, Dispatcher, DispatcherStats, require_postgresql
 from ..outbox._errors import EffectNotFound
+from ..outbox._routed import RoutedDispatcher
 from ..outbox._statements import PENDING, STATUSES, OutboxStatements, statements_for
-from ._options import Seconds, connect, database, database_options, naming_from
+from ._options import (
+    Seconds,
+    connect,
+    database,
+    database_options,
+    naming_from,
+    takes_the_map,
+)
 from ._output import echo_json, table, when
 
 __all__ = ["outbox"]
@@ -103,6 +112,21 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     help="Exit once no effect is due, nor due within a second (a first retry).",
 )
 @click.option(
+    "--sweep",
+    type=click.IntRange(1, 100_000),
+    default=10,
+    show_default=True,
+    help="With --map: idle databases looked at per poll interval (an idle database is "
+    "looked at within ceil(databases / sweep) poll intervals).",
+)
+@click.option(
+    "--parallel",
+    type=click.IntRange(1, 1_000),
+    default=4,
+    show_default=True,
+    help="With --map: databases dispatched from at the same time.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="info",
@@ -110,8 +134,11 @@ outbox: click.Group = click.Group("outbox", help="Dispatch and inspect the trans
     envvar="INBOX_LOG_LEVEL",
     help="Unless logging is configured already (by the destinations module, say).",
 )
+@takes_the_map
 def run_command(
-    database_url: str,
+    database_url: str | None,
+    map_file: str | None,
+    databases: tuple[str, ...] | None,
     schema: str | None,
     prefix: str,
     target: str,
@@ -127,14 +154,37 @@ def run_command(
     listen_url: str | None,
     shutdown_grace: float | None,
     burst: bool,
+    sweep: int,
+    parallel: int,
     log_level: str,
 ) -> None:
     """Deliver due effects until SIGTERM or SIGINT.
 
     The first signal lets in-flight deliveries finish (for the shutdown grace), then
-    releases what is left; a second one releases at once.
+    releases what is left; a second one releases at once. With --map, one dispatcher
+    covers every database of the map (or the tenant's), in a bounded round robin.
     """
     naming = naming_from(schema, prefix)
+    settings: dict[str, Any] = {
+        "naming": naming,
+        "batch_size": batch_size,
+        "lease": lease,
+        "delivery_timeout": delivery_timeout,
+        "max_attempts": max_attempts,
+        "backoff": Backoff(base=backoff_base, cap=backoff_cap),
+        "poll_interval": poll_interval,
+        "shutdown_grace": shutdown_grace,
+    }
+    if map_file is not None:
+        if listen or listen_url:
+            raise click.UsageError(
+                "--listen is for one database; over a map the rotation is the wake-up"
+            )
+        _run_over_map(
+            map_file, databases, target, path, log_level, burst, settings, sweep, parallel
+        )
+        return
+    assert database_url is not None
     engine = connect(database_url)
     try:
         require_postgresql(engine)
@@ -148,30 +198,52 @@ def run_command(
         destinations = load_destinations(target, path)
         logs.configure(log_level.upper())  # after the module, which may configure its own
         dispatcher = Dispatcher(
-            engine,
-            destinations,
-            naming=naming,
-            batch_size=batch_size,
-            lease=lease,
-            delivery_timeout=delivery_timeout,
-            max_attempts=max_attempts,
-            backoff=Backoff(base=backoff_base, cap=backoff_cap),
-            poll_interval=poll_interval,
-            listen=listen,
-            listen_url=listen_url,
-            shutdown_grace=shutdown_grace,
+            engine, destinations, listen=listen, listen_url=listen_url, **settings
         )
         asyncio.run(_serve(dispatcher, burst))
     finally:
         engine.dispose()
-    stats = dispatcher.stats
-    click.echo(
+    _summary(dispatcher.stats)
+
+
+def _run_over_map(
+    map_file: str,
+    databases: tuple[str, ...] | None,
+    target: str,
+    path: str,
+    log_level: str,
+    burst: bool,
+    settings: dict[str, Any],
+    sweep: int,
+    parallel: int,
+) -> None:
+    """One dispatcher over the map's databases (``databases``: the tenant's or the one
+    named). A database that cannot be reached at start is not a refusal: the dispatcher
+    tries it again in turn, as it does any database that fails later."""
+    routes = MapFile(map_file)
+    destinations = load_destinations(target, path)
+    logs.configure(log_level.upper())
+    dispatcher = RoutedDispatcher(
+        routes, destinations, databases=databases, sweep=sweep, parallel=parallel, **settings
+    )
+    asyncio.run(_serve(dispatcher, burst))
+    for name, stats in sorted(dispatcher.stats_by_database().items()):
+        click.echo(f"database {name}: " + _counts(stats))
+    _summary(dispatcher.stats)
+
+
+def _counts(stats: DispatcherStats) -> str:
+    return (
         f"dispatched {stats.dispatched}, retried {stats.retried}, failed {stats.failed}, "
         f"released {stats.released}, leases lost {stats.leases_lost}"
     )
 
 
-async def _serve(dispatcher: Dispatcher, burst: bool) -> None:
+def _summary(stats: DispatcherStats) -> None:
+    click.echo(_counts(stats))
+
+
+async def _serve(dispatcher: Dispatcher | RoutedDispatcher, burst: bool) -> None:
     loop = asyncio.get_running_loop()
     received = 0
 

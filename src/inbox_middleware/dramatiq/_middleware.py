@@ -69,7 +69,12 @@ from .._core.policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, Poli
 from .._core.tenancy import Router
 from .._observe.tracing import tracing_for
 from .._operate.reporting import report
-from .._operate.tally import DEFAULT_COUNT_INTERVAL, CountFlusher, check_interval
+from .._operate.tally import (
+    DEFAULT_COUNT_INTERVAL,
+    CountFlusher,
+    RoutedCountFlusher,
+    check_interval,
+)
 from .._storage import Inbox, InboxSchema
 from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .._storage.routed import (
@@ -465,6 +470,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 consumer=bound.consumer,
                 where="the dead-letter queue",
                 message=message.message_id,
+                database=self._database_of(delivery),
             )
             faults.at("settle", delivery.identity.message_id if delivery else None)
         except Exception:
@@ -579,9 +585,23 @@ class InboxMiddleware(dramatiq.Middleware):
         assert not isinstance(self.async_inbox, AsyncRoutedInbox)
         check_database(self.inbox, self.async_inbox, worker.worker_threads, self.startup_patience)
 
+    def _database_of(self, delivery: Any) -> str:
+        """The map's database of ``delivery`` for the counts ("" with one database, or
+        none: an unknown tenant's counts stay in memory)."""
+        if not isinstance(self.inbox, RoutedInbox) or delivery is None:
+            return ""
+        try:
+            return self.inbox.route(delivery)
+        except Exception:
+            return ""
+
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if self.routed:
-            return  # settlement counts are written per database by no one yet
+        if isinstance(self.inbox, RoutedInbox):
+            if self._actors and self._counts is None and self.count_interval is not None:
+                # each database's counts to that database
+                self._counts = RoutedCountFlusher.for_routed(self.inbox, self.count_interval)
+                self._counts.start()
+            return
         assert not isinstance(self.inbox, RoutedInbox)
         assert not isinstance(self.async_inbox, AsyncRoutedInbox)
         if self._actors and self._counts is None:

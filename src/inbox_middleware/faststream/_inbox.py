@@ -28,7 +28,12 @@ from .._core.identity import MAX_NAME_LENGTH, validate_name
 from .._core.policy import SETTINGS, ConsumerPolicy, PolicySettings
 from .._core.tenancy import Router
 from .._observe.tracing import tracing_for
-from .._operate.tally import DEFAULT_COUNT_INTERVAL, AsyncCountFlusher, check_interval
+from .._operate.tally import (
+    DEFAULT_COUNT_INTERVAL,
+    AsyncCountFlusher,
+    AsyncRoutedCountFlusher,
+    check_interval,
+)
 from .._storage import InboxSchema
 from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
 from .._storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
@@ -153,6 +158,8 @@ class FastStreamInbox:
         interval = check_interval(count_interval)
         if engine is not None and interval is not None:  # one database: counts there
             self.counts = AsyncCountFlusher.for_engine(engine, self.storage.naming, interval)
+        elif interval is not None:  # many databases: each one's counts there
+            self.counts = AsyncRoutedCountFlusher.for_routed(self.storage, interval)
         self.middleware = InboxMiddlewareFactory(self)
         """The broker middleware: ``RabbitBroker(url, middlewares=[inbox.middleware])``."""
         # Verdicts by subscriber object, forgotten with it: FastStream keeps a broker's

@@ -374,6 +374,16 @@ class Subscription:
         output = Output(bytes(body), content_type, headers)
         return output.checked(self.policy.max_output_bytes)
 
+    def _database_of(self, arrival: Arrival) -> str:
+        """The map's database of the delivery, for the counts ("" with one database, or
+        none: an unknown tenant's counts stay in memory)."""
+        if not getattr(self.storage, "routed", False) or arrival.delivery is None:
+            return ""
+        try:
+            return str(self.storage.route(arrival.delivery))  # type: ignore[union-attr]
+        except Exception:
+            return ""
+
     def _report(self, message: Any, item: Item, arrival: Arrival, settlement: Settlement) -> None:
         where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
         try:  # whatever happens here, the broker is still told
@@ -383,6 +393,7 @@ class Subscription:
                 consumer=self.consumer.name,
                 where=where,
                 message=getattr(message, "message_id", None),
+                database=self._database_of(arrival),
             )
             faults.at("settle", message_id_of(item.headers))
         except Exception:

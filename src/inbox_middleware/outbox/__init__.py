@@ -8,6 +8,9 @@ outbox.add(session, destination="email", payload={"to": "a@example.com"})  # in 
 
 dispatcher = outbox.Dispatcher(engine, outbox.Destinations({"email": EmailDestination()}))
 await dispatcher.run()              # or: inbox-middleware outbox run --destinations app:dests
+
+# a fleet over many databases: every database of the map, in a bounded round robin
+dispatcher = outbox.RoutedDispatcher(database_map, destinations)  # or: outbox run --map FILE
 ```
 
 Shipped destinations live in `inbox_middleware.outbox.destinations` (HTTP, Dramatiq,
@@ -25,6 +28,7 @@ from ._errors import (
     PermanentDeliveryError,
 )
 from ._recording import add, effect_id_for
+from ._routed import RoutedDispatcher
 
 __all__ = [
     "Backoff",
@@ -39,6 +43,7 @@ __all__ = [
     "InvalidEffect",
     "OutboxError",
     "PermanentDeliveryError",
+    "RoutedDispatcher",
     "add",
     "effect_id_for",
 ]

@@ -285,6 +285,16 @@ class Dispatcher:
         thread.start()
         return thread
 
+    def _join(
+        self,
+        loop: asyncio.AbstractEventLoop | None,
+        stopping: asyncio.Event,
+        aborting: asyncio.Event,
+    ) -> None:
+        """Take another runner's loop and stop events (`RoutedDispatcher`, which calls
+        `dispatch_once` for each database): its `stop` ends this one's deliveries too."""
+        self._loop, self._stopping, self._aborting = loop, stopping, aborting
+
     async def _idle(self, seconds: float | None = None) -> None:
         """Wait ``seconds`` (default: the poll interval), until stopped or woken."""
         assert self._stopping is not None
