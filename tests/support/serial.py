@@ -11,6 +11,7 @@ from __future__ import annotations
 SERIAL = (
     "tests/faults/",
     "tests/crash/test_many_databases.py",  # stops a tenant server
+    "tests/crash/test_outbox_many_databases.py",  # stops a tenant server
     "tests/chaos/",
     "tests/explore/",
     "tests/acceptance/test_demo.py",  # the failover pair
@@ -19,6 +20,7 @@ SERIAL = (
     "tests/integration/test_dramatiq_broker_outage.py",  # kills the persistent Redis
     "tests/integration/test_move_tenant.py",  # the tenant servers
     "tests/integration/test_outage_redeliveries.py",  # stops the outage server
+    "tests/integration/test_outbox_many_databases.py",  # the tenant servers
     "tests/integration/test_replication.py",  # the failover pair
     "tests/integration/test_startup_outage.py",  # stops the outage server
 )
