@@ -139,3 +139,70 @@ def test_tenant_isolation__faststream_black_holed_database_does_not_stall_the_ot
     finally:
         worker.kill()
         proxy.close()
+
+
+def test_tenant_isolation__a_database_down_is_paused_longer_while_it_stays_down(
+    tenant_databases: TenantDatabases,
+) -> None:
+    """A routed inbox tries a database that does not answer once per pause (the pause
+    doubling while it stays down), hands its deliveries back meanwhile with the pause as
+    their least delay, and serves the other databases as before; once it answers, its
+    pauses start again from the first."""
+    from inbox_middleware import DatabaseMap, MessageIdentity
+    from inbox_middleware._core.exceptions import DatabaseUnavailable
+    from inbox_middleware._core.identity import hash_json
+    from inbox_middleware._core.protocol import Decision, Delivery
+    from inbox_middleware._storage.routed import RoutedInbox
+
+    from ..apps.domain import apply_credit
+
+    port = urlsplit(services.POSTGRES_TENANTS[1]).port
+    proxy = Proxy(("127.0.0.1", port or 5451))
+    urls = {"db0": tenant_databases.url(0), "db1": tenant_databases.url(1)}
+    urls["db1"] = urls["db1"].replace(f":{port}/", f":{proxy.port}/")
+    inbox = RoutedInbox(
+        DatabaseMap(urls, tenants={"t0": "db0", "t1": "db1"}),
+        down_pause=0.5,
+        down_pause_limit=2.0,
+        connect_timeout=1.0,
+    )
+    counter = iter(range(1000))
+
+    def credit(tenant: str) -> Decision:
+        n = next(counter)
+        delivery = Delivery(
+            "billing",
+            MessageIdentity("orders", f"m-{n}", tenant),
+            hash_json({"n": n}, "v1"),
+            source="q",
+        )
+        account_id = 0 if tenant == "t0" else 100
+        result = inbox.process(delivery, lambda s: apply_credit(s, "billing", account_id, 1))
+        return result.verdict.decision
+
+    def refused(tenant: str) -> float:
+        with pytest.raises(DatabaseUnavailable) as caught:
+            credit(tenant)
+        assert caught.value.retry_after is not None
+        return caught.value.retry_after
+
+    try:
+        proxy.down()
+        # the first try fails: paused 0.5 s, then 1 s, then 2 s (the limit), then 2 s
+        pauses = []
+        for _ in range(4):
+            pauses.append(refused("t1"))
+            # meanwhile its deliveries are refused at once, the other database serves
+            began = time.monotonic()
+            assert 0 < refused("t1") <= pauses[-1]
+            assert credit("t0") is Decision.FIRST
+            assert time.monotonic() - began < 0.5
+            time.sleep(pauses[-1] + 0.05)
+        assert pauses == pytest.approx([0.5, 1.0, 2.0, 2.0], abs=0.01)
+        proxy.up()
+        assert credit("t1") is Decision.FIRST  # the try after the pause answers
+        proxy.down()
+        assert refused("t1") == pytest.approx(0.5, abs=0.01)  # from the first pause again
+    finally:
+        inbox.dispose()
+        proxy.close()

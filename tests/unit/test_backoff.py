@@ -27,3 +27,22 @@ def test_backoff__re_enqueue_waits_as_tenacitys_exponential_did() -> None:
         state = tenacity.RetryCallState(None, None, (), {})
         state.attempt_number = attempt
         assert backoff_delay(0.1, 5.0, attempt) == before(state)
+
+
+def test_backoff__a_database_found_down_holds_its_hand_backs_for_its_pause() -> None:
+    from inbox_middleware._core.consumption import HandBackRequested, HandedBack
+    from inbox_middleware._core.exceptions import DatabaseUnavailable
+
+    down = DatabaseUnavailable("db2 did not answer")
+    down.retry_after = 4.0
+    waits = {key: HandedBack(down, counted=False).wait(key, lambda: 0.2) for key in range(50)}
+    # never sooner than the pause, spread over one more pause by the message's key
+    assert all(4.0 <= wait < 8.0 for wait in waits.values())
+    assert max(waits.values()) - min(waits.values()) > 2.0
+    assert HandedBack(down, counted=False).wait(7, lambda: 0.2) == waits[7]
+    # a backoff longer than the pause wins; without a pause the backoff alone decides
+    assert HandedBack(down, counted=False).wait(7, lambda: 30.0) == 30.0
+    assert HandedBack(DatabaseUnavailable("x"), counted=False).wait(7, lambda: 0.2) == 0.2
+    # a delay the handler asked for is kept as it is
+    requested = HandBackRequested(delay=1.5)
+    assert HandedBack(requested, counted=True, delay=1.5).wait(7, lambda: 0.2) == 1.5

@@ -194,7 +194,12 @@ class TransactionConflict(TransientError):
 
 
 class DatabaseUnavailable(TransientError):
-    """The database could not be reached, or the connection broke mid-transaction."""
+    """The database could not be reached, or the connection broke mid-transaction.
+
+    ``retry_after``: seconds before this process tries the database again (a routed
+    inbox's database found down), or None; the hand-back waits at least that long."""
+
+    retry_after: float | None = None
 
 
 class RouteUnavailable(TransientError):
