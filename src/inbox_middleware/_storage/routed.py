@@ -311,7 +311,9 @@ class RoutedInbox(_Routes):
     ``pool_size``, connections per open database; ``connection_budget``, connections
     over all databases (see the module for the rule); ``connect_timeout``, seconds a
     connection attempt waits; ``engine_options``, more `create_engine` options;
-    ``check_lazily``, whether a database is checked before its first claim."""
+    ``check_lazily``, whether a database is checked before its first claim;
+    ``down_pause`` and ``down_pause_limit``, seconds a database that did not answer is
+    not tried again, the first time and at most (doubling in between)."""
 
     def __init__(
         self,
