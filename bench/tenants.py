@@ -208,8 +208,8 @@ class Sender:
 
     def close(self) -> None:
         if self.framework == "faststream":
-            waits = [f"{self.queue}.inbox-wait.{ms}" for ms in (200, 400, 800, 1000)]
-            for name in (self.queue, f"{self.queue}.dead-letter", *waits):
+            # the wait queues (<queue>.inbox-wait.<ms>) go by themselves, unused
+            for name in (self.queue, f"{self.queue}.dead-letter"):
                 self.channel.queue_delete(name)
             self.connection.close()
             return

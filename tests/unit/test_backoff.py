@@ -46,3 +46,24 @@ def test_backoff__a_database_found_down_holds_its_hand_backs_for_its_pause() -> 
     # a delay the handler asked for is kept as it is
     requested = HandBackRequested(delay=1.5)
     assert HandedBack(requested, counted=True, delay=1.5).wait(7, lambda: 0.2) == 1.5
+
+
+def test_backoff__rabbitmqs_wait_queues_round_a_delay_up_to_a_few_steps() -> None:
+    from inbox_middleware.faststream._brokers.rabbit import _wait_step
+
+    delays = [0.2, 0.4, 0.8, 1.0, 1.001, 4.3, 7.9, 12.4, 19.9, 3600]
+    assert [_wait_step(d) for d in delays] == [
+        200,
+        400,
+        800,
+        1000,
+        1200,
+        5000,
+        8000,
+        15000,
+        20000,
+        4_000_000,
+    ]
+    spread = {_wait_step(5 + n / 100) for n in range(500)}  # a pause of 5 s, spread
+    assert spread == {5000, 6000, 7000, 8000, 10000}
+    assert all(_wait_step(ms / 1000) >= ms for ms in range(1, 100_000, 7))

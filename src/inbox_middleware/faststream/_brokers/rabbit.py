@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -137,7 +138,7 @@ class RabbitAdapter(BrokerAdapter):
         copy = self._copy(raw, headers)
         if isinstance(copy, str):
             return False
-        ms = max(1, round(delay * 1000))
+        ms = _wait_step(delay)
         name = f"{self.source}.inbox-wait.{ms}"
         for attempt in range(2):
             key = (id(self.broker), name)
@@ -213,6 +214,21 @@ class RabbitAdapter(BrokerAdapter):
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
         await message.reject(requeue=False)
+
+
+_STEPS = (10, 12, 15, 20, 25, 30, 40, 50, 60, 70, 80)
+"""A wait queue's delay, in a decade (``x 10^k`` ms): twelve queues a decade at most."""
+
+
+def _wait_step(delay: float) -> int:
+    """The wait queue for a ``delay`` in seconds: its milliseconds rounded up to the next
+    step (so a hand-back never waits less than asked, and at most a quarter more), so
+    that the few queues a source has serve every delay."""
+    ms = max(1, math.ceil(delay * 1000))
+    if ms <= 10:
+        return ms
+    scale = int(10 ** (len(str(ms)) - 2))  # ms / scale is in [10, 100)
+    return next(step * scale for step in (*_STEPS, 100) if step * scale >= ms)
 
 
 _DECLARED: set[tuple[int, str]] = set()
