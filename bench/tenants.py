@@ -27,8 +27,10 @@ bench.tenants``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -83,10 +85,13 @@ def prepare() -> None:
 
 
 def cluster(port: int, action: str) -> None:
+    """Stop or start a tenant server; one already in that state is left as it is."""
     version = subprocess.run(
         ["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True
     ).stdout.split()[0]
     index = PORTS.index(port)
+    if answering(port) == (action == "start"):
+        return
     subprocess.run(
         ["pg_ctlcluster", "--skip-systemctl-redirect", version, f"inbox_tenant_{index}", action]
         + (["-m", "fast"] if action == "stop" else []),
@@ -94,6 +99,38 @@ def cluster(port: int, action: str) -> None:
         capture_output=True,
         timeout=120,
     )
+
+
+def answering(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
+def break_the_database(proxy: Any, at: float, outage: float) -> None:
+    """At ``at`` (monotonic): the third database stopped for ``outage`` seconds, then
+    started and black-holed through ``proxy`` for ``outage`` seconds."""
+    time.sleep(max(0.0, at - time.monotonic()))
+    cluster(PORTS[DOWN], "stop")
+    restarted = keep_stopped(PORTS[DOWN], at + outage)
+    if restarted:
+        print(f"the stopped server was started by something else {restarted}x: stopped again")
+    cluster(PORTS[DOWN], "start")
+    proxy.blackhole()
+    time.sleep(max(0.0, at + 2 * outage - time.monotonic()))
+    proxy.unblackhole()
+
+
+def keep_stopped(port: int, until: float) -> int:
+    """Keep the server stopped until ``until`` (monotonic): something that starts it
+    meanwhile (a test outside the fault lock) is undone. Answers how often it was."""
+    restarted = 0
+    while time.monotonic() < until:
+        if answering(port):
+            restarted += 1
+            cluster(port, "stop")
+        time.sleep(0.5)
+    return restarted
 
 
 @dataclass
@@ -258,13 +295,7 @@ def one_run(
     producer = threading.Thread(target=produce, args=(started,))
     producer.start()
     if kind == "outage":
-        time.sleep(warmup)
-        cluster(PORTS[DOWN], "stop")
-        time.sleep(max(0.0, started + warmup + outage - time.monotonic()))
-        cluster(PORTS[DOWN], "start")
-        proxy.blackhole()
-        time.sleep(max(0.0, started + warmup + 2 * outage - time.monotonic()))
-        proxy.unblackhole()
+        break_the_database(proxy, started + warmup, outage)
     producer.join()
     rows = ledger_rows(len(sent), deadline=time.monotonic() + 120 + 2 * outage)
     for worker in workers:
