@@ -3,8 +3,10 @@ dropped, through the test proxy: a connect or a query that never answers), the o
 tenants' messages on the same shared queue still complete, on a real FastStream worker
 over RabbitMQ with a bounded prefetch.
 
-Nothing here stops a server (the proxy black-holes one database's connections), so no
-fault lock is needed.
+Nothing here stops a server (the proxy black-holes one database's connections); but the
+tenant databases' fixture starts any tenant server it finds stopped when it ends, which
+would cut short another run's outage: run these under the fault lock while such a run
+(``tests/crash/test_many_databases.py``, ``python -m bench.tenants``) may be going on.
 """
 
 from __future__ import annotations
