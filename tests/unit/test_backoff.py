@@ -31,7 +31,7 @@ def test_backoff__re_enqueue_waits_as_tenacitys_exponential_did() -> None:
 
 def test_backoff__a_database_found_down_holds_its_hand_backs_for_its_pause() -> None:
     from inbox_middleware._core.consumption import HandBackRequested, HandedBack
-    from inbox_middleware._core.exceptions import DatabaseUnavailable
+    from inbox_middleware._core.exceptions import DatabaseUnavailable, RouteUnavailable
 
     down = DatabaseUnavailable("db2 did not answer")
     down.retry_after = 4.0
@@ -43,6 +43,10 @@ def test_backoff__a_database_found_down_holds_its_hand_backs_for_its_pause() -> 
     # a backoff longer than the pause wins; without a pause the backoff alone decides
     assert HandedBack(down, counted=False).wait(7, lambda: 30.0) == 30.0
     assert HandedBack(DatabaseUnavailable("x"), counted=False).wait(7, lambda: 0.2) == 0.2
+    # a database whose pool is taken by hung deliveries holds its hand-backs as well
+    busy = RouteUnavailable("db2 holds 4 deliveries already")
+    busy.retry_after = 1.0
+    assert 1.0 <= HandedBack(busy, counted=False).wait(7, lambda: 0.2) < 2.0
     # a delay the handler asked for is kept as it is
     requested = HandBackRequested(delay=1.5)
     assert HandedBack(requested, counted=True, delay=1.5).wait(7, lambda: 0.2) == 1.5

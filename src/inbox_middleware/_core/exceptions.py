@@ -205,3 +205,7 @@ class DatabaseUnavailable(TransientError):
 class RouteUnavailable(TransientError):
     """The database of the message's tenant cannot be chosen or reached now: the resolver
     raised, the map is being reloaded, or the connection budget is spent. Retried later."""
+
+    retry_after: float | None = None
+    """Seconds the hand-back waits at least (its database holds all the deliveries of this
+    worker it may: they may hang), or None."""

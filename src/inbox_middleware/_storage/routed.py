@@ -244,10 +244,14 @@ class _Routes:
                 self._in_flight[database] = taken + 1
         if busy:
             metrics.route(consumer, database, "busy")
-            raise RouteUnavailable(
+            refused = RouteUnavailable(
                 f"database {database!r} holds {self.pool_size} deliveries of this worker "
                 "already (its pool): handed back rather than wait"
             )
+            # Its deliveries may hang (a black-holed server): come back no sooner than a
+            # pause, not at the backoff's pace for as long as they hang.
+            refused.retry_after = self.down_pause
+            raise refused
         try:
             yield
         finally:
