@@ -176,9 +176,9 @@ def test_quorum__dramatiq_hand_backs_spend_no_delivery_limit(
     backoff.first = backoff.limit = 0.02
     original = middleware._hand_back_delay
 
-    def counting(error: BaseException, pending: Any) -> float:
+    def counting(settlement: Any, pending: Any) -> float:
         handed_back.append(1)
-        return original(error, pending)
+        return original(settlement, pending)
 
     middleware._hand_back_delay = counting  # type: ignore[method-assign]
     try:

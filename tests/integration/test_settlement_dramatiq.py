@@ -132,9 +132,9 @@ def test_settlement__25_hand_backs_then_success_and_no_dead_letter(
     backoff.first = backoff.limit = 0.02
     original = middleware._hand_back_delay
 
-    def counting(error, pending):
+    def counting(settlement, pending):
         handed_back.append(pending.message.options.get("retries", 0))
-        return original(error, pending)
+        return original(settlement, pending)
 
     middleware._hand_back_delay = counting
     try:

@@ -42,6 +42,7 @@ the inbox cannot even record is a hand-back: the message stays with the broker.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Awaitable, Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -512,6 +513,25 @@ class HandedBack:
     for transient trouble that counts against nothing."""
     delay: float | None = None
     """Seconds requested by the handler; None: the adapter's backoff decides."""
+
+    def wait(self, key: Hashable, backoff: Callable[[], float]) -> float:
+        """Seconds before the message comes back: the handler's requested delay, else the
+        adapter's ``backoff``, but never sooner than its database is tried again.
+
+        A database found down (``DatabaseUnavailable.retry_after``) is not tried again for
+        a pause that grows while it stays down; its deliveries come back after that pause,
+        spread over one more pause by their key (the same for every copy of a message), so
+        that they neither cycle through the worker at the backoff's rate for the whole
+        outage (hundreds of cheap refusals a second, taken from the other databases'
+        deliveries) nor all come back in the same instant."""
+        if self.delay is not None:
+            return self.delay
+        wait = backoff()
+        after = getattr(self.error, "retry_after", None)
+        if isinstance(after, int | float) and after > 0:
+            spread = zlib.crc32(repr(key).encode()) / 2**32
+            wait = max(wait, after * (1 + spread))
+        return wait
 
 
 Settlement = Processed | Duplicate | Quarantined | DeadLettered | Poisoned | HandedBack

@@ -194,9 +194,18 @@ class TransactionConflict(TransientError):
 
 
 class DatabaseUnavailable(TransientError):
-    """The database could not be reached, or the connection broke mid-transaction."""
+    """The database could not be reached, or the connection broke mid-transaction.
+
+    ``retry_after``: seconds before this process tries the database again (a routed
+    inbox's database found down), or None; the hand-back waits at least that long."""
+
+    retry_after: float | None = None
 
 
 class RouteUnavailable(TransientError):
     """The database of the message's tenant cannot be chosen or reached now: the resolver
     raised, the map is being reloaded, or the connection budget is spent. Retried later."""
+
+    retry_after: float | None = None
+    """Seconds the hand-back waits at least (its database holds all the deliveries of this
+    worker it may: they may hang), or None."""

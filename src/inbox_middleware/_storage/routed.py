@@ -84,7 +84,11 @@ dropped must not hold a worker thread for the kernel's TCP timeout (minutes)."""
 
 DEFAULT_DOWN_PAUSE = 1.0
 """Seconds a database that did not answer is not tried again (its deliveries are handed
-back at once meanwhile)."""
+back at once meanwhile): the first pause, doubled each time it still does not answer."""
+
+DEFAULT_DOWN_PAUSE_LIMIT = 10.0
+"""The longest pause of a database that stays down: after it, one delivery tries the
+database again (one at a time, the others handed back at once)."""
 
 R = TypeVar("R")
 
@@ -122,6 +126,7 @@ class _Routes:
         connect_timeout: float,
         engine_options: dict[str, Any] | None,
         down_pause: float,
+        down_pause_limit: float,
     ) -> None:
         if not isinstance(router, Router):
             raise ConfigurationError(
@@ -147,8 +152,10 @@ class _Routes:
         self._open: OrderedDict[str, None] = OrderedDict()
         self._checked: set[str] = set()
         self._down_until: dict[str, float] = {}
+        self._downs: dict[str, int] = {}  # failed tries in a row, by database
         self._in_flight: dict[str, int] = {}
         self.down_pause = down_pause
+        self.down_pause_limit = max(down_pause, down_pause_limit)
 
     routed = True
     """What the adapters read to mark their arrivals routed."""
@@ -216,8 +223,9 @@ class _Routes:
         logger.warning("inbox database %s failed its check: %s", database, exc)
         text = f"database {database!r} is not checked yet: {exc}"
         if _unanswered(exc):
-            self._went_down(database)
-            return DatabaseUnavailable(text)
+            refused = DatabaseUnavailable(text)
+            refused.retry_after = self._went_down(database)
+            return refused
         return RouteUnavailable(text)
 
     @contextlib.contextmanager
@@ -236,37 +244,68 @@ class _Routes:
                 self._in_flight[database] = taken + 1
         if busy:
             metrics.route(consumer, database, "busy")
-            raise RouteUnavailable(
+            refused = RouteUnavailable(
                 f"database {database!r} holds {self.pool_size} deliveries of this worker "
                 "already (its pool): handed back rather than wait"
             )
+            # Its deliveries may hang (a black-holed server): come back no sooner than a
+            # pause, not at the backoff's pace for as long as they hang.
+            refused.retry_after = self.down_pause
+            raise refused
         try:
             yield
         finally:
             with self._lock:
                 self._in_flight[database] -= 1
 
-    def _went_down(self, database: str, consumer: str = "") -> None:
-        """Remember that ``database`` does not answer: for ``down_pause`` seconds its
-        deliveries are handed back at once, without a connection attempt, so that a
-        database whose packets are dropped does not hold the worker's threads (or its
-        event loop's slots) for a connect timeout each, while other databases wait."""
+    def _went_down(self, database: str, consumer: str = "") -> float:
+        """Remember that ``database`` does not answer: for a pause its deliveries are
+        handed back at once, without a connection attempt, so that a database whose
+        packets are dropped does not hold the worker's threads (or its event loop's slots)
+        for a connect timeout each, while other databases wait. The pause starts at
+        ``down_pause`` and doubles while the database stays down, up to
+        ``down_pause_limit``; answers the pause."""
         with self._lock:
-            self._down_until[database] = time.monotonic() + self.down_pause
+            downs = self._downs[database] = self._downs.get(database, 0) + 1
+            pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
+            self._down_until[database] = time.monotonic() + pause
         if consumer:
             metrics.route(consumer, database, "unavailable")
+        return pause
+
+    def _answered(self, database: str) -> None:
+        """``database`` answered: its pauses start again from ``down_pause``."""
+        if database in self._downs:
+            with self._lock:
+                self._downs.pop(database, None)
+                self._down_until.pop(database, None)
 
     def _refuse_if_down(self, database: str, consumer: str) -> None:
-        until = self._down_until.get(database)
-        if until is None:
+        """Hand back at once while ``database`` is paused (the exception's ``retry_after``
+        says for how long); once the pause is over, one delivery tries it: the pause is
+        stretched by that try's longest wait (``connect_timeout``, then the pause again),
+        so the others are still handed back meanwhile. Its answer ends the pause, or its
+        failure starts the next, longer one."""
+        if database not in self._down_until:
             return
-        if time.monotonic() < until:
-            metrics.route(consumer, database, "unavailable")
-            raise DatabaseUnavailable(
-                f"database {database!r} did not answer; tried again within {self.down_pause}s"
-            )
         with self._lock:
-            self._down_until.pop(database, None)
+            until = self._down_until.get(database)
+            if until is None:
+                return
+            now = time.monotonic()
+            left = until - now
+            if left <= 0:  # this delivery tries the database; the others wait for it
+                self._down_until[database] = now + self.connect_timeout + self.down_pause
+                return
+        metrics.route(consumer, database, "unavailable")
+        refused = DatabaseUnavailable(
+            f"database {database!r} did not answer; tried again in {left:.1f}s"
+        )
+        refused.retry_after = left
+        raise refused
+
+    def _failed(self, database: str, consumer: str, exc: DatabaseUnavailable) -> None:
+        exc.retry_after = self._went_down(database, consumer)
 
 
 class RoutedInbox(_Routes):
@@ -276,7 +315,9 @@ class RoutedInbox(_Routes):
     ``pool_size``, connections per open database; ``connection_budget``, connections
     over all databases (see the module for the rule); ``connect_timeout``, seconds a
     connection attempt waits; ``engine_options``, more `create_engine` options;
-    ``check_lazily``, whether a database is checked before its first claim."""
+    ``check_lazily``, whether a database is checked before its first claim;
+    ``down_pause`` and ``down_pause_limit``, seconds a database that did not answer is
+    not tried again, the first time and at most (doubling in between)."""
 
     def __init__(
         self,
@@ -291,6 +332,7 @@ class RoutedInbox(_Routes):
         engine_options: dict[str, Any] | None = None,
         check_lazily: bool = True,
         down_pause: float = DEFAULT_DOWN_PAUSE,
+        down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
     ) -> None:
         super().__init__(
             router,
@@ -302,6 +344,7 @@ class RoutedInbox(_Routes):
             connect_timeout=connect_timeout,
             engine_options=engine_options,
             down_pause=down_pause,
+            down_pause_limit=down_pause_limit,
         )
         self.check_lazily = check_lazily
         self._inboxes: dict[str, Inbox] = {}
@@ -344,12 +387,15 @@ class RoutedInbox(_Routes):
     def process(self, delivery: Delivery, handler: Callable[[Session], R], **kw: Any) -> Any:
         database = self.route(delivery)
         with self._slot(database, delivery.consumer):
-            inbox = self._use(delivery)  # refused at once while the database is down
             try:
-                return inbox.process(delivery, handler, **kw)
-            except DatabaseUnavailable:
-                self._went_down(database, delivery.consumer)
+                inbox = self._use(delivery)  # refused at once while the database is down
+                result = inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable as exc:
+                if exc.retry_after is None:  # not this process's refusal: it failed now
+                    self._failed(database, delivery.consumer, exc)
                 raise
+            self._answered(database)
+            return result
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., R], **kw: Any
@@ -417,6 +463,7 @@ class AsyncRoutedInbox(_Routes):
         engine_options: dict[str, Any] | None = None,
         check_lazily: bool = True,
         down_pause: float = DEFAULT_DOWN_PAUSE,
+        down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
     ) -> None:
         super().__init__(
             router,
@@ -428,6 +475,7 @@ class AsyncRoutedInbox(_Routes):
             connect_timeout=connect_timeout,
             engine_options=engine_options,
             down_pause=down_pause,
+            down_pause_limit=down_pause_limit,
         )
         self.check_lazily = check_lazily
         self._inboxes: dict[str, AsyncInbox] = {}
@@ -472,12 +520,15 @@ class AsyncRoutedInbox(_Routes):
     ) -> Any:
         database = self.route(delivery)
         with self._slot(database, delivery.consumer):
-            inbox = await self._use(delivery)  # refused at once while the database is down
             try:
-                return await inbox.process(delivery, handler, **kw)
-            except DatabaseUnavailable:
-                self._went_down(database, delivery.consumer)
+                inbox = await self._use(delivery)  # refused at once while the database is down
+                result = await inbox.process(delivery, handler, **kw)
+            except DatabaseUnavailable as exc:
+                if exc.retry_after is None:  # not this process's refusal: it failed now
+                    self._failed(database, delivery.consumer, exc)
                 raise
+            self._answered(database)
+            return result
 
     async def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any

@@ -510,7 +510,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 self._expect_requeue(message, self.backoffs[message.actor_name].first)
                 raise cause or error  # Retries retries it, and counts it
             case HandedBack(error=error):
-                delay = self._hand_back_delay(error, pending)
+                delay = self._hand_back_delay(settlement, pending)
                 try:
                     self._enqueue_again(bound, message, delay)
                 except Exception:
@@ -541,12 +541,13 @@ class InboxMiddleware(dramatiq.Middleware):
             with attempt:
                 self.broker_of(bound).enqueue(message._message, delay=round(delay * 1000))
 
-    def _hand_back_delay(self, error: BaseException, pending: Pending) -> float:
-        if isinstance(error, ClaimInProgress) and self.in_progress_delay is not None:
+    def _hand_back_delay(self, settlement: HandedBack, pending: Pending) -> float:
+        if isinstance(settlement.error, ClaimInProgress) and self.in_progress_delay is not None:
             return self.in_progress_delay / 1000
         delivery = pending.arrival.delivery if pending.arrival else None
         backoff = self.backoffs[pending.message.actor_name]
-        return backoff.next(delivery.key if delivery else pending.message.message_id)
+        key = delivery.key if delivery else pending.message.message_id
+        return settlement.wait(key, lambda: backoff.next(key))
 
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker

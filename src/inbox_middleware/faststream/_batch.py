@@ -276,7 +276,7 @@ async def _tell_batch(
     match settlement:
         case core.HandedBack(error=error):
             trace.settled(settlement)
-            wait = sub.backoff.next(key)
+            wait = settlement.wait(key, lambda: sub.backoff.next(key))
             await sub.adapter.retry_later(message, wait)
             if not quiet:
                 logger.warning(

@@ -434,8 +434,8 @@ class Subscription:
                 else:
                     await self.adapter.ack(message)
                 raise Skipped(f"rejected for inbox consumer {name!r}: {error}")
-            case core.HandedBack(error=error, delay=delay):
-                wait = delay if delay is not None else self.backoff.next(key)
+            case core.HandedBack(error=error):
+                wait = settlement.wait(key, lambda: self.backoff.next(key))
                 await self.adapter.retry_later(message, wait)
                 if isinstance(error, HandBackRequested) and error.cause is not None:
                     raise error.cause  # the handler's NackMessage: the message is nacked

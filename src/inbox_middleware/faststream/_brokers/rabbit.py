@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -95,6 +96,8 @@ class RabbitAdapter(BrokerAdapter):
         return arguments.get("x-queue-type") == "quorum"
 
     async def retry_later(self, message: Any, delay: float) -> None:
+        if not self.quorum and delay > 0 and await self._park(message, delay):
+            return
         if not self.quorum:
             await _wait_then(message.nack(requeue=True), delay)
             return
@@ -116,6 +119,55 @@ class RabbitAdapter(BrokerAdapter):
             await message.nack(requeue=True)
             return
         await message.ack()
+
+    async def _park(self, message: Any, delay: float) -> bool:
+        """Hand ``message`` back out of the subscriber's prefetch window: a copy goes to
+        the source's wait queue for ``delay`` (``<source>.inbox-wait.<ms>``: that queue's
+        messages live ``ms`` milliseconds, then RabbitMQ dead-letters them back to the
+        source), confirmed, then this delivery is acked. A copy sent first, then the ack:
+        a crash between the two leaves two copies, which the inbox tells apart. So a
+        message whose database is down waits in RabbitMQ, not in the worker: it holds no
+        prefetch slot, and the other tenants' messages behind it on the shared queue flow.
+        False: not parked (a message with a time to live of its own, whose expiry a
+        dead-lettering would drop, or one that cannot be copied or published), to be
+        handed back the classic way."""
+        raw = message.raw_message
+        if getattr(raw, "expiration", None) is not None:
+            return False
+        headers = {k: v for k, v in (message.headers or {}).items() if not _death(k)}
+        copy = self._copy(raw, headers)
+        if isinstance(copy, str):
+            return False
+        ms = _wait_step(delay)
+        name = f"{self.source}.inbox-wait.{ms}"
+        for attempt in range(2):
+            key = (id(self.broker), name)
+            if attempt or key not in _DECLARED:
+                queue = await self.broker.declare_queue(self._wait_queue(name, ms))
+                if attempt:
+                    await queue.declare()  # the broker's cache says it exists; it expired
+                _DECLARED.add(key)
+            result = await self.broker.publish(copy, queue=name, mandatory=True)
+            problem = unconfirmed(result, self.broker)
+            if not problem:
+                await message.ack()
+                return True
+            if not _returned(result):
+                break
+        logger.warning("handing a message of %s back in place: %s", self.source, problem)
+        return False
+
+    def _wait_queue(self, name: str, ms: int) -> RabbitQueue:
+        return RabbitQueue(
+            name,
+            durable=True,
+            arguments={
+                "x-message-ttl": ms,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": self.source,
+                "x-expires": max(10 * ms, 600_000),  # deleted when unused for that long
+            },
+        )
 
     def _copy(self, raw: Any, headers: Mapping[str, Any]) -> Message | str:
         """The message to publish again in ``raw``'s place: its body and every property
@@ -162,6 +214,31 @@ class RabbitAdapter(BrokerAdapter):
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
         await message.reject(requeue=False)
+
+
+_STEPS = (10, 12, 15, 20, 25, 30, 40, 50, 60, 70, 80)
+"""A wait queue's delay, in a decade (``x 10^k`` ms): twelve queues a decade at most."""
+
+
+def _wait_step(delay: float) -> int:
+    """The wait queue for a ``delay`` in seconds: its milliseconds rounded up to the next
+    step (so a hand-back never waits less than asked, and at most a quarter more), so
+    that the few queues a source has serve every delay."""
+    ms = max(1, math.ceil(delay * 1000))
+    if ms <= 10:
+        return ms
+    scale = int(10 ** (len(str(ms)) - 2))  # ms / scale is in [10, 100)
+    return next(step * scale for step in (*_STEPS, 100) if step * scale >= ms)
+
+
+_DECLARED: set[tuple[int, str]] = set()
+"""The wait queues declared so far, by broker (`RabbitAdapter._park`)."""
+
+
+def _death(header: str) -> bool:
+    """Whether ``header`` is one RabbitMQ writes when it dead-letters a message (a parked
+    message coming back from its wait queue): not copied into the next copy."""
+    return header == "x-death" or header.startswith(("x-first-death-", "x-last-death-"))
 
 
 def _returned(result: Any) -> bool:
