@@ -23,6 +23,7 @@ SERIAL = (
     "tests/integration/test_outbox_many_databases.py",  # the tenant servers
     "tests/integration/test_replication.py",  # the failover pair
     "tests/integration/test_startup_outage.py",  # stops the outage server
+    "tests/integration/test_tenant_isolation.py",  # the tenant servers
 )
 """Folders (ending in ``/``) and modules, relative to the project's root."""
 
