@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
-from . import domain
+from . import domain, infra
 
 ENV = os.environ
 SOURCE = ENV["EXPLORE_QUEUE"]
@@ -36,6 +36,8 @@ def _limit(name: str) -> int | None:
 
 def _broker(middlewares: list[Any]) -> Any:
     kind, url = ENV["EXPLORE_BROKER"], ENV["EXPLORE_BROKER_URL"]
+    if (other := infra.faststream_broker(kind, url, middlewares)) is not None:
+        return other
     if kind == "rabbitmq":
         from faststream.rabbit import Channel, RabbitBroker
 
@@ -59,7 +61,10 @@ engine = create_async_engine(
     pool_size=2 * CONCURRENCY + 2,
     max_overflow=0,
     pool_pre_ping=True,
-    connect_args={"server_settings": {"application_name": f"explore-{WORKER}"}},
+    connect_args={
+        "server_settings": {"application_name": f"explore-{WORKER}"},
+        **infra.connect_args("asyncpg"),
+    },
 )
 inbox = FastStreamInbox(
     engine,
@@ -68,6 +73,7 @@ inbox = FastStreamInbox(
     missing_identity=ENV.get("EXPLORE_MISSING_IDENTITY", "reject"),
     max_attempts=_limit("EXPLORE_MAX_ATTEMPTS"),
     redelivery_limit=_limit("EXPLORE_REDELIVERY_LIMIT"),
+    **infra.inbox_settings(),
 )
 broker = _broker([inbox.middleware])
 app = FastStream(inbox.guard(broker) if ENV.get("EXPLORE_GUARD", "on") == "on" else broker)
@@ -84,7 +90,9 @@ async def explore(body: dict[str, Any], session: InboxSession) -> None:
     await domain.apply_async(session, body, engine)
 
 
-if ENV["EXPLORE_BROKER"] == "rabbitmq":
+if infra.faststream_subscribe(broker, ENV["EXPLORE_BROKER"], SOURCE, CONCURRENCY, options, explore):
+    pass  # quorum queues, Kafka: tests.explore.infra
+elif ENV["EXPLORE_BROKER"] == "rabbitmq":
     from faststream.rabbit import RabbitQueue
 
     broker.subscriber(RabbitQueue(SOURCE, durable=True), **options)(explore)

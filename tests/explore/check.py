@@ -21,7 +21,10 @@ policy is ``reject``; applied at least once (no deduplication: the documented op
 with ``process``. Nothing is stuck: a bounded time after the faults stop every intent is
 settled and the broker holds nothing (``stuck``, ``left-in-broker``).
 
-A refused start-up is a correct outcome, not a finding.
+An intent whose producer clock stamped it older than the retention window is kept as
+poison (``expired_redelivery``) and never applied (``expired-applied``,
+``expired-unrecorded``), as docs/how-to/retention.md says. A refused start-up is a
+correct outcome, not a finding.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def check(history: History) -> list[Finding]:
     intents = {i.key: i for i in schedule.intents if i.key in sent_keys}
     identified = {k: i for k, i in intents.items() if i.identified}
     unidentified = {k: i for k, i in intents.items() if not i.identified}
+    # Stamped by a producer clock behind by more than the retention window: kept as poison
+    # (``expired_redelivery``), never applied, whatever their handler would have done.
+    expired = {k for k in schedule.expired() if k in identified}
 
     problem(
         "twice",
@@ -101,6 +107,11 @@ def check(history: History) -> list[Finding]:
         "refused-applied",
         (k for k, i in identified.items() if i.behaviour == "permanent" and k in effects),
         "refused intents applied",
+    )
+    problem(
+        "expired-applied",
+        (k for k in expired if k in effects),
+        "intents stamped older than the retention window applied",
     )
     # Still in the broker: not lost, but not settled either (``stuck``, ``left-in-broker``).
     held = _keys(history.remaining or [])
@@ -127,9 +138,18 @@ def check(history: History) -> list[Finding]:
         (
             k
             for k, i in identified.items()
-            if i.behaviour == "permanent" and not set(poison.get(k, [])) & refusal
+            if i.behaviour == "permanent"
+            and k not in expired
+            and not set(poison.get(k, [])) & refusal
         ),
         f"refused intents without a poison row of reason {REFUSED}",
+    )
+    too_old = {"expired_redelivery"} | (refusal - {REFUSED})
+    problem(
+        "expired-unrecorded",
+        (k for k in expired if not set(poison.get(k, [])) & too_old),
+        "intents stamped older than the retention window without a poison row of reason "
+        "expired_redelivery",
     )
     innocent = ("ok", "transient", "sometimes")
     problem(
@@ -138,6 +158,7 @@ def check(history: History) -> list[Finding]:
             f"{k} ({'/'.join(poison[k])})"
             for k, i in identified.items()
             if k in poison
+            and k not in expired
             and (
                 (i.behaviour == "permanent" and not set(poison[k]) <= refusal)
                 or (
@@ -163,6 +184,11 @@ def check(history: History) -> list[Finding]:
             if k in effects and copies[k] > 1 and history.poison_lead.get(k, 0.0) > LEAD
         ),
         "applied intents whose earlier copy's poison row stayed pending (not recovered)",
+    )
+    problem(
+        "poison-reason",
+        (f"{k} ({'/'.join(poison[k])})" for k in expired if not set(poison.get(k, [])) <= too_old),
+        "intents stamped older than the window poisoned for another reason",
     )
     problem(
         "poisoned-and-applied",
