@@ -147,3 +147,30 @@ def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented(
     # But one copy sent, applied and poisoned is one
     history.sent = [s for s in history.sent if s[2] != "duplicate"]
     assert "poisoned-and-applied" in _kinds(history)
+
+
+def test_check__an_intent_stamped_older_than_the_window_is_poison_never_applied() -> None:
+    history = _history()
+    history.schedule.skews = {"a": -3 * 3600.0, "b": -3 * 3600.0, "c": 3 * 3600.0}
+    # a and b expired: kept as poison for that reason (b's own refusal never ran); c is
+    # stamped ahead of the true time, within any window: applied as usual.
+    history.effects = [("c", "c", 3)]
+    history.claims = ["c"]
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "expired_redelivery", "")]
+    assert check(history) == []
+    history.effects.append(("a", "a", 1))
+    history.claims.append("a")
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "explore_refused", "")]
+    assert {"expired-applied", "expired-unrecorded", "poison-reason"} <= set(_kinds(history))
+
+
+def test_schedule__the_infrastructure_axes_draw_their_faults_and_clock() -> None:
+    for seed, row in enumerate(ROWS):
+        schedule = draw(seed)
+        kinds = {f.kind for f in schedule.faults}
+        if row["infra_fault"] != "none":
+            assert row["infra_fault"] in kinds
+        assert schedule.proxied == bool(kinds & {"net_cut", "net_delay", "net_blackhole"})
+        assert ("pooler_restart" in kinds) <= (row["pooler"] == "pgbouncer")
+        assert (schedule.skews is None) == (row["clock"] == "none")
+        assert (row["queues"] == "n/a") == (not row["target"].endswith("rabbitmq"))
