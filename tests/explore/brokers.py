@@ -1,13 +1,13 @@
 """The explorer's view of each broker: preparing a run's source, publishing to it, what
 is left in it, and what reached its quarantine and dead-letter destinations.
 
-RabbitMQ is the machine's shared server: the explorer uses queues of its own (random
-names, deleted at the end) and never restarts it. Redis is the explorer's own (6390, no
-persistence: never restarted, since a restart would lose what it acknowledged, a
-documented limit rather than a finding). NATS is a server each run starts itself, with
-JetStream on file storage: the only broker the explorer restarts. Kafka is the machine's
-tansu (9092), which keeps its topics in memory: topics of the run's own, deleted at the
-end, and never restarted.
+RabbitMQ is the explorer's own node (5673): queues of the run's own (random names,
+deleted at the end), durable, with persistent messages, so that it may be restarted.
+Redis is the explorer's own (6390, no persistence: never restarted, since a restart
+would lose what it acknowledged, a documented limit rather than a finding). NATS is a
+server each run starts itself, with JetStream on file storage, which the explorer
+restarts too. Kafka is the machine's tansu (9092), which keeps its topics in memory:
+topics of the run's own, deleted at the end, and never restarted.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ __all__ = ["Broker", "make_broker"]
 
 PRODUCER = "explore"
 REDIS_URL = "redis://127.0.0.1:6390/0"
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5673/%2F"
+"""The explorer's own RabbitMQ node (`scripts/services explore-rabbitmq`), which it
+restarts."""
 KAFKA_SERVERS = "127.0.0.1:9092"
 
 Found = list[dict[str, Any]]
@@ -86,7 +88,7 @@ class Broker:
         }
 
 
-# -- RabbitMQ (shared: never restarted) ------------------------------------------------------
+# -- RabbitMQ (the explorer's own node) --------------------------------------------------------
 
 
 def _pika() -> Any:

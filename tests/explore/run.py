@@ -9,7 +9,7 @@
                             SIGTERMed, the explorer's PostgreSQL stopped (fast, immediate)
                             and started, its sessions terminated, NATS restarted, the
                             workers' connections cut, delayed or black-holed by the proxy,
-                            the explorer's PgBouncer restarted
+                            the explorer's PgBouncer and RabbitMQ restarted
 
     workers ─> [proxy, where the schedule has network faults] ─> [PgBouncer 6445, where
     the configuration's pooler is] ─> PostgreSQL 5445
@@ -19,8 +19,8 @@ nothing, stops the workers, and records the history: every send, every effect, t
 inbox's durable records, what is left in the broker and at its destinations.
 
 Everything runs on the explorer's own servers (PostgreSQL 5445, its PgBouncer 6445, Redis
-6390, a NATS per run), except RabbitMQ and Kafka (tansu): the machine's, on queues and
-topics of the run's own, never restarted.
+6390, RabbitMQ 5673, a NATS per run), except Kafka (tansu): the machine's, on topics of the
+run's own, never restarted (it keeps nothing on disk).
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "scripts" / "services"
 PG_PORT = 5445
 PG_URL = f"postgresql://postgres@127.0.0.1:{PG_PORT}"
+RABBITMQ_PORT = 5673
+RABBITMQ_NODE = "explore@localhost"
+"""The explorer's RabbitMQ (`scripts/services explore-rabbitmq`), which it restarts."""
 POOLER_PORT = 6445
 """The explorer's PgBouncer (`scripts/services explore-pgbouncer`): transaction pooling
 in front of its PostgreSQL, which the explorer restarts."""
@@ -174,8 +177,13 @@ def ensure_services() -> None:
         raise HarnessTrouble(
             "the explorer's Redis (6390) does not answer: scripts/services explore-redis"
         )
-    if not servers.answering(5672):
-        raise HarnessTrouble("RabbitMQ (5672) does not answer: scripts/services rabbitmq")
+    if not servers.answering(RABBITMQ_PORT):
+        subprocess.run([str(SERVICES), "explore-rabbitmq"], capture_output=True, timeout=180)
+    if not servers.answering(RABBITMQ_PORT):
+        raise HarnessTrouble(
+            f"the explorer's RabbitMQ ({RABBITMQ_PORT}) does not answer: "
+            "scripts/services explore-rabbitmq"
+        )
 
 
 def ensure_pooler(timeout: float = 60) -> None:
@@ -212,6 +220,25 @@ def restart_pooler() -> str:
         time.sleep(0.05)
     ensure_pooler()
     return f"PgBouncer restarted in {time.monotonic() - begun:.1f}s"
+
+
+def _rabbitmqctl(*args: str) -> None:
+    command = ["rabbitmqctl", "-n", RABBITMQ_NODE, *args]
+    if os.getuid() == 0:  # its Erlang cookie is the rabbitmq user's
+        command = ["runuser", "-u", "rabbitmq", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise HarnessTrouble(f"rabbitmqctl {' '.join(args)} failed: {done.stderr[-500:]}")
+
+
+def restart_rabbitmq() -> str:
+    """Stop and start the explorer's RabbitMQ node's application: every connection
+    closed, durable queues and persistent messages kept."""
+    begun = time.monotonic()
+    _rabbitmqctl("stop_app")
+    _rabbitmqctl("start_app")
+    _rabbitmqctl("await_startup", "--timeout", "60")
+    return f"RabbitMQ restarted in {time.monotonic() - begun:.1f}s"
 
 
 class Network(CuttingProxy):
@@ -601,6 +628,8 @@ class Faults:
                 return "no PgBouncer in this configuration"
             return restart_pooler()
         if kind == "broker_restart":
+            if self.schedule.config.broker == "rabbitmq":
+                return restart_rabbitmq()
             if self.nats is None:
                 return "no broker of the run's own to restart"
             return f"NATS restarted in {self.nats.restart():.1f}s"

@@ -183,7 +183,8 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
     # The infrastructure's draws come from a generator of their own, so that they leave
     # the workload's and the other faults' draws as they were.
     infra = random.Random(f"{seed}/infra")
-    faults = sorted(faults + _infra_faults(infra, config), key=lambda f: f.at)
+    if not pinned:  # the outside report's schedule stays as it was
+        faults = sorted(faults + _infra_faults(infra, config), key=lambda f: f.at)
     schedule = Schedule(seed, config, chosen, sends, conflicts, faults)
     if config.clock != "none":
         schedule.skews = {
@@ -198,16 +199,20 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
 
 
 def _infra_faults(rng: random.Random, config: Config) -> list[Fault]:
-    """The configuration's ``infra_fault``, and one more of its kind half the time."""
+    """The configuration's ``infra_fault``, and one more of its kind half the time; on
+    RabbitMQ (durable queues, persistent messages), the broker restarted a third of the
+    time."""
+    faults = []
+    if config.broker == "rabbitmq" and rng.random() < 1 / 3:
+        faults.append(Fault(rng.uniform(0, FAULT_WINDOW), "broker_restart"))
     if config.infra_fault == "none":
-        return []
+        return faults
     kinds = ["net_cut", "net_delay", "net_blackhole"]
     if config.pooler == "pgbouncer":
         kinds.append("pooler_restart")
     chosen = [config.infra_fault]
     if rng.random() < 0.5:
         chosen.append(rng.choice(kinds))
-    faults = []
     for kind in chosen:
         at = rng.uniform(0, FAULT_WINDOW)
         if kind == "net_delay":
