@@ -167,7 +167,8 @@ def ensure_postgres(timeout: float = 60) -> None:
 
 
 def ensure_services() -> None:
-    """The explorer's own PostgreSQL and Redis, started by scripts/services if down."""
+    """The explorer's own PostgreSQL, Redis and RabbitMQ, started by scripts/services if
+    down (its PgBouncer: `ensure_pooler`, where a configuration goes through it)."""
     if not (servers.answering(PG_PORT) and servers.answering(6390)):
         subprocess.run(
             [str(SERVICES), "explore-postgres", "explore-redis"], capture_output=True, timeout=180
