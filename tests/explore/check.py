@@ -176,6 +176,11 @@ def check(history: History) -> list[Finding]:
     # before the intent's first effect (so before the claim of the copy that applied it)
     # is one too; a row written while that copy was in flight is the documented race.
     copies = Counter(key for _, key, kind, _ in history.sent if kind != "conflict")
+    if _stalled(schedule):
+        # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
+        # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
+        # still in flight: two copies in flight together, of a message sent once.
+        copies = Counter({k: max(2, n) for k, n in copies.items()})
     problem(
         "poisoned-copy-pending",
         (
@@ -193,7 +198,8 @@ def check(history: History) -> list[Finding]:
     problem(
         "poisoned-and-applied",
         (
-            f"{k} (poison {'/'.join(poison[k])})"
+            f"{k} (poison {'/'.join(poison[k])}, "
+            f"{'/'.join(d for m, _, d in history.poison if m == k)})"
             for k in identified
             if k in effects and k in poison and copies[k] == 1
         ),
@@ -260,6 +266,19 @@ def check(history: History) -> list[Finding]:
     if any(history.leftover.values()):
         findings.append(Finding("left-in-broker", f"after the workers stopped: {history.leftover}"))
     return findings
+
+
+STALLS = {"net_blackhole": 3.0, "net_delay": 5.0}
+"""Network faults (and the shortest that does) that hold a delivery in flight longer than
+a redelivery timer of 3 s (the explorer's ``min_idle_time``, ``ack_wait`` and Kafka
+session)."""
+
+
+def _stalled(schedule: Any) -> bool:
+    """Whether a delivery may have been redelivered while still in flight: a broker that
+    redelivers on a timer, and a network fault that holds a transaction past it."""
+    timer = schedule.config.target in ("faststream-redis", "faststream-nats", "faststream-kafka")
+    return timer and any(f.kind in STALLS and f.seconds >= STALLS[f.kind] for f in schedule.faults)
 
 
 def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:

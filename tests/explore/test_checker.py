@@ -174,3 +174,22 @@ def test_schedule__the_infrastructure_axes_draw_their_faults_and_clock() -> None
         assert ("pooler_restart" in kinds) <= (row["pooler"] == "pgbouncer")
         assert (schedule.skews is None) == (row["clock"] == "none")
         assert (row["queues"] == "n/a") == (not row["target"].endswith("rabbitmq"))
+
+
+def test_check__a_stalled_delivery_redelivered_in_flight_counts_as_two_copies() -> None:
+    # FastStream on Redis streams: a black hole of 8 s holds a delivery past the reclaim's
+    # min_idle_time; the reclaimed delivery fails its last attempt (poison) while the
+    # stalled one applies. Two copies in flight together (limits.md), not one message
+    # ending in two places; a row left pending well before the effect still is a finding.
+    history = _history(target="faststream-redis", queues="n/a", guard="on")
+    history.schedule.faults = [Fault(1.0, "net_blackhole", seconds=8.0)]
+    history.schedule.intents[0] = Intent("a", "transient", 1)
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("a", "retries_exhausted", "recovered")]
+    assert check(history) == []
+    history.poison_lead = {"a": 5.0}
+    history.poison[1] = ("a", "retries_exhausted", "pending")
+    assert _kinds(history) == ["poisoned-copy-pending"]
+    history.schedule.faults = []
+    assert "poisoned-and-applied" in _kinds(history)
