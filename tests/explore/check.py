@@ -21,6 +21,9 @@ policy is ``reject``; applied at least once (no deduplication: the documented op
 with ``process``. Nothing is stuck: a bounded time after the faults stop every intent is
 settled and the broker holds nothing (``stuck``, ``left-in-broker``).
 
+An intent whose producer clock stamped it older than the retention window is kept as
+poison (``expired_redelivery``) and never applied (``expired-applied``,
+``expired-unrecorded``), as docs/how-to/retention.md says.
 A refused start-up is a correct outcome, not a finding.
 
 The workload axes (`space.WORKLOAD_AXES`, checked in `_workload`):
@@ -109,6 +112,9 @@ def check(history: History) -> list[Finding]:
     intents = {i.key: i for i in schedule.intents if i.key in sent_keys}
     identified = {k: i for k, i in intents.items() if i.identified}
     unidentified = {k: i for k, i in intents.items() if not i.identified}
+    # Stamped by a producer clock behind by more than the retention window: kept as poison
+    # (``expired_redelivery``), never applied, whatever their handler would have done.
+    expired = {k for k in schedule.expired() if k in identified}
 
     extra = history.extra
     accepted = _accepted(history, conflicts_sent)
@@ -136,6 +142,11 @@ def check(history: History) -> list[Finding]:
         (k for k, i in identified.items() if i.behaviour == "permanent" and k in effects),
         "refused intents applied",
     )
+    problem(
+        "expired-applied",
+        (k for k in expired if k in effects),
+        "intents stamped older than the retention window applied",
+    )
     # Still in the broker: not lost, but not settled either (``stuck``, ``left-in-broker``).
     held = _keys(history.remaining or [])
     unknown = history.remaining is None and any(history.leftover.values())
@@ -161,9 +172,18 @@ def check(history: History) -> list[Finding]:
         (
             k
             for k, i in identified.items()
-            if i.behaviour == "permanent" and not set(poison.get(k, [])) & refusal
+            if i.behaviour == "permanent"
+            and k not in expired
+            and not set(poison.get(k, [])) & refusal
         ),
         f"refused intents without a poison row of reason {REFUSED}",
+    )
+    too_old = {"expired_redelivery"} | (refusal - {REFUSED})
+    problem(
+        "expired-unrecorded",
+        (k for k in expired if not set(poison.get(k, [])) & too_old),
+        "intents stamped older than the retention window without a poison row of reason "
+        "expired_redelivery",
     )
     innocent = ("ok", "transient", "sometimes", "deferred", "timelimit", "invalid")
     batched = _batch_reasons(config, intents, killed)
@@ -173,6 +193,7 @@ def check(history: History) -> list[Finding]:
             f"{k} ({'/'.join(poison[k])})"
             for k, i in identified.items()
             if k in poison
+            and k not in expired
             and (
                 (i.behaviour == "permanent" and not set(poison[k]) <= refusal | batched)
                 or (
@@ -195,6 +216,11 @@ def check(history: History) -> list[Finding]:
         for r in extra.get("inbox_poison", [])
         if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
     }
+    if _stalled(schedule):
+        # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
+        # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
+        # still in flight: two copies in flight together, of a message sent once.
+        copies = Counter({k: max(2, n) for k, n in copies.items()})
     problem(
         "poisoned-copy-pending",
         (
@@ -205,9 +231,15 @@ def check(history: History) -> list[Finding]:
         "applied intents whose earlier copy's poison row stayed pending (not recovered)",
     )
     problem(
+        "poison-reason",
+        (f"{k} ({'/'.join(poison[k])})" for k in expired if not set(poison.get(k, [])) <= too_old),
+        "intents stamped older than the window poisoned for another reason",
+    )
+    problem(
         "poisoned-and-applied",
         (
-            f"{k} (poison {'/'.join(poison[k])})"
+            f"{k} (poison {'/'.join(poison[k])}, "
+            f"{'/'.join(d for m, _, d in history.poison if m == k)})"
             for k in identified
             if k in effects and k in poison and copies[k] == 1 and k not in redriven
         ),
@@ -288,6 +320,19 @@ def check(history: History) -> list[Finding]:
     if any(history.leftover.values()):
         findings.append(Finding("left-in-broker", f"after the workers stopped: {history.leftover}"))
     return findings
+
+
+STALLS = {"net_blackhole": 3.0, "net_delay": 5.0}
+"""Network faults (and the shortest that does) that hold a delivery in flight longer than
+a redelivery timer of 3 s (the explorer's ``min_idle_time``, ``ack_wait`` and Kafka
+session)."""
+
+
+def _stalled(schedule: Any) -> bool:
+    """Whether a delivery may have been redelivered while still in flight: a broker that
+    redelivers on a timer, and a network fault that holds a transaction past it."""
+    timer = schedule.config.target in ("faststream-redis", "faststream-nats", "faststream-kafka")
+    return timer and any(f.kind in STALLS and f.seconds >= STALLS[f.kind] for f in schedule.faults)
 
 
 def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:

@@ -151,6 +151,52 @@ def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented(
     assert "poisoned-and-applied" in _kinds(history)
 
 
+def test_check__an_intent_stamped_older_than_the_window_is_poison_never_applied() -> None:
+    history = _history()
+    history.schedule.skews = {"a": -3 * 3600.0, "b": -3 * 3600.0, "c": 3 * 3600.0}
+    # a and b expired: kept as poison for that reason (b's own refusal never ran); c is
+    # stamped ahead of the true time, within any window: applied as usual.
+    history.effects = [("c", "c", 3)]
+    history.claims = ["c"]
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "expired_redelivery", "")]
+    assert check(history) == []
+    history.effects.append(("a", "a", 1))
+    history.claims.append("a")
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "explore_refused", "")]
+    assert {"expired-applied", "expired-unrecorded", "poison-reason"} <= set(_kinds(history))
+
+
+def test_schedule__the_infrastructure_axes_draw_their_faults_and_clock() -> None:
+    for seed, row in enumerate(ROWS):
+        schedule = draw(seed)
+        kinds = {f.kind for f in schedule.faults}
+        if row["infra_fault"] != "none":
+            assert row["infra_fault"] in kinds
+        assert schedule.proxied == bool(kinds & {"net_cut", "net_delay", "net_blackhole"})
+        assert ("pooler_restart" in kinds) <= (row["pooler"] == "pgbouncer")
+        assert (schedule.skews is None) == (row["clock"] == "none")
+        assert (row["queues"] == "n/a") == (not row["target"].endswith("rabbitmq"))
+
+
+def test_check__a_stalled_delivery_redelivered_in_flight_counts_as_two_copies() -> None:
+    # FastStream on Redis streams: a black hole of 8 s holds a delivery past the reclaim's
+    # min_idle_time; the reclaimed delivery fails its last attempt (poison) while the
+    # stalled one applies. Two copies in flight together (limits.md), not one message
+    # ending in two places; a row left pending well before the effect still is a finding.
+    history = _history(target="faststream-redis", queues="n/a", guard="on")
+    history.schedule.faults = [Fault(1.0, "net_blackhole", seconds=8.0)]
+    history.schedule.intents[0] = Intent("a", "transient", 1)
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("a", "retries_exhausted", "recovered")]
+    assert check(history) == []
+    history.poison_lead = {"a": 5.0}
+    history.poison[1] = ("a", "retries_exhausted", "pending")
+    assert _kinds(history) == ["poisoned-copy-pending"]
+    history.schedule.faults = []
+    assert "poisoned-and-applied" in _kinds(history)
+
+
 # -- the workload axes -----------------------------------------------------------------------
 
 
@@ -161,6 +207,12 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "dramatiq-redis", "batch": "on"})
     assert not valid({"batch": "on", "outputs": "result"})
     assert valid({"target": "faststream-nats", "batch": "on", "outputs": "none"})
+    # Across the two blocks: the explorer wires neither a batch nor outputs on Kafka, and
+    # RabbitMQ's queues (classic or quorum) have no batch subscriber
+    assert not valid({"target": "faststream-kafka", "batch": "on"})
+    assert not valid({"target": "faststream-kafka", "outputs": "result"})
+    assert valid({"target": "faststream-kafka", "outputs": "none", "handlers": "extended"})
+    assert not valid({"queues": "quorum", "batch": "on"})
     assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic"}
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)
