@@ -1,7 +1,7 @@
 """Explore configurations and fault schedules, and check their histories::
 
     python -m tests.explore --seeds 40            # 40 fresh seeds (consecutive: every
-                                                  # pair of axis values once 31 have run)
+                                                  # pair of axis values once 40 have run)
     python -m tests.explore --hours 2             # fresh seeds for two hours
     python -m tests.explore --seed 17 --repeat 5  # one schedule five times: how often
                                                   # does its finding reproduce?
