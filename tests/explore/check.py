@@ -127,6 +127,8 @@ def check(history: History) -> list[Finding]:
     """keys applied again after a purge deleted their claim: the documented window"""
     purgeable = _purgeable(history)
     """keys whose claim a purge was allowed to delete (older than its window)"""
+    lapsed = _lapsed_conflicts(history, conflicts_sent)
+    """(key, n) of conflicts applied as messages of their own after a purge: the window"""
     problem(
         "twice",
         (k for k in identified if len(effects.get(k, [])) > 1 and k not in forgotten),
@@ -134,7 +136,11 @@ def check(history: History) -> list[Finding]:
     )
     problem(
         "wrong-payload",
-        (k for k, i in identified.items() if any(n != i.n for n in effects.get(k, []))),
+        (
+            k
+            for k, i in identified.items()
+            if any(n != i.n and (k, n) not in lapsed for n in effects.get(k, []))
+        ),
         "intents applied with another payload than their first",
     )
     problem(
@@ -262,12 +268,20 @@ def check(history: History) -> list[Finding]:
     # Conflicts: recorded and published, their payload never applied.
     problem(
         "conflict-unrecorded",
-        (k for k in conflicts_sent if quarantined.get(k, ("", ""))[1] != "identity_conflict"),
+        (
+            k
+            for k, n in conflicts_sent.items()
+            if quarantined.get(k, ("", ""))[1] != "identity_conflict" and (k, n) not in lapsed
+        ),
         "conflicts without their quarantine row",
     )
     problem(
         "conflict-unrecorded",
-        (k for k in conflicts_sent if k not in _keys(in_quarantine)),
+        (
+            k
+            for k, n in conflicts_sent.items()
+            if k not in _keys(in_quarantine) and (k, n) not in lapsed
+        ),
         "conflicts missing from the quarantine destination",
     )
     operated = {
@@ -311,7 +325,10 @@ def check(history: History) -> list[Finding]:
             ),
             "messages without identity never applied under process",
         )
-    findings += _workload(history, identified, effects, poison, dead, killed, accepted, forgotten)
+    # An expired intent is kept as poison before its handler runs, whatever that handler
+    # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
+    fresh = {k: i for k, i in identified.items() if k not in expired}
+    findings += _workload(history, fresh, effects, poison, dead, killed, accepted, forgotten)
     # Nothing stuck.
     if not history.settled:
         findings.append(
@@ -403,6 +420,26 @@ def _forgotten(history: History) -> set[str]:
         k
         for k, ats in times.items()
         if len(ats) > 1 and max(ats) - min(ats) > PURGE_WINDOW - MARGIN
+    }
+
+
+def _lapsed_conflicts(history: History, conflicts_sent: dict[str, int]) -> set[tuple[str, int]]:
+    """Conflicts whose payload was applied more than the purge's window after their
+    intent's first effect, once a purge had run: the purge may have deleted the claim the
+    conflict would have met, and a message whose claim is gone is a first delivery
+    (limits, "Memory is as long as the retention window"), as for a copy (`_forgotten`)."""
+    if _last_purge(history) is None:
+        return set()
+    times: dict[str, list[tuple[int, float]]] = {}
+    for key, n, at in history.extra.get("effect_times", []):
+        times.setdefault(key, []).append((n, at))
+    return {
+        (k, n)
+        for k, n in conflicts_sent.items()
+        if any(
+            m == n and at - min(a for _, a in times[k]) > PURGE_WINDOW - MARGIN
+            for m, at in times.get(k, [])
+        )
     }
 
 

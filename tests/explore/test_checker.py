@@ -310,6 +310,41 @@ def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     assert check(history) == []
 
 
+def test_check__a_conflict_applied_after_a_purge_forgot_its_claim_is_the_window() -> None:
+    # Seed 5002: a conflict on c sent once c committed, delivered after the workers'
+    # restarts and an outage, when a purge had deleted c's claim: a first delivery
+    history = _history(operator="purge")
+    history.sent.append((2.0, "c", "conflict", 9))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("c", "c", 9)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.extra = {
+        "purges": [(100.0, 0)],
+        "first_effect": {"a": 70.0, "c": 70.0},
+        "effect_times": [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 90.0)],
+    }
+    assert check(history) == []
+    # Applied 1 s after the first payload, within the window: the claim was there
+    history.extra["effect_times"] = [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 71.0)]
+    assert _kinds(history) == ["conflict-unrecorded", "twice", "wrong-payload"]
+
+
+def test_check__an_expired_misusing_handler_is_kept_as_expired_poison() -> None:
+    # Seed 5006: a handler that would settle its message itself, stamped three hours
+    # behind: kept as poison expired_redelivery before it runs, as any expired intent
+    history = _history(handlers="extended", clock="skewed")
+    history.schedule.intents.append(Intent("m", "msg_ack", 5))
+    history.schedule.skews = {"a": 0.0, "b": 0.0, "c": 0.0, "m": -3 * 3600.0}
+    history.sent.append((0.0, "m", "first", 5))
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("m", "expired_redelivery", "")]
+    history.extra = {"not_available": []}
+    assert check(history) == []
+    history.poison[-1] = ("m", "retries_exhausted", "")
+    assert _kinds(history) == ["expired-unrecorded", "poison-reason"]
+
+
 def test_check__a_failure_at_commit_meets_max_attempts_like_any_failure() -> None:
     # Given a handler whose first two COMMITs fail (a deferred constraint), max_attempts=2
     history = _history(max_attempts=2, handlers="extended")
