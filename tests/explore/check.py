@@ -300,7 +300,14 @@ def check(history: History) -> list[Finding]:
     )
     problem(
         "record-contradicts",
-        (k for k in quarantined if k not in conflicts_sent),
+        (
+            k
+            for k in quarantined
+            if k not in conflicts_sent
+            # a lapsed conflict's output: the same output id as its first payload's,
+            # another payload, so downstream quarantines it (its claim was not purged)
+            and not (k.startswith("out.") and len(lapsed) >= len(_outputs_quarantined(history)))
+        ),
         "quarantine rows for intents never sent a conflicting payload",
     )
     # Messages without identity.
@@ -328,7 +335,9 @@ def check(history: History) -> list[Finding]:
     # An expired intent is kept as poison before its handler runs, whatever that handler
     # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
     fresh = {k: i for k, i in identified.items() if k not in expired}
-    findings += _workload(history, fresh, effects, poison, dead, killed, accepted, forgotten)
+    findings += _workload(
+        history, fresh, effects, poison, dead, killed, accepted, forgotten, lapsed
+    )
     # Nothing stuck.
     if not history.settled:
         findings.append(
@@ -423,6 +432,10 @@ def _forgotten(history: History) -> set[str]:
     }
 
 
+def _outputs_quarantined(history: History) -> list[str]:
+    return [m for m, _d, r in history.quarantine if m.startswith("out.")]
+
+
 def _lapsed_conflicts(history: History, conflicts_sent: dict[str, int]) -> set[tuple[str, int]]:
     """Conflicts whose payload was applied more than the purge's window after their
     intent's first effect, once a purge had run: the purge may have deleted the claim the
@@ -452,6 +465,7 @@ def _workload(
     killed: bool,
     accepted: dict[str, int],
     forgotten: set[str],
+    lapsed: set[tuple[str, int]],
 ) -> list[Finding]:
     config = history.schedule.config
     extra = history.extra
@@ -511,7 +525,9 @@ def _workload(
     # Outputs, applied downstream once each.
     if config.outputs == "result" and "outputs" not in extra.get("not_available", []):
         downstream = Counter((k, n) for k, n, _via in extra.get("downstream", []))
+        # A lapsed conflict's output meets its first payload's downstream: quarantined.
         expected = {(k, n) for k in applied for n in effects[k]} | set(accepted.items())
+        expected -= lapsed
         problem(
             "output-missing",
             (f"{k}/{n}" for k, n in expected if not downstream[(k, n)]),

@@ -329,6 +329,27 @@ def test_check__a_conflict_applied_after_a_purge_forgot_its_claim_is_the_window(
     assert _kinds(history) == ["conflict-unrecorded", "twice", "wrong-payload"]
 
 
+def test_check__a_lapsed_conflicts_output_is_quarantined_downstream() -> None:
+    # Seed 5017: the lapsed conflict's output has its first payload's output id and
+    # another payload; downstream, whose claims no purge deleted, quarantines it
+    history = _history(operator="purge", outputs="result")
+    history.sent.append((2.0, "c", "conflict", 9))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("c", "c", 9)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.quarantine = [("out.result.0.f00", "pending", "identity_conflict")]
+    history.extra = {
+        "purges": [(100.0, 0)],
+        "first_effect": {"a": 70.0, "c": 70.0},
+        "effect_times": [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 90.0)],
+        "downstream": [("a", 1, "publisher"), ("c", 3, "publisher")],
+    }
+    assert check(history) == []
+    # No lapsed conflict to explain it: a finding
+    history.extra["effect_times"] = [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 71.0)]
+    assert "record-contradicts" in _kinds(history)
+
+
 def test_check__an_expired_misusing_handler_is_kept_as_expired_poison() -> None:
     # Seed 5006: a handler that would settle its message itself, stamped three hours
     # behind: kept as poison expired_redelivery before it runs, as any expired intent
