@@ -1,7 +1,7 @@
 """Explore configurations and fault schedules, and check their histories::
 
     python -m tests.explore --seeds 40            # 40 fresh seeds (consecutive: every
-                                                  # pair of axis values once 31 have run)
+                                                  # pair of axis values once 40 have run)
     python -m tests.explore --hours 2             # fresh seeds for two hours
     python -m tests.explore --seed 17 --repeat 5  # one schedule five times: how often
                                                   # does its finding reproduce?
@@ -9,10 +9,11 @@
     python -m tests.explore --seed 17 --faults 0,2 --intents 12   # a shrunk schedule
     python -m tests.explore --seed 0 --repeat 12 --library OLD/src  # on another commit
 
-Runs on the explorer's own PostgreSQL (5445) and Redis (6390), started by
-``scripts/services explore-postgres explore-redis``, a NATS server of each run's own,
-and the machine's RabbitMQ (never restarted). Exits 1 when a schedule had a finding,
-2 when only the harness was in trouble.
+Runs on the explorer's own PostgreSQL (5445), PgBouncer (6445), Redis (6390) and
+RabbitMQ (5673), started by ``scripts/services explore-postgres explore-pgbouncer
+explore-redis explore-rabbitmq``, a NATS server of each run's own, and the machine's
+Kafka (tansu, never restarted). Exits 1 when a schedule had a finding, 2 when only the
+harness was in trouble.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine
 
 from inbox_middleware.dramatiq import InboxMiddleware, current_session
 
-from . import domain
+from . import domain, infra
 
 ENV = os.environ
 QUEUE = ENV["EXPLORE_QUEUE"]
@@ -37,7 +37,7 @@ def _broker() -> dramatiq.Broker:
     if ENV["EXPLORE_BROKER"] == "rabbitmq":
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-        return RabbitmqBroker(url=url, confirm_delivery=True)
+        return infra.dramatiq_broker(url) or RabbitmqBroker(url=url, confirm_delivery=True)
     from dramatiq.brokers.redis import RedisBroker
 
     # A killed worker's messages come back once its heartbeat is this old.
@@ -52,13 +52,17 @@ engine = create_engine(
     pool_size=2 * threads + 2,
     max_overflow=0,
     pool_pre_ping=True,
-    connect_args={"application_name": f"explore-{ENV.get('EXPLORE_WORKER', 'w')}"},
+    connect_args={
+        "application_name": f"explore-{ENV.get('EXPLORE_WORKER', 'w')}",
+        **infra.connect_args("psycopg"),
+    },
 )
 broker = _broker()
 settings: dict[str, Any] = {
     "missing_identity": ENV.get("EXPLORE_MISSING_IDENTITY", "reject"),
     "max_attempts": _limit("EXPLORE_MAX_ATTEMPTS"),
     "redelivery_limit": _limit("EXPLORE_REDELIVERY_LIMIT"),
+    **infra.inbox_settings(),
 }
 broker.add_middleware(InboxMiddleware(engine, lock_timeout=5, **settings))
 dramatiq.set_broker(broker)

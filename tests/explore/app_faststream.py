@@ -1,7 +1,7 @@
 """The explorer's FastStream worker: ``faststream run tests.explore.app_faststream:app``.
 
 Configured by environment variables (set by `tests.explore.run`): EXPLORE_DATABASE_URL
-(SQLAlchemy, asyncpg), EXPLORE_BROKER ("rabbitmq", "redis" or "nats"), EXPLORE_BROKER_URL,
+(SQLAlchemy, asyncpg), EXPLORE_BROKER ("rabbitmq", "redis", "nats" or "kafka"), EXPLORE_BROKER_URL,
 EXPLORE_QUEUE (the queue, stream or subject; NATS: stream = its upper-case name, durable
 consumer "d" + the subject), EXPLORE_CONCURRENCY (RabbitMQ: prefetch, unless
 EXPLORE_PREFETCH says otherwise, 0 for no limit; Redis streams and NATS: ``max_workers``),
@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
-from . import domain
+from . import domain, infra
 
 ENV = os.environ
 SOURCE = ENV["EXPLORE_QUEUE"]
@@ -41,6 +41,8 @@ def _limit(name: str) -> int | None:
 
 def _broker(middlewares: list[Any]) -> Any:
     kind, url = ENV["EXPLORE_BROKER"], ENV["EXPLORE_BROKER_URL"]
+    if (other := infra.faststream_broker(kind, url, middlewares)) is not None:
+        return other
     if kind == "rabbitmq":
         from faststream.rabbit import Channel, RabbitBroker
 
@@ -64,7 +66,10 @@ engine = create_async_engine(
     pool_size=2 * CONCURRENCY + 2,
     max_overflow=0,
     pool_pre_ping=True,
-    connect_args={"server_settings": {"application_name": f"explore-{WORKER}"}},
+    connect_args={
+        "server_settings": {"application_name": f"explore-{WORKER}"},
+        **infra.connect_args("asyncpg"),
+    },
 )
 inbox = FastStreamInbox(
     engine,
@@ -73,6 +78,7 @@ inbox = FastStreamInbox(
     missing_identity=ENV.get("EXPLORE_MISSING_IDENTITY", "reject"),
     max_attempts=_limit("EXPLORE_MAX_ATTEMPTS"),
     redelivery_limit=_limit("EXPLORE_REDELIVERY_LIMIT"),
+    **infra.inbox_settings(),
 )
 broker = _broker([inbox.middleware])
 app = FastStream(inbox.guard(broker) if ENV.get("EXPLORE_GUARD", "on") == "on" else broker)
@@ -142,12 +148,17 @@ async def explore_downstream(output: dict[str, Any], session: InboxSession) -> N
 
 OUT = f"{SOURCE}.out"
 down: dict[str, Any] = {"dependencies": [inbox.consumer("explore_downstream")]}
-if KIND == "rabbitmq":
+if KIND == "rabbitmq" and OUTPUTS:  # the publisher whichever queue type the source has
     from faststream.rabbit import RabbitQueue
 
-    if OUTPUTS:
-        handler = broker.publisher(RabbitQueue(OUT, durable=True), persist=True)(handler)
-        broker.subscriber(RabbitQueue(OUT, durable=True), **down)(explore_downstream)
+    handler = broker.publisher(RabbitQueue(OUT, durable=True), persist=True)(handler)
+    broker.subscriber(RabbitQueue(OUT, durable=True), **down)(explore_downstream)
+# Quorum queues and Kafka: tests.explore.infra (Kafka has no outputs nor batches: `space.valid`)
+if infra.faststream_subscribe(broker, KIND, SOURCE, CONCURRENCY, options, handler):
+    pass
+elif KIND == "rabbitmq":
+    from faststream.rabbit import RabbitQueue
+
     broker.subscriber(RabbitQueue(SOURCE, durable=True), **options)(handler)
 elif KIND == "redis":
     from faststream.redis import StreamSub

@@ -1,11 +1,13 @@
 """The explorer's view of each broker: preparing a run's source, publishing to it, what
 is left in it, and what reached its quarantine and dead-letter destinations.
 
-RabbitMQ is the machine's shared server: the explorer uses queues of its own (random
-names, deleted at the end) and never restarts it. Redis is the explorer's own (6390, no
-persistence: never restarted, since a restart would lose what it acknowledged, a
-documented limit rather than a finding). NATS is a server each run starts itself, with
-JetStream on file storage: the only broker the explorer restarts.
+RabbitMQ is the explorer's own node (5673): queues of the run's own (random names,
+deleted at the end), durable, with persistent messages, so that it may be restarted.
+Redis is the explorer's own (6390, no persistence: never restarted, since a restart
+would lose what it acknowledged, a documented limit rather than a finding). NATS is a
+server each run starts itself, with JetStream on file storage, which the explorer
+restarts too. Kafka is the machine's tansu (9092), which keeps its topics in memory:
+topics of the run's own, deleted at the end, and never restarted.
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
+from . import infra
 from .schedule import Intent
 
 __all__ = ["Broker", "make_broker"]
 
 PRODUCER = "explore"
 REDIS_URL = "redis://127.0.0.1:6390/0"
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5673/%2F"
+"""The explorer's own RabbitMQ node (`scripts/services explore-rabbitmq`), which it
+restarts."""
+KAFKA_SERVERS = "127.0.0.1:9092"
 
 Found = list[dict[str, Any]]
 """Payloads found at a destination."""
@@ -47,13 +54,15 @@ class Broker:
     framework: str
     kind: str
 
-    def __init__(self, source: str, url: str) -> None:
-        self.source, self.url = source, url
+    def __init__(self, source: str, url: str, quorum: bool = False) -> None:
+        self.source, self.url, self.quorum = source, url, quorum
 
     def prepare(self) -> None: ...
     def open_producer(self) -> None: ...
     def close_producer(self) -> None: ...
-    def publish(self, payload: dict[str, Any], identity: str | None) -> int:
+    def publish(
+        self, payload: dict[str, Any], identity: str | None, produced_at: datetime | None = None
+    ) -> int:
         raise NotImplementedError
 
     def leftover(self) -> dict[str, int]:
@@ -75,10 +84,11 @@ class Broker:
             "EXPLORE_BROKER": self.kind,
             "EXPLORE_BROKER_URL": self.url,
             "EXPLORE_QUEUE": self.source,
+            "EXPLORE_QUORUM": str(+self.quorum),
         }
 
 
-# -- RabbitMQ (shared: never restarted) ------------------------------------------------------
+# -- RabbitMQ (the explorer's own node) --------------------------------------------------------
 
 
 def _pika() -> Any:
@@ -160,10 +170,16 @@ class DramatiqBroker(Broker):
     def close_producer(self) -> None:
         self.broker.close()
 
-    def publish(self, payload: dict[str, Any], identity: str | None) -> int:
+    def publish(
+        self, payload: dict[str, Any], identity: str | None, produced_at: datetime | None = None
+    ) -> int:
         from inbox_middleware.dramatiq import identity as stamp
 
-        options = stamp(producer=PRODUCER, message_id=identity) if identity else {}
+        options = (
+            stamp(producer=PRODUCER, message_id=identity, produced_at=produced_at)
+            if identity
+            else {}
+        )
         return _persist(lambda: self.actor.send_with_options(args=(payload,), **options))
 
 
@@ -173,6 +189,12 @@ class DramatiqRabbitmq(DramatiqBroker):
     def _broker(self) -> Any:
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
+        if self.quorum:  # the producer declares the queues too: as the workers do
+            from inbox_middleware.dramatiq import QuorumRabbitmqBroker
+
+            return QuorumRabbitmqBroker(
+                url=self.url, confirm_delivery=True, delivery_limit=infra.QUORUM_DELIVERY_LIMIT
+            )
         return RabbitmqBroker(url=self.url, confirm_delivery=True)
 
     def leftover(self) -> dict[str, int]:
@@ -280,10 +302,16 @@ class FastStreamBroker(Broker):
         finally:
             self.loop.close()
 
-    def publish(self, payload: dict[str, Any], identity: str | None) -> int:
+    def publish(
+        self, payload: dict[str, Any], identity: str | None, produced_at: datetime | None = None
+    ) -> int:
         from inbox_middleware.faststream import identity_headers
 
-        headers = identity_headers(producer=PRODUCER, message_id=identity) if identity else {}
+        headers = (
+            identity_headers(producer=PRODUCER, message_id=identity, produced_at=produced_at)
+            if identity
+            else {}
+        )
 
         def once() -> None:
             self.loop.run_until_complete(asyncio.wait_for(self._publish(payload, headers), 10))
@@ -308,7 +336,13 @@ class FastStreamRabbitmq(FastStreamBroker):
         connection = await aio_pika.connect(self.url)
         async with connection:
             channel = await connection.channel()
-            await channel.declare_queue(self.source, durable=True)
+            arguments = None
+            if self.quorum:  # as the workers' subscriber declares it
+                arguments = {
+                    "x-queue-type": "quorum",
+                    "x-delivery-limit": infra.QUORUM_DELIVERY_LIMIT,
+                }
+            await channel.declare_queue(self.source, durable=True, arguments=arguments)
 
     def _publishing_broker(self) -> Any:
         from faststream.rabbit import RabbitBroker
@@ -472,17 +506,68 @@ class FastStreamNats(FastStreamBroker):
         return asyncio.run(read())
 
 
+class FastStreamKafka(FastStreamBroker):
+    """The machine's tansu: memory only, so never restarted; topics of the run's own
+    (its destinations created beforehand, with the source's partitions, as the docs let a
+    user do), deleted at the end. What the group has not committed is left over; the
+    records themselves cannot be named without reading the whole topic, so `remaining`
+    says nothing (``lost-or-left``)."""
+
+    kind = "kafka"
+
+    @property
+    def group(self) -> str:
+        return f"g{self.source}"
+
+    def _names(self) -> list[str]:
+        return [self.source, f"{self.source}.quarantine", f"{self.source}.dead-letter"]
+
+    async def _prepare(self) -> None:
+        from ..support import kafka
+
+        for name in self._names():
+            await kafka.create_topic(name, infra.KAFKA_PARTITIONS)
+
+    def _publishing_broker(self) -> Any:
+        from faststream.kafka import KafkaBroker
+
+        return KafkaBroker(self.url)
+
+    async def _publish(self, body: Any, headers: dict[str, str]) -> None:
+        # Returns once the broker has the record.
+        await self.broker.publish(body, self.source, headers=headers)
+
+    def leftover(self) -> dict[str, int]:
+        from ..support import kafka
+
+        return {self.source: asyncio.run(kafka.uncommitted(self.group, self.source))}
+
+    def destinations(self) -> dict[str, Found]:
+        from ..support import kafka
+
+        async def read(name: str) -> Found:
+            return _json_payloads([body for body, _ in await kafka.read(f"{self.source}.{name}")])
+
+        return {name: asyncio.run(read(name)) for name in ("quarantine", "dead-letter")}
+
+    def cleanup(self) -> None:
+        from ..support import kafka
+
+        asyncio.run(kafka.delete_topics(self._names()))
+
+
 KINDS: dict[str, type[Broker]] = {
     "dramatiq-rabbitmq": DramatiqRabbitmq,
     "dramatiq-redis": DramatiqRedis,
     "faststream-rabbitmq": FastStreamRabbitmq,
     "faststream-redis": FastStreamRedis,
     "faststream-nats": FastStreamNats,
+    "faststream-kafka": FastStreamKafka,
 }
 
 
-def make_broker(target: str, source: str, url: str) -> Broker:
-    return KINDS[target](source, url)
+def make_broker(target: str, source: str, url: str, quorum: bool = False) -> Broker:
+    return KINDS[target](source, url, quorum)
 
 
 def payload_key(payload: dict[str, Any]) -> str | None:

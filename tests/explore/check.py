@@ -21,6 +21,9 @@ policy is ``reject``; applied at least once (no deduplication: the documented op
 with ``process``. Nothing is stuck: a bounded time after the faults stop every intent is
 settled and the broker holds nothing (``stuck``, ``left-in-broker``).
 
+An intent whose producer clock stamped it older than the retention window is kept as
+poison (``expired_redelivery``) and never applied (``expired-applied``,
+``expired-unrecorded``), as docs/how-to/retention.md says.
 A refused start-up is a correct outcome, not a finding.
 
 The workload axes (`space.WORKLOAD_AXES`, checked in `_workload`):
@@ -109,6 +112,9 @@ def check(history: History) -> list[Finding]:
     intents = {i.key: i for i in schedule.intents if i.key in sent_keys}
     identified = {k: i for k, i in intents.items() if i.identified}
     unidentified = {k: i for k, i in intents.items() if not i.identified}
+    # Stamped by a producer clock behind by more than the retention window: kept as poison
+    # (``expired_redelivery``), never applied, whatever their handler would have done.
+    expired = {k for k in schedule.expired() if k in identified}
 
     extra = history.extra
     accepted = _accepted(history, conflicts_sent)
@@ -121,6 +127,8 @@ def check(history: History) -> list[Finding]:
     """keys applied again after a purge deleted their claim: the documented window"""
     purgeable = _purgeable(history)
     """keys whose claim a purge was allowed to delete (older than its window)"""
+    lapsed = _lapsed_conflicts(history, conflicts_sent)
+    """(key, n) of conflicts applied as messages of their own after a purge: the window"""
     problem(
         "twice",
         (k for k in identified if len(effects.get(k, [])) > 1 and k not in forgotten),
@@ -128,13 +136,22 @@ def check(history: History) -> list[Finding]:
     )
     problem(
         "wrong-payload",
-        (k for k, i in identified.items() if any(n != i.n for n in effects.get(k, []))),
+        (
+            k
+            for k, i in identified.items()
+            if any(n != i.n and (k, n) not in lapsed for n in effects.get(k, []))
+        ),
         "intents applied with another payload than their first",
     )
     problem(
         "refused-applied",
         (k for k, i in identified.items() if i.behaviour == "permanent" and k in effects),
         "refused intents applied",
+    )
+    problem(
+        "expired-applied",
+        (k for k in expired if k in effects),
+        "intents stamped older than the retention window applied",
     )
     # Still in the broker: not lost, but not settled either (``stuck``, ``left-in-broker``).
     held = _keys(history.remaining or [])
@@ -161,9 +178,18 @@ def check(history: History) -> list[Finding]:
         (
             k
             for k, i in identified.items()
-            if i.behaviour == "permanent" and not set(poison.get(k, [])) & refusal
+            if i.behaviour == "permanent"
+            and k not in expired
+            and not set(poison.get(k, [])) & refusal
         ),
         f"refused intents without a poison row of reason {REFUSED}",
+    )
+    too_old = {"expired_redelivery"} | (refusal - {REFUSED})
+    problem(
+        "expired-unrecorded",
+        (k for k in expired if not set(poison.get(k, [])) & too_old),
+        "intents stamped older than the retention window without a poison row of reason "
+        "expired_redelivery",
     )
     innocent = ("ok", "transient", "sometimes", "deferred", "timelimit", "invalid")
     batched = _batch_reasons(config, intents, killed)
@@ -173,6 +199,7 @@ def check(history: History) -> list[Finding]:
             f"{k} ({'/'.join(poison[k])})"
             for k, i in identified.items()
             if k in poison
+            and k not in expired
             and (
                 (i.behaviour == "permanent" and not set(poison[k]) <= refusal | batched)
                 or (
@@ -195,6 +222,11 @@ def check(history: History) -> list[Finding]:
         for r in extra.get("inbox_poison", [])
         if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
     }
+    if _stalled(schedule):
+        # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
+        # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
+        # still in flight: two copies in flight together, of a message sent once.
+        copies = Counter({k: max(2, n) for k, n in copies.items()})
     problem(
         "poisoned-copy-pending",
         (
@@ -205,9 +237,15 @@ def check(history: History) -> list[Finding]:
         "applied intents whose earlier copy's poison row stayed pending (not recovered)",
     )
     problem(
+        "poison-reason",
+        (f"{k} ({'/'.join(poison[k])})" for k in expired if not set(poison.get(k, [])) <= too_old),
+        "intents stamped older than the window poisoned for another reason",
+    )
+    problem(
         "poisoned-and-applied",
         (
-            f"{k} (poison {'/'.join(poison[k])})"
+            f"{k} (poison {'/'.join(poison[k])}, "
+            f"{'/'.join(d for m, _, d in history.poison if m == k)})"
             for k in identified
             if k in effects and k in poison and copies[k] == 1 and k not in redriven
         ),
@@ -230,12 +268,20 @@ def check(history: History) -> list[Finding]:
     # Conflicts: recorded and published, their payload never applied.
     problem(
         "conflict-unrecorded",
-        (k for k in conflicts_sent if quarantined.get(k, ("", ""))[1] != "identity_conflict"),
+        (
+            k
+            for k, n in conflicts_sent.items()
+            if quarantined.get(k, ("", ""))[1] != "identity_conflict" and (k, n) not in lapsed
+        ),
         "conflicts without their quarantine row",
     )
     problem(
         "conflict-unrecorded",
-        (k for k in conflicts_sent if k not in _keys(in_quarantine)),
+        (
+            k
+            for k, n in conflicts_sent.items()
+            if k not in _keys(in_quarantine) and (k, n) not in lapsed
+        ),
         "conflicts missing from the quarantine destination",
     )
     operated = {
@@ -254,7 +300,14 @@ def check(history: History) -> list[Finding]:
     )
     problem(
         "record-contradicts",
-        (k for k in quarantined if k not in conflicts_sent),
+        (
+            k
+            for k in quarantined
+            if k not in conflicts_sent
+            # a lapsed conflict's output: the same output id as its first payload's,
+            # another payload, so downstream quarantines it (its claim was not purged)
+            and not (k.startswith("out.") and len(lapsed) >= len(_outputs_quarantined(history)))
+        ),
         "quarantine rows for intents never sent a conflicting payload",
     )
     # Messages without identity.
@@ -279,7 +332,12 @@ def check(history: History) -> list[Finding]:
             ),
             "messages without identity never applied under process",
         )
-    findings += _workload(history, identified, effects, poison, dead, killed, accepted, forgotten)
+    # An expired intent is kept as poison before its handler runs, whatever that handler
+    # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
+    fresh = {k: i for k, i in identified.items() if k not in expired}
+    findings += _workload(
+        history, fresh, effects, poison, dead, killed, accepted, forgotten, lapsed
+    )
     # Nothing stuck.
     if not history.settled:
         findings.append(
@@ -288,6 +346,19 @@ def check(history: History) -> list[Finding]:
     if any(history.leftover.values()):
         findings.append(Finding("left-in-broker", f"after the workers stopped: {history.leftover}"))
     return findings
+
+
+STALLS = {"net_blackhole": 3.0, "net_delay": 5.0}
+"""Network faults (and the shortest that does) that hold a delivery in flight longer than
+a redelivery timer of 3 s (the explorer's ``min_idle_time``, ``ack_wait`` and Kafka
+session)."""
+
+
+def _stalled(schedule: Any) -> bool:
+    """Whether a delivery may have been redelivered while still in flight: a broker that
+    redelivers on a timer, and a network fault that holds a transaction past it."""
+    timer = schedule.config.target in ("faststream-redis", "faststream-nats", "faststream-kafka")
+    return timer and any(f.kind in STALLS and f.seconds >= STALLS[f.kind] for f in schedule.faults)
 
 
 def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
@@ -361,6 +432,30 @@ def _forgotten(history: History) -> set[str]:
     }
 
 
+def _outputs_quarantined(history: History) -> list[str]:
+    return [m for m, _d, r in history.quarantine if m.startswith("out.")]
+
+
+def _lapsed_conflicts(history: History, conflicts_sent: dict[str, int]) -> set[tuple[str, int]]:
+    """Conflicts whose payload was applied more than the purge's window after their
+    intent's first effect, once a purge had run: the purge may have deleted the claim the
+    conflict would have met, and a message whose claim is gone is a first delivery
+    (limits, "Memory is as long as the retention window"), as for a copy (`_forgotten`)."""
+    if _last_purge(history) is None:
+        return set()
+    times: dict[str, list[tuple[int, float]]] = {}
+    for key, n, at in history.extra.get("effect_times", []):
+        times.setdefault(key, []).append((n, at))
+    return {
+        (k, n)
+        for k, n in conflicts_sent.items()
+        if any(
+            m == n and at - min(a for _, a in times[k]) > PURGE_WINDOW - MARGIN
+            for m, at in times.get(k, [])
+        )
+    }
+
+
 def _workload(
     history: History,
     identified: dict[str, Any],
@@ -370,6 +465,7 @@ def _workload(
     killed: bool,
     accepted: dict[str, int],
     forgotten: set[str],
+    lapsed: set[tuple[str, int]],
 ) -> list[Finding]:
     config = history.schedule.config
     extra = history.extra
@@ -429,7 +525,9 @@ def _workload(
     # Outputs, applied downstream once each.
     if config.outputs == "result" and "outputs" not in extra.get("not_available", []):
         downstream = Counter((k, n) for k, n, _via in extra.get("downstream", []))
+        # A lapsed conflict's output meets its first payload's downstream: quarantined.
         expected = {(k, n) for k in applied for n in effects[k]} | set(accepted.items())
+        expected -= lapsed
         problem(
             "output-missing",
             (f"{k}/{n}" for k, n in expected if not downstream[(k, n)]),

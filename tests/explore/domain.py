@@ -36,7 +36,9 @@ DDL = [
         message_id text,
         n bigint NOT NULL,
         pid integer NOT NULL,
-        at timestamptz NOT NULL DEFAULT clock_timestamp()
+        at timestamptz NOT NULL DEFAULT clock_timestamp(),
+        -- the applying transaction's start: its claim's processed_at, which a purge reads
+        began timestamptz NOT NULL DEFAULT now()
     )""",
     "CREATE TABLE IF NOT EXISTS explore_attempts (key text PRIMARY KEY, attempts int NOT NULL)",
     "CREATE TABLE IF NOT EXISTS explore_parent (id int PRIMARY KEY)",

@@ -7,14 +7,20 @@
     │                       intent's first payload committed
     └── fault thread        the schedule's faults at their times: workers SIGKILLed or
                             SIGTERMed, the explorer's PostgreSQL stopped (fast, immediate)
-                            and started, its sessions terminated, NATS restarted
+                            and started, its sessions terminated, NATS restarted, the
+                            workers' connections cut, delayed or black-holed by the proxy,
+                            the explorer's PgBouncer and RabbitMQ restarted
+
+    workers ─> [proxy, where the schedule has network faults] ─> [PgBouncer 6445, where
+    the configuration's pooler is] ─> PostgreSQL 5445
 
 Then it waits (a bounded time) until every intent is settled and the broker holds
 nothing, stops the workers, and records the history: every send, every effect, the
 inbox's durable records, what is left in the broker and at its destinations.
 
-Everything runs on the explorer's own servers (PostgreSQL 5445, Redis 6390, a NATS per
-run), except RabbitMQ: the machine's, on queues of the run's own, never restarted.
+Everything runs on the explorer's own servers (PostgreSQL 5445, its PgBouncer 6445, Redis
+6390, RabbitMQ 5673, a NATS per run), except Kafka (tansu): the machine's, on topics of the
+run's own, never restarted (it keeps nothing on disk).
 """
 
 from __future__ import annotations
@@ -22,13 +28,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +46,11 @@ import psycopg
 
 from ..chaos.run import Admin
 from ..support import servers
+from ..support.cutting_proxy import CuttingProxy
+from ..support.proxy import _pump as pump
 from . import domain, workload
-from .brokers import RABBITMQ_URL, REDIS_URL, Broker, make_broker
-from .schedule import Fault, Schedule
+from .brokers import KAFKA_SERVERS, RABBITMQ_URL, REDIS_URL, Broker, make_broker
+from .schedule import RETENTION, Fault, Schedule
 
 __all__ = ["PG_PORT", "HarnessTrouble", "History", "run_schedule"]
 
@@ -47,6 +58,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "scripts" / "services"
 PG_PORT = 5445
 PG_URL = f"postgresql://postgres@127.0.0.1:{PG_PORT}"
+RABBITMQ_PORT = 5673
+RABBITMQ_NODE = "explore@localhost"
+"""The explorer's RabbitMQ (`scripts/services explore-rabbitmq`), which it restarts."""
+POOLER_PORT = 6445
+"""The explorer's PgBouncer (`scripts/services explore-pgbouncer`): transaction pooling
+in front of its PostgreSQL, which the explorer restarts."""
+POOLER_PID = Path(tempfile.gettempdir()) / "inbox-middleware-explore-pgbouncer" / "pgbouncer.pid"
 SETTLE_TIMEOUT = 60.0  # seconds after the last fault and send for everything to settle
 READY = {"dramatiq": "ready for action", "faststream": "waiting for messages"}
 """A line each worker process logs once it consumes (a FastStream process forked by
@@ -153,7 +171,8 @@ def ensure_postgres(timeout: float = 60) -> None:
 
 
 def ensure_services() -> None:
-    """The explorer's own PostgreSQL and Redis, started by scripts/services if down."""
+    """The explorer's own PostgreSQL, Redis and RabbitMQ, started by scripts/services if
+    down (its PgBouncer: `ensure_pooler`, where a configuration goes through it)."""
     if not (servers.answering(PG_PORT) and servers.answering(6390)):
         subprocess.run(
             [str(SERVICES), "explore-postgres", "explore-redis"], capture_output=True, timeout=180
@@ -163,8 +182,93 @@ def ensure_services() -> None:
         raise HarnessTrouble(
             "the explorer's Redis (6390) does not answer: scripts/services explore-redis"
         )
-    if not servers.answering(5672):
-        raise HarnessTrouble("RabbitMQ (5672) does not answer: scripts/services rabbitmq")
+    if not servers.answering(RABBITMQ_PORT):
+        subprocess.run([str(SERVICES), "explore-rabbitmq"], capture_output=True, timeout=180)
+    if not servers.answering(RABBITMQ_PORT):
+        raise HarnessTrouble(
+            f"the explorer's RabbitMQ ({RABBITMQ_PORT}) does not answer: "
+            "scripts/services explore-rabbitmq"
+        )
+
+
+def ensure_pooler(timeout: float = 60) -> None:
+    """The explorer's PgBouncer, started by scripts/services if down, answering."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not servers.answering(POOLER_PORT):
+            subprocess.run([str(SERVICES), "explore-pgbouncer"], capture_output=True, timeout=180)
+        try:
+            url = f"postgresql://postgres@127.0.0.1:{POOLER_PORT}/postgres"
+            with psycopg.connect(url, connect_timeout=2, prepare_threshold=None) as conn:
+                if conn.execute("SELECT 1").fetchone() == (1,):
+                    return
+        except psycopg.Error:
+            pass
+        if time.monotonic() > deadline:
+            raise HarnessTrouble(
+                f"the explorer's PgBouncer ({POOLER_PORT}) did not answer within "
+                f"{timeout:.0f}s: scripts/services explore-pgbouncer"
+            )
+        time.sleep(0.2)
+
+
+def restart_pooler() -> str:
+    """Stop the explorer's PgBouncer at once (SIGTERM: its clients' connections dropped,
+    their transactions with them) and start it again."""
+    begun = time.monotonic()
+    try:
+        pid = int(POOLER_PID.read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError, IndexError) as exc:
+        raise HarnessTrouble(f"the explorer's PgBouncer could not be stopped: {exc!r}") from exc
+    while psutil.pid_exists(pid) and time.monotonic() - begun < 30:
+        time.sleep(0.05)
+    ensure_pooler()
+    return f"PgBouncer restarted in {time.monotonic() - begun:.1f}s"
+
+
+def _rabbitmqctl(*args: str) -> None:
+    command = ["rabbitmqctl", "-n", RABBITMQ_NODE, *args]
+    if os.getuid() == 0:  # its Erlang cookie is the rabbitmq user's
+        command = ["runuser", "-u", "rabbitmq", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise HarnessTrouble(f"rabbitmqctl {' '.join(args)} failed: {done.stderr[-500:]}")
+
+
+def restart_rabbitmq() -> str:
+    """Stop and start the explorer's RabbitMQ node's application: every connection
+    closed, durable queues and persistent messages kept."""
+    begun = time.monotonic()
+    _rabbitmqctl("stop_app")
+    _rabbitmqctl("start_app")
+    _rabbitmqctl("await_startup", "--timeout", "60")
+    return f"RabbitMQ restarted in {time.monotonic() - begun:.1f}s"
+
+
+class Network(CuttingProxy):
+    """The proxy between the workers and PostgreSQL (or PgBouncer): `Proxy`'s cuts and
+    black hole, and a delay on every chunk of bytes either way."""
+
+    latency = 0.0
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        pump(source, _Late(sink, self), lambda: self._holed)  # type: ignore[arg-type]
+
+
+class _Late:
+    """A socket whose ``sendall`` waits the proxy's latency first."""
+
+    def __init__(self, sock: socket.socket, network: Network) -> None:
+        self.sock, self.network = sock, network
+
+    def sendall(self, data: bytes) -> None:
+        if self.network.latency:
+            time.sleep(self.network.latency)
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
 
 
 @contextlib.contextmanager
@@ -394,6 +498,9 @@ def _publish_all(
     failure: list[BaseException],
 ) -> None:
     admin = Admin(admin_url)
+    # When each intent was created, by the producer's clock (copies carry the same).
+    now = datetime.now(UTC)
+    produced = {k: now + timedelta(seconds=skew) for k, skew in (schedule.skews or {}).items()}
     try:
         broker.open_producer()
         try:
@@ -402,7 +509,11 @@ def _publish_all(
                 if delay > 0:
                     time.sleep(delay)
                 identity = send.intent.key if send.intent.identified else None
-                broker.publish(send.intent.payload(send.n), identity)
+                stamp = produced.get(send.intent.key)
+                if stamp is None:  # as older explorers called it
+                    broker.publish(send.intent.payload(send.n), identity)
+                else:
+                    broker.publish(send.intent.payload(send.n), identity, stamp)
                 history.sent.append(
                     (time.monotonic() - started, send.intent.key, send.kind, send.n)
                 )
@@ -416,7 +527,11 @@ def _publish_all(
                 )
                 for (key,) in rows:
                     send = pending.pop(key)
-                    broker.publish(send.intent.payload(send.n), key)
+                    stamp = produced.get(key)
+                    if stamp is None:
+                        broker.publish(send.intent.payload(send.n), key)
+                    else:
+                        broker.publish(send.intent.payload(send.n), key, stamp)
                     history.sent.append((time.monotonic() - started, key, "conflict", send.n))
                 time.sleep(0.3)
             history.unsent_conflicts = sorted(pending)
@@ -437,9 +552,10 @@ class Faults:
         nats: Any,
         history: History,
         started: float,
+        network: Network | None = None,
     ) -> None:
         self.schedule, self.fleet, self.admin_url, self.nats = schedule, fleet, admin_url, nats
-        self.history, self.started = history, started
+        self.history, self.started, self.network = history, started, network
         self.failure: list[BaseException] = []
 
     def run(self) -> None:
@@ -452,7 +568,13 @@ class Faults:
         except BaseException as exc:
             self.failure.append(exc)
         finally:
+            if self.network is not None:
+                self.network.latency = 0.0
+                if self.network._holed:
+                    self.network.unblackhole()
             ensure_postgres()
+            if self.schedule.config.pooler == "pgbouncer":
+                ensure_pooler()
 
     def _pg_stop(self, mode: str, seconds: float) -> str:
         begun = time.monotonic()
@@ -504,18 +626,49 @@ class Faults:
                 time.sleep(0.02)
             stop = self._pg_stop("fast", fault.seconds)
             return f"{what}; once it was {fault.phase} again: {stop}"
+        if kind.startswith("net_"):
+            return self._network(fault)
+        if kind == "pooler_restart":
+            if self.schedule.config.pooler != "pgbouncer":
+                return "no PgBouncer in this configuration"
+            return restart_pooler()
         if kind == "broker_restart":
+            if self.schedule.config.broker == "rabbitmq":
+                return restart_rabbitmq()
             if self.nats is None:
                 return "no broker of the run's own to restart"
             return f"NATS restarted in {self.nats.restart():.1f}s"
         raise ValueError(f"unknown fault {kind}")
 
+    def _network(self, fault: Fault) -> str:
+        network = self.network
+        assert network is not None  # a schedule with network faults has its proxy
+        if fault.kind == "net_cut":
+            links = network.links()
+            network.cut()
+            return f"{links} connections cut"
+        if fault.kind == "net_delay":
+            network.latency = fault.latency
+            time.sleep(fault.seconds)
+            network.latency = 0.0
+            return f"every chunk delayed {fault.latency * 1000:.0f}ms for {fault.seconds:.1f}s"
+        network.blackhole()
+        time.sleep(fault.seconds)
+        links = network.links()
+        network.unblackhole()
+        return f"black hole for {fault.seconds:.1f}s; then {links} connections reset"
+
 
 def _unsettled(schedule: Schedule, admin: Admin, history: History) -> int:
     """Intents with neither an effect nor a durable record, and conflicts sent but not
     quarantined yet (a conflict whose first payload never committed is never sent)."""
-    sent = {key for _, key, kind, _ in list(history.sent) if kind == "conflict"}
-    effects = {k for (k,) in admin.query("SELECT DISTINCT key FROM explore_effects")}
+    applied = {(k, n) for k, n in admin.query("SELECT DISTINCT key, n FROM explore_effects")}
+    effects = {k for k, _ in applied}
+    # A conflict applied as a message of its own (its intent's claim purged) is settled
+    # too: whether the purge was allowed to is the checker's question.
+    sent = {
+        k for _, k, kind, n in list(history.sent) if kind == "conflict" and (k, n) not in applied
+    }
     poison = {m for (m,) in admin.query("SELECT message_id FROM inbox_poison")}
     quarantined = {m for (m,) in admin.query("SELECT message_id FROM inbox_quarantine")}
     count = 0
@@ -575,11 +728,16 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
     folder.mkdir(parents=True, exist_ok=True)
     source = f"explore_{schedule.seed}_{uuid.uuid4().hex[:8]}"
     nats = None
+    network: Network | None = None
     if config.broker == "nats":
         nats = servers.OwnedNats(folder / "nats")
         nats.start()
-    url = {"rabbitmq": RABBITMQ_URL, "redis": REDIS_URL}.get(config.broker) or nats.url  # type: ignore[union-attr]
-    broker = make_broker(config.target, source, url)
+    if config.broker == "kafka" and not servers.answering(9092):
+        raise HarnessTrouble("Kafka (tansu, 9092) does not answer: scripts/services kafka")
+    url = {"rabbitmq": RABBITMQ_URL, "redis": REDIS_URL, "kafka": KAFKA_SERVERS}.get(
+        config.broker
+    ) or nats.url  # type: ignore[union-attr]
+    broker = make_broker(config.target, source, url, quorum=config.queues == "quorum")
     fleet: Fleet | None = None
     extras: workload.Extras | None = None
     try:
@@ -587,8 +745,19 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             driver = (
                 "postgresql+psycopg" if config.framework == "dramatiq" else "postgresql+asyncpg"
             )
+            # The workers' way to PostgreSQL: PgBouncer, the proxy, both or neither.
+            port = PG_PORT
+            if config.pooler == "pgbouncer":
+                ensure_pooler()
+                port = POOLER_PORT
+            if schedule.proxied:
+                network = Network(("127.0.0.1", port))
+                port = network.port
+            worker_url = admin_url.replace(f":{PG_PORT}/", f":{port}/", 1)
             env = broker.worker_env() | {
-                "EXPLORE_DATABASE_URL": admin_url.replace("postgresql", driver, 1),
+                "EXPLORE_DATABASE_URL": worker_url.replace("postgresql", driver, 1),
+                "EXPLORE_POOLER": config.pooler,
+                "EXPLORE_RETENTION": "" if schedule.skews is None else str(RETENTION),
                 "EXPLORE_CONCURRENCY": str(config.concurrency),
                 "EXPLORE_PREFETCH": str(
                     config.concurrency if schedule.prefetch is None else schedule.prefetch
@@ -620,7 +789,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 args=(schedule, broker, admin_url, history, started, failure),
                 daemon=True,
             )
-            faults = Faults(schedule, fleet, admin_url, nats, history, started)
+            faults = Faults(schedule, fleet, admin_url, nats, history, started, network)
             faulting = threading.Thread(target=faults.run, daemon=True)
             producer.start()
             faulting.start()
@@ -730,3 +899,5 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 extras.cleanup()
         if nats is not None:
             nats.close()
+        if network is not None:
+            network.close()

@@ -32,6 +32,11 @@ BEHAVIOURS = {
 }
 SEND_WINDOW = 8.0  # seconds over which the sends are spread
 FAULT_WINDOW = 12.0  # seconds over which the faults happen
+RETENTION = 3600.0
+"""The workers' ``retention_window`` (seconds) where the producer stamps ``produced_at``."""
+SKEWS = (0.0, -600.0, 600.0, -3 * 3600.0, 3 * 3600.0)
+"""A skewed producer clock, per intent: right, ten minutes behind or ahead (within the
+window), three hours behind (beyond it: a first-seen copy is expired) or ahead."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,12 @@ class Fault:
     at: float
     kind: str
     """worker_kill, worker_term, pg_fast, pg_immediate, pg_terminate, pg_after_start,
-    broker_restart"""
+    broker_restart; and the infrastructure's: net_cut, net_delay, net_blackhole (through
+    the proxy between the workers and PostgreSQL), pooler_restart (PgBouncer)"""
     worker: int = 0
     seconds: float = 0.0
+    latency: float = 0.0
+    """net_delay: seconds each chunk of bytes waits in the proxy, either way."""
     phase: str = "ready"
     """pg_after_start: PostgreSQL stops once the replacement has started ("ready") or
     as soon as its process exists ("spawned", in the middle of its start-up)."""
@@ -74,6 +82,8 @@ class Fault:
             what += f" w{self.worker}"
         if self.kind == "pg_after_start":
             what += f" w{self.worker} ({self.phase})"
+        if self.latency:
+            what += f" by {self.latency * 1000:.0f}ms"
         if self.seconds:
             what += f" {self.seconds:.1f}s"
         return f"{what} at {self.at:.1f}s"
@@ -92,6 +102,19 @@ class Schedule:
     prefetch: int | None = None
     """FastStream on RabbitMQ: the channel's prefetch, when not the configuration's
     concurrency (0: none, FastStream's default)."""
+    skews: dict[str, float] | None = None
+    """Seconds each intent's ``produced_at`` is off the true time (the producer's clock);
+    None: no ``produced_at`` (the configuration's ``clock`` is "none")."""
+
+    @property
+    def proxied(self) -> bool:
+        """Whether the workers reach PostgreSQL through the explorer's proxy."""
+        return any(f.kind.startswith("net_") for f in self.faults)
+
+    def expired(self) -> set[str]:
+        """Intents stamped older than the retention window: kept as poison
+        (``expired_redelivery``), never applied (docs/how-to/retention.md)."""
+        return {k for k, skew in (self.skews or {}).items() if skew < -RETENTION}
 
     def describe(self) -> str:
         kinds: dict[str, int] = {}
@@ -160,11 +183,50 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
             conflicts.append(Send(at, intent, "conflict", intent.n + rng.randint(1, 99)))
     sends.sort(key=lambda s: s.at)
     faults = _faults(rng, config, pinned)
+    # The infrastructure's draws come from a generator of their own, so that they leave
+    # the workload's and the other faults' draws as they were.
+    infra = random.Random(f"{seed}/infra")
+    if not pinned:  # the outside report's schedule stays as it was
+        faults = sorted(faults + _infra_faults(infra, config), key=lambda f: f.at)
     schedule = Schedule(seed, config, chosen, sends, conflicts, faults)
+    if config.clock != "none":
+        schedule.skews = {
+            i.key: infra.choice(SKEWS) if config.clock == "skewed" else 0.0
+            for i in chosen
+            if i.identified
+        }
     if pinned:
         schedule.prefetch = 0
         schedule.notes.append("issue 27, item 1: a backlog at start-up, no prefetch limit")
     return schedule
+
+
+def _infra_faults(rng: random.Random, config: Config) -> list[Fault]:
+    """The configuration's ``infra_fault``, and one more of its kind half the time; on
+    RabbitMQ (durable queues, persistent messages), the broker restarted a third of the
+    time."""
+    faults = []
+    if config.broker == "rabbitmq" and rng.random() < 1 / 3:
+        faults.append(Fault(rng.uniform(0, FAULT_WINDOW), "broker_restart"))
+    if config.infra_fault == "none":
+        return faults
+    kinds = ["net_cut", "net_delay", "net_blackhole"]
+    if config.pooler == "pgbouncer":
+        kinds.append("pooler_restart")
+    chosen = [config.infra_fault]
+    if rng.random() < 0.5:
+        chosen.append(rng.choice(kinds))
+    for kind in chosen:
+        at = rng.uniform(0, FAULT_WINDOW)
+        if kind == "net_delay":
+            faults.append(
+                Fault(at, kind, seconds=rng.choice([2.0, 5.0]), latency=rng.choice([0.05, 0.3]))
+            )
+        elif kind == "net_blackhole":
+            faults.append(Fault(at, kind, seconds=rng.choice([1.0, 3.0, 8.0])))
+        else:
+            faults.append(Fault(at, kind))
+    return faults
 
 
 def len_rows() -> int:

@@ -14,6 +14,7 @@ library is used: the generator is about sixty lines, and no well-kept one is ins
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ TARGETS = (
     "dramatiq-redis",
     "faststream-redis",
     "faststream-nats",
+    "faststream-kafka",
 )
 AXES: dict[str, tuple[Any, ...]] = {
     "target": TARGETS,
@@ -39,10 +41,24 @@ AXES: dict[str, tuple[Any, ...]] = {
     "max_attempts": (None, 2, 10),
     "redelivery_limit": (None, 1, 5),
     "focus": ("worker_kill", "worker_term", "pg_fast", "pg_immediate", "pg_terminate", "startup"),
+    # -- the infrastructure around the workers (see `valid_infra`) --
+    "queues": ("classic", "quorum", "n/a"),
+    "pooler": ("direct", "pgbouncer"),
+    "clock": ("none", "synced", "skewed"),
+    "infra_fault": ("none", "net_cut", "net_delay", "net_blackhole", "pooler_restart"),
 }
 """``focus`` is the fault the schedule is sure to contain (others are drawn beside it);
 ``layout``: "commands" runs one supervised command per process, "forked" one command
-that forks them (``dramatiq --processes N``, ``faststream run --workers N``)."""
+that forks them (``dramatiq --processes N``, ``faststream run --workers N``).
+
+``queues``: RabbitMQ's queue type (Dramatiq's ``QuorumRabbitmqBroker``, FastStream's
+``QueueType.QUORUM``), "n/a" on the other brokers; ``pooler``: the workers reach
+PostgreSQL directly or through the explorer's PgBouncer in transaction mode; ``clock``:
+the producer stamps no ``produced_at`` ("none"), its true time ("synced"), or a clock
+off by minutes or hours per intent ("skewed"), the workers then having a
+``retention_window`` of an hour; ``infra_fault``: a fault the schedule is sure to
+contain besides its ``focus``: the workers' connections cut, delayed or black-holed by a
+proxy between them and PostgreSQL (or PgBouncer), or PgBouncer restarted."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,10 @@ class Config:
     max_attempts: int | None
     redelivery_limit: int | None
     focus: str
+    queues: str = "classic"
+    pooler: str = "direct"
+    clock: str = "none"
+    infra_fault: str = "none"
     # the workload and operations block (issue 29): defaults are the earlier space
     batch: str = "off"
     outputs: str = "none"
@@ -84,6 +104,14 @@ class Config:
             f"redelivery_limit={self.redelivery_limit}",
             f"focus {self.focus}",
         ]
+        if self.queues == "quorum":
+            parts.insert(1, "quorum queues")
+        if self.pooler != "direct":
+            parts.append(f"through {self.pooler}")
+        if self.clock != "none":
+            parts.append(f"producer clock {self.clock}")
+        if self.infra_fault != "none":
+            parts.append(f"and {self.infra_fault}")
         parts += [
             f"{axis} {getattr(self, axis)}"
             for axis, values in WORKLOAD_AXES.items()
@@ -113,7 +141,23 @@ def valid(values: dict[str, Any]) -> bool:
         return False
     if values.get("processes") == 1 and values.get("layout") == "forked":
         return False
-    return _workload_valid(values)
+    return _workload_valid(values) and valid_infra(values)
+
+
+def valid_infra(values: dict[str, Any]) -> bool:
+    """The infrastructure axes: quorum queues only on RabbitMQ ("n/a" exactly elsewhere);
+    Kafka only with ``AckPolicy.ACK`` (the docs require it: "default" is that policy
+    there, ``NACK_ON_ERROR`` is left out); PgBouncer restarted only where there is one."""
+    target = values.get("target")
+    if (
+        target is not None
+        and "queues" in values
+        and (values["queues"] == "n/a") != (not target.endswith("rabbitmq"))
+    ):
+        return False
+    if target == "faststream-kafka" and values.get("ack_policy") == "nack_on_error":
+        return False
+    return not (values.get("infra_fault") == "pooler_restart" and values.get("pooler") == "direct")
 
 
 def _pairs(row: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
@@ -134,6 +178,12 @@ def _all_pairs() -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
 
 def _completable(row: dict[str, Any]) -> bool:
     """Whether the partial ``row`` can be completed into a valid row."""
+    return _completable_items(tuple(sorted(row.items(), key=lambda kv: kv[0])))
+
+
+@functools.cache
+def _completable_items(items: tuple[tuple[str, Any], ...]) -> bool:
+    row = dict(items)
     rest = [n for n in AXES if n not in row]
     if not rest:
         return valid(row)
@@ -188,6 +238,10 @@ ISSUE_27: dict[str, Any] = {
     "max_attempts": 10,
     "redelivery_limit": 10,
     "focus": "pg_fast",
+    "queues": "classic",
+    "pooler": "direct",
+    "clock": "none",
+    "infra_fault": "none",
 }
 # -- the workload and operations (issue 29) --------------------------------------------------
 # What the handlers do and what runs beside them; the runtime is in `workload`.
@@ -220,10 +274,16 @@ def _workload_valid(values: dict[str, Any]) -> bool:
             return False  # a Dramatiq worker
         if values.get("missing_identity") == "process":
             return False  # refused at start-up: a batch is claimed as a whole
+        if values.get("queues") in ("classic", "quorum"):
+            return False  # RabbitMQ's queues: no batch subscriber
         # A batch subscriber with a publisher is refused at start-up (docs/how-to/outputs.md)
         if values.get("outputs") == "result":
             return False
-    return True
+    # The explorer wires neither a publisher nor a batch subscriber on Kafka (`app_faststream`)
+    return not (
+        values.get("target") == "faststream-kafka"
+        and (values.get("outputs", "none") != "none" or values.get("batch", "off") == "on")
+    )
 
 
 ROWS: list[dict[str, Any]] = _build()

@@ -151,6 +151,52 @@ def test_check__a_copy_applied_after_an_earlier_copy_was_poisoned_is_documented(
     assert "poisoned-and-applied" in _kinds(history)
 
 
+def test_check__an_intent_stamped_older_than_the_window_is_poison_never_applied() -> None:
+    history = _history()
+    history.schedule.skews = {"a": -3 * 3600.0, "b": -3 * 3600.0, "c": 3 * 3600.0}
+    # a and b expired: kept as poison for that reason (b's own refusal never ran); c is
+    # stamped ahead of the true time, within any window: applied as usual.
+    history.effects = [("c", "c", 3)]
+    history.claims = ["c"]
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "expired_redelivery", "")]
+    assert check(history) == []
+    history.effects.append(("a", "a", 1))
+    history.claims.append("a")
+    history.poison = [("a", "expired_redelivery", "pending"), ("b", "explore_refused", "")]
+    assert {"expired-applied", "expired-unrecorded", "poison-reason"} <= set(_kinds(history))
+
+
+def test_schedule__the_infrastructure_axes_draw_their_faults_and_clock() -> None:
+    for seed, row in enumerate(ROWS):
+        schedule = draw(seed)
+        kinds = {f.kind for f in schedule.faults}
+        if row["infra_fault"] != "none":
+            assert row["infra_fault"] in kinds
+        assert schedule.proxied == bool(kinds & {"net_cut", "net_delay", "net_blackhole"})
+        assert ("pooler_restart" in kinds) <= (row["pooler"] == "pgbouncer")
+        assert (schedule.skews is None) == (row["clock"] == "none")
+        assert (row["queues"] == "n/a") == (not row["target"].endswith("rabbitmq"))
+
+
+def test_check__a_stalled_delivery_redelivered_in_flight_counts_as_two_copies() -> None:
+    # FastStream on Redis streams: a black hole of 8 s holds a delivery past the reclaim's
+    # min_idle_time; the reclaimed delivery fails its last attempt (poison) while the
+    # stalled one applies. Two copies in flight together (limits.md), not one message
+    # ending in two places; a row left pending well before the effect still is a finding.
+    history = _history(target="faststream-redis", queues="n/a", guard="on")
+    history.schedule.faults = [Fault(1.0, "net_blackhole", seconds=8.0)]
+    history.schedule.intents[0] = Intent("a", "transient", 1)
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("a", "retries_exhausted", "recovered")]
+    assert check(history) == []
+    history.poison_lead = {"a": 5.0}
+    history.poison[1] = ("a", "retries_exhausted", "pending")
+    assert _kinds(history) == ["poisoned-copy-pending"]
+    history.schedule.faults = []
+    assert "poisoned-and-applied" in _kinds(history)
+
+
 # -- the workload axes -----------------------------------------------------------------------
 
 
@@ -161,6 +207,12 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "dramatiq-redis", "batch": "on"})
     assert not valid({"batch": "on", "outputs": "result"})
     assert valid({"target": "faststream-nats", "batch": "on", "outputs": "none"})
+    # Across the two blocks: the explorer wires neither a batch nor outputs on Kafka, and
+    # RabbitMQ's queues (classic or quorum) have no batch subscriber
+    assert not valid({"target": "faststream-kafka", "batch": "on"})
+    assert not valid({"target": "faststream-kafka", "outputs": "result"})
+    assert valid({"target": "faststream-kafka", "outputs": "none", "handlers": "extended"})
+    assert not valid({"queues": "quorum", "batch": "on"})
     assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic"}
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)
@@ -256,6 +308,62 @@ def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     history.effects.append(("a", "a", 1))
     history.extra["effect_times"] = [("a", 1, 70.0), ("a", 1, 90.0), ("c", 3, 99.0)]
     assert check(history) == []
+
+
+def test_check__a_conflict_applied_after_a_purge_forgot_its_claim_is_the_window() -> None:
+    # Seed 5002: a conflict on c sent once c committed, delivered after the workers'
+    # restarts and an outage, when a purge had deleted c's claim: a first delivery
+    history = _history(operator="purge")
+    history.sent.append((2.0, "c", "conflict", 9))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("c", "c", 9)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.extra = {
+        "purges": [(100.0, 0)],
+        "first_effect": {"a": 70.0, "c": 70.0},
+        "effect_times": [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 90.0)],
+    }
+    assert check(history) == []
+    # Applied 1 s after the first payload, within the window: the claim was there
+    history.extra["effect_times"] = [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 71.0)]
+    assert _kinds(history) == ["conflict-unrecorded", "twice", "wrong-payload"]
+
+
+def test_check__a_lapsed_conflicts_output_is_quarantined_downstream() -> None:
+    # Seed 5017: the lapsed conflict's output has its first payload's output id and
+    # another payload; downstream, whose claims no purge deleted, quarantines it
+    history = _history(operator="purge", outputs="result")
+    history.sent.append((2.0, "c", "conflict", 9))
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("c", "c", 9)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    history.quarantine = [("out.result.0.f00", "pending", "identity_conflict")]
+    history.extra = {
+        "purges": [(100.0, 0)],
+        "first_effect": {"a": 70.0, "c": 70.0},
+        "effect_times": [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 90.0)],
+        "downstream": [("a", 1, "publisher"), ("c", 3, "publisher")],
+    }
+    assert check(history) == []
+    # No lapsed conflict to explain it: a finding
+    history.extra["effect_times"] = [("a", 1, 70.0), ("c", 3, 70.0), ("c", 9, 71.0)]
+    assert "record-contradicts" in _kinds(history)
+
+
+def test_check__an_expired_misusing_handler_is_kept_as_expired_poison() -> None:
+    # Seed 5006: a handler that would settle its message itself, stamped three hours
+    # behind: kept as poison expired_redelivery before it runs, as any expired intent
+    history = _history(handlers="extended", clock="skewed")
+    history.schedule.intents.append(Intent("m", "msg_ack", 5))
+    history.schedule.skews = {"a": 0.0, "b": 0.0, "c": 0.0, "m": -3 * 3600.0}
+    history.sent.append((0.0, "m", "first", 5))
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("m", "expired_redelivery", "")]
+    history.extra = {"not_available": []}
+    assert check(history) == []
+    history.poison[-1] = ("m", "retries_exhausted", "")
+    assert _kinds(history) == ["expired-unrecorded", "poison-reason"]
 
 
 def test_check__a_failure_at_commit_meets_max_attempts_like_any_failure() -> None:

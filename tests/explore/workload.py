@@ -405,10 +405,12 @@ class Extras:
             "decisions": self.decisions,
             "purges": self.purges,
             "events": self.events,
+            # When the claim was written as the purge sees it (``processed_at``, its
+            # transaction's start): seconds before the effect where the link is slow.
             "first_effect": {
                 k: float(at)
                 for k, at in admin.query(
-                    "SELECT key, extract(epoch FROM min(at)) FROM explore_effects GROUP BY key"
+                    "SELECT key, extract(epoch FROM min(began)) FROM explore_effects GROUP BY key"
                 )
             },
             "effect_times": [
