@@ -140,20 +140,25 @@ class RabbitAdapter(BrokerAdapter):
             return False
         ms = _wait_step(delay)
         name = f"{self.source}.inbox-wait.{ms}"
-        for attempt in range(2):
-            key = (id(self.broker), name)
-            if attempt or key not in _DECLARED:
-                queue = await self.broker.declare_queue(self._wait_queue(name, ms))
-                if attempt:
-                    await queue.declare()  # the broker's cache says it exists; it expired
-                _DECLARED.add(key)
-            result = await self.broker.publish(copy, queue=name, mandatory=True)
-            problem = unconfirmed(result, self.broker)
-            if not problem:
-                await message.ack()
-                return True
-            if not _returned(result):
-                break
+        try:
+            for attempt in range(2):
+                key = (id(self.broker), name)
+                if attempt or key not in _DECLARED:
+                    queue = await self.broker.declare_queue(self._wait_queue(name, ms))
+                    if attempt:
+                        await queue.declare()  # the broker's cache says it exists; expired
+                    _DECLARED.add(key)
+                result = await self.broker.publish(copy, queue=name, mandatory=True)
+                problem = unconfirmed(result, self.broker)
+                if not problem:
+                    await message.ack()
+                    return True
+                if not _returned(result):
+                    break
+        except Exception as exc:
+            # The copy could not be sent (the broker's connection, or a test broker, which
+            # has no consumer of the wait queue): handed back in place, as before parking.
+            problem = f"{type(exc).__name__}: {exc}"
         logger.warning("handing a message of %s back in place: %s", self.source, problem)
         return False
 
