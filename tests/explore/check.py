@@ -172,7 +172,13 @@ def check(history: History) -> list[Finding]:
     killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
     # A refused intent's own reason; or the redelivery limit, which may stop it before its
     # handler runs where a worker died with it in hand.
-    refusal = {REFUSED} | (_allowed(config, "permanent", killed) & {"redelivery_limit"})
+    # In a batch, a refused intent is kept as poison with its batch's reason, which another
+    # message of the batch may have given (docs/how-to/faststream.md, "Batches").
+    refusal = (
+        {REFUSED}
+        | (_allowed(config, "permanent", killed) & {"redelivery_limit"})
+        | _batch_reasons(config, intents, killed)
+    )
     problem(
         "refused-unrecorded",
         (
