@@ -115,7 +115,57 @@ class DispatcherStats:
     """Outcomes not recorded because another dispatcher had taken the lease over."""
 
 
-class Dispatcher:
+class _Stoppable:
+    """What both dispatchers share: `stop` from any thread, `start` in a thread of its own.
+    A subclass sets ``_loop``, ``_stopping`` and ``_aborting`` while it runs."""
+
+    _stop_requested: bool
+    _abort_requested: bool
+    _loop: asyncio.AbstractEventLoop | None
+    _stopping: asyncio.Event | None
+    _aborting: asyncio.Event | None
+
+    async def run(self, *, burst: bool = False) -> None:
+        raise NotImplementedError
+
+    def stop(self, *, now: bool = False) -> None:
+        """Stop after the in-flight deliveries (``now``: cancel and release them at once).
+
+        Safe to call from any thread and from a signal handler.
+        """
+        self._stop_requested = True
+        self._abort_requested = self._abort_requested or now
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def request() -> None:
+            assert self._stopping is not None
+            assert self._aborting is not None
+            self._stopping.set()
+            if self._abort_requested:
+                self._aborting.set()
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            request()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(request)
+
+    def start(self) -> threading.Thread:
+        """Run in a daemon thread with its own event loop; `stop` it, then ``join()``."""
+        thread = threading.Thread(
+            target=asyncio.run, args=(self.run(),), name="outbox-dispatcher", daemon=True
+        )
+        thread.start()
+        return thread
+
+
+class Dispatcher(_Stoppable):
     """Delivers recorded effects through their destinations (PostgreSQL only).
 
     Run it with ``await dispatcher.run()`` in an event loop, with `start` in a thread of
@@ -248,42 +298,6 @@ class Dispatcher:
                     await listener
             await self.destinations.aclose()
             logger.info("outbox dispatcher stopped: %s", self.stats)
-
-    def stop(self, *, now: bool = False) -> None:
-        """Stop after the in-flight deliveries (``now``: cancel and release them at once).
-
-        Safe to call from any thread and from a signal handler.
-        """
-        self._stop_requested = True
-        self._abort_requested = self._abort_requested or now
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-
-        def request() -> None:
-            assert self._stopping is not None
-            assert self._aborting is not None
-            self._stopping.set()
-            if self._abort_requested:
-                self._aborting.set()
-
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            request()
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(request)
-
-    def start(self) -> threading.Thread:
-        """Run in a daemon thread with its own event loop; `stop` it, then ``join()``."""
-        thread = threading.Thread(
-            target=asyncio.run, args=(self.run(),), name="outbox-dispatcher", daemon=True
-        )
-        thread.start()
-        return thread
 
     def _join(
         self,

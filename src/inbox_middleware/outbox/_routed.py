@@ -32,7 +32,6 @@ through a transaction pooler anyway. Here the rotation is the wake-up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -52,7 +51,7 @@ from .._storage.migrate import check_schema
 from .._storage.routed import database_url
 from .._storage.tables import InboxSchema
 from ._destination import Destination, Destinations
-from ._dispatcher import _BURST_HORIZON, Backoff, Dispatcher, DispatcherStats
+from ._dispatcher import _BURST_HORIZON, Backoff, Dispatcher, DispatcherStats, _Stoppable
 from ._errors import database_error
 
 __all__ = ["RoutedDispatcher"]
@@ -67,7 +66,7 @@ DEFAULT_KEEP_OPEN = 16
 """Databases whose connection stays open between looks; the others reconnect."""
 
 
-class RoutedDispatcher:
+class RoutedDispatcher(_Stoppable):
     """Delivers the effects recorded in every database of a map (PostgreSQL only).
 
     Run it as `Dispatcher` is run: ``await dispatcher.run()``, `start` in a thread, or
@@ -447,42 +446,6 @@ class RoutedDispatcher:
             if database_error(exc) is None:
                 raise
             return None
-
-    def stop(self, *, now: bool = False) -> None:
-        """Stop after the in-flight deliveries (``now``: cancel and release them at once).
-
-        Safe to call from any thread and from a signal handler.
-        """
-        self._stop_requested = True
-        self._abort_requested = self._abort_requested or now
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-
-        def request() -> None:
-            assert self._stopping is not None
-            assert self._aborting is not None
-            self._stopping.set()
-            if self._abort_requested:
-                self._aborting.set()
-
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            request()
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(request)
-
-    def start(self) -> threading.Thread:
-        """Run in a daemon thread with its own event loop; `stop` it, then ``join()``."""
-        thread = threading.Thread(
-            target=asyncio.run, args=(self.run(),), name="outbox-dispatcher", daemon=True
-        )
-        thread.start()
-        return thread
 
     def dispose(self) -> None:
         """Close every database's connections."""
