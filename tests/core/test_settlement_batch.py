@@ -34,6 +34,7 @@ from inbox_middleware._core.consumption import (
     LookUpClaim,
     ProcessBatch,
     Publish,
+    QuarantineConflict,
     RecordPoison,
     RedeliveryCount,
     RejectRequested,
@@ -696,20 +697,53 @@ def test_core_batch__a_copy_applied_before_is_a_duplicate_in_a_poison_batch() ->
     assert records == ["ord-1"]
 
 
-def test_core_batch__a_copy_of_another_payload_is_kept_as_poison_with_its_batch() -> None:
-    # Given the same, but the earlier claim holds another payload (a conflict)
+def test_core_batch__a_conflict_in_a_poison_batch_is_quarantined_as_alone() -> None:
+    # Given a batch failing for good whose first message has the identity of a message
+    # applied before with another payload (a conflict, whatever the batch's handler did)
     other = StoredClaim("ef" * 32, "v1", "h1", datetime(2026, 1, 1, tzinfo=UTC))
     script = Script(
         {
             ProcessBatch: [KeyError("gone")],
             CountFailure: [1],
             LookUpClaim: [other, None],
+            QuarantineConflict: [QuarantineRecord(7, 1)],
             RecordPoison: [POISON],
             Publish: [CONFIRMED],
         }
     )
     policy = replace(ConsumerPolicy(), permanent_errors=(KeyError,))
     settled = drive(settle_batch_steps(batch(2), policy), script)
-    # Then it fails with its batch, as before
+    # Then it is quarantined as it would be alone (its row, published to the quarantine
+    # destination), never kept as poison; the rest of the batch is, and dead-lettered
     assert isinstance(settled, BatchRejected)
-    assert (settled.duplicates, settled.dead_lettered) == ((), (0, 1))
+    assert (settled.quarantined, settled.dead_lettered) == ((0,), (1,))
+    conflicts = [op for op in script.performed if isinstance(op, QuarantineConflict)]
+    assert [(op.delivery.identity.message_id, op.stored) for op in conflicts] == [("ord-0", other)]
+    records = [
+        op.delivery.identity.message_id for op in script.performed if isinstance(op, RecordPoison)
+    ]
+    assert records == ["ord-1"]
+    published = [(op.route, op.item) for op in script.performed if isinstance(op, Publish)]
+    assert published == [(Route.QUARANTINE, 0), (Route.DEAD_LETTER, 1)]
+    quarantine = next(op for op in script.performed if isinstance(op, Publish))
+    assert quarantine.details["reason"] == "identity_conflict"
+    assert quarantine.details["quarantine_id"] == 7
+
+
+def test_core_batch__a_conflict_in_a_poison_batch_unrecorded_hands_the_batch_back() -> None:
+    # Given the same, but the quarantine row cannot be written (the database went away)
+    other = StoredClaim("ef" * 32, "v1", "h1", datetime(2026, 1, 1, tzinfo=UTC))
+    script = Script(
+        {
+            ProcessBatch: [KeyError("gone")],
+            CountFailure: [1],
+            LookUpClaim: [other, None],
+            QuarantineConflict: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        }
+    )
+    policy = replace(ConsumerPolicy(), permanent_errors=(KeyError,))
+    settled = drive(settle_batch_steps(batch(2), policy), script)
+    # Then nothing is dropped: the batch is handed back, nothing recorded nor published
+    assert isinstance(settled, HandedBack)
+    assert not [op for op in script.performed if isinstance(op, RecordPoison | Publish)]

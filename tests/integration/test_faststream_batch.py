@@ -256,6 +256,49 @@ async def test_faststream_batch__a_copy_applied_before_is_a_duplicate_when_its_b
     assert len(dead) == 2
 
 
+async def test_faststream_batch__a_conflict_is_quarantined_when_its_batch_fails(
+    h, pg_async_engine, pg_engine, seen
+):
+    # Found by the explorer (seed 993452): a conflicting copy in a batch that failed for
+    # good was kept as poison with the batch's reason, and never quarantined.
+    from sqlalchemy import select
+
+    from inbox_middleware._storage import InboxSchema
+
+    # Given p-0 applied before with another payload, and a batch handler that always fails
+    claim_directly(pg_engine, *order("p-0", 5))
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
+    h.broker.add_middleware(inbox.middleware)
+    inbox.guard(h.broker)
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        raise RuntimeError("the ledger service is broken")
+
+    tables = InboxSchema().tables
+
+    def rows(table: Any) -> list[tuple[str, str]]:
+        with pg_engine.connect() as conn:
+            return sorted((r.message_id, r.reason_code) for r in conn.execute(select(table)))
+
+    # When p-0 comes back, with a payload of its own, in a batch with two new messages
+    await h.prepare_source()
+    async with h.broker:
+        for number in range(3):
+            await h.publish(*order(f"p-{number}", 1))
+        await h.broker.start()
+        await eventually(lambda: len(rows(tables.poison)) >= 2, timeout=30, what="poison rows")
+        quarantined = await h.read_at_least(f"{h.source}.quarantine", 1)
+        await asyncio.sleep(1)  # a third dead letter, were there one, would be there now
+        dead = await h.read_at_least(f"{h.source}.dead-letter", 2)
+    # Then the conflict is quarantined as it would be alone: its row, the quarantine
+    # destination; the two new ones are kept as poison and dead-lettered
+    assert rows(tables.quarantine) == [("p-0", "identity_conflict")]
+    assert len(quarantined) == 1
+    assert rows(tables.poison) == [("p-1", "retries_exhausted"), ("p-2", "retries_exhausted")]
+    assert len(dead) == 2
+
+
 async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_rest_applied(
     h, pg_async_engine, pg_engine, seen
 ):

@@ -105,6 +105,7 @@ __all__ = [
     "ProcessBatch",
     "Processed",
     "Publish",
+    "QuarantineConflict",
     "Quarantined",
     "RecordPoison",
     "RefusedFirstSeen",
@@ -320,6 +321,16 @@ class RecordPoison:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantineConflict:
+    """In a short transaction of its own: record ``delivery`` as an identity conflict
+    with the committed claim ``stored`` (its quarantine row, as a claim that meets the
+    conflict records it); answer the `QuarantineRecord`."""
+
+    delivery: Delivery
+    stored: StoredClaim
+
+
+@dataclass(frozen=True, slots=True)
 class LoadOutputs:
     """Load the output stored with ``delivery``'s claim; answer the `Output`, or None
     when nothing was stored (a claim from before outputs were kept)."""
@@ -403,6 +414,7 @@ Op = (
     | CountFailure
     | CountHandBack
     | RecordPoison
+    | QuarantineConflict
     | LoadOutputs
     | LookUpClaim
     | Publish
@@ -1010,7 +1022,8 @@ class BatchProcessed:
 class BatchRejected:
     """The batch failed for good (``reason``: a reason code, or ``handler_rejected`` and
     ``unfit`` when nothing was recorded): each item kept as poison (``records``, when its
-    attempts ran out or the failure is permanent) and dead-lettered; ack."""
+    attempts ran out or the failure is permanent) and dead-lettered, but for the copies of
+    messages that committed before (``duplicates``, ``quarantined``); ack."""
 
     reason: str
     error: InboxError
@@ -1021,6 +1034,13 @@ class BatchRejected:
     """The items whose same payload had committed before (a copy whose ack was lost, back
     in a batch that failed for good): duplicates, acked, neither recorded nor
     dead-lettered."""
+    quarantined: tuple[int, ...] = ()
+    """The items whose identity had committed before with another payload: conflicts,
+    whatever the batch's handler did, quarantined as each would be alone (its row,
+    published to the quarantine destination), neither kept as poison nor dead-lettered."""
+    conflicts: tuple[Verdict, ...] = ()
+    """The verdict of each of ``quarantined``, in the same order (its stored claim and
+    quarantine row)."""
 
 
 BatchSettlement = BatchProcessed | BatchRejected | HandedBack
@@ -1043,7 +1063,8 @@ def settle_batch_steps(
     - a failure is one attempt of each of its messages: it counts against each, the
       batch's last attempt is the last of the message closest to ``max_attempts``, and a
       permanent failure (``permanent_errors``, the handler's own commit) keeps each as
-      poison at once;
+      poison at once, except a message whose identity committed before: a duplicate
+      (same payload) or a conflict (another payload, quarantined) as it would be alone;
     - a hand-back is counted for each message, so its redelivery is no crash.
     """
     if batch.held is not None:
@@ -1084,7 +1105,14 @@ def settle_batch_steps(
             failed = yield from _batch_failed(claims, rules, exc)
             if isinstance(failed, HandedBack):
                 return failed
-            everything = tuple(i for i in range(batch.size) if i not in failed.duplicates)
+            try:
+                for index, verdict in zip(failed.quarantined, failed.conflicts, strict=True):
+                    claim = dict(claims)[index]
+                    yield Publish(Route.QUARANTINE, conflict_details(claim, verdict), index)
+            except Exception as trouble:
+                return (yield from _batch_hand_back(trouble, batch.deliveries))
+            settled = set(failed.duplicates) | set(failed.quarantined)
+            everything = tuple(i for i in range(batch.size) if i not in settled)
             return (yield from _batch_dead_letter(batch, failed, everything, poisoned))
     verdicts: tuple[Verdict, ...] = outcome.verdicts if outcome is not None else ()
     try:
@@ -1107,19 +1135,27 @@ def settle_batch_steps(
     return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered, poisoned))
 
 
-def _applied_earlier(claims: Sequence[tuple[int, Delivery]]) -> Generator[Op, Any, set[int]]:
-    """The messages of a batch about to be kept as poison whose same payload had
-    committed before (a redelivery whose ack was lost): each read back, a duplicate."""
+def _claimed_before(
+    claims: Sequence[tuple[int, Delivery]],
+) -> Generator[Op, Any, tuple[set[int], dict[int, StoredClaim]]]:
+    """The messages of a batch about to be kept as poison whose identity had committed
+    before, each read back: with the same payload (a redelivery whose ack was lost), a
+    duplicate; with another, a conflict (the claim decides it, not the handler, which
+    never ran it). Neither is kept as poison: each settles as it would alone."""
     applied = set()
+    conflicts: dict[int, StoredClaim] = {}
     for index, delivery in claims:
         if delivery.shadow:
-            continue  # in shadow mode a duplicate runs, and fails with its batch
+            continue  # in shadow mode a duplicate or a conflict runs, and fails with its batch
         stored: StoredClaim | None = yield LookUpClaim(delivery)
         if stored is None or stored.processed_at is None:
             continue
-        if compare(stored, delivery)[0] is Decision.DUPLICATE:
+        decision, _ = compare(stored, delivery)
+        if decision is Decision.DUPLICATE:
             applied.add(index)
-    return applied
+        elif decision is Decision.CONFLICT:
+            conflicts[index] = stored
+    return applied, conflicts
 
 
 def _refused(delivery: Delivery, error: PermanentError) -> Generator[Op, Any, Poisoned]:
@@ -1151,10 +1187,15 @@ def _batch_failed(
         if code is None and not _last(rules, max(counts), exc):
             return HandedBack(exc, counted=True)
         code = code or _exhausted(exc)
-        applied = yield from _applied_earlier(claims)
+        applied, conflicting = yield from _claimed_before(claims)
+        conflicts: list[Verdict] = []
+        for index, stored in conflicting.items():
+            claim = dict(claims)[index]
+            record = yield QuarantineConflict(claim, stored)
+            conflicts.append(Verdict(Decision.CONFLICT, stored, True, record))
         records = []
         for (index, claim), attempts in zip(claims, counts, strict=True):
-            if index not in applied:
+            if index not in applied and index not in conflicting:
                 records.append((yield RecordPoison(claim, code, error, attempts)))
     except Exception as trouble:
         # Not recorded (the database may be down): nothing may be dropped, so the batch
@@ -1164,7 +1205,16 @@ def _batch_failed(
     why = InboxError(
         f"a poison batch ({code}, {max(counts)} attempts): {error}; kept in the poison table"
     )
-    return BatchRejected(code, why, tuple(records), (), exc, tuple(sorted(applied)))
+    return BatchRejected(
+        code,
+        why,
+        tuple(records),
+        (),
+        exc,
+        tuple(sorted(applied)),
+        tuple(conflicting),
+        tuple(conflicts),
+    )
 
 
 def _batch_dead_letter(

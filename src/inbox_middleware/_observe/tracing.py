@@ -47,6 +47,7 @@ from .._core.consumption import (
     Process,
     Processed,
     Publish,
+    QuarantineConflict,
     Quarantined,
     RecordPoison,
     RunUnprotected,
@@ -488,6 +489,7 @@ _RECORDS: dict[type, str] = {
     CountHandBack: "hand_back",
     CountRedelivery: "redelivery",
     RecordPoison: "poison",
+    QuarantineConflict: "quarantine",
 }
 _SETTLEMENTS: dict[type, str] = {
     Processed: "processed",

@@ -30,6 +30,7 @@ from .._core.consumption import (
     LookUpClaim,
     Observer,
     Op,
+    QuarantineConflict,
     RecordPoison,
     RedeliveryCount,
     TransactionState,
@@ -47,6 +48,7 @@ from .._core.protocol import (
     ClaimBatch,
     Decision,
     Delivery,
+    RecordConflict,
     Step,
     Verdict,
     claim_batch_steps,
@@ -216,6 +218,10 @@ class Executor:
                 return self.recorder.record_poison(
                     conn, delivery, reason_code=reason, error=error, attempts=attempts
                 )
+            case QuarantineConflict(delivery=delivery, stored=stored):
+                step = RecordConflict(delivery, stored)
+                statement, params = self.statements.statement(step)
+                return self.statements.result(step, conn.execute(statement, params))
         raise TypeError(f"not a bookkeeping operation: {op!r}")
 
     def _unrecorded_hand_back(self, op: Op) -> None:

@@ -234,12 +234,15 @@ def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> No
                 metrics.moved(name, "poison")
             for index in indexes:
                 tally.count(name, "poisoned" if index in poisoned else "no_identity")
-        case BatchRejected(reason=reason, records=records):
+        case BatchRejected(reason=reason, records=records, quarantined=quarantined):
             for _ in records:
                 metrics.moved(name, "poison")
             if records:
                 metrics.handler_failure(name, reason)
-            for _ in range(size):
+            for _ in quarantined:
+                metrics.moved(name, "quarantine")
+                tally.count(name, "quarantined")
+            for _ in range(size - len(quarantined)):
                 tally.count(name, "poisoned" if records else "dead_lettered")
         case core.HandedBack(error=error, counted=counted):
             if counted:
