@@ -228,10 +228,13 @@ def check(history: History) -> list[Finding]:
         for r in extra.get("inbox_poison", [])
         if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
     }
-    if _stalled(schedule):
+    if _stalled(schedule) or (config.batch == "on" and killed):
         # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
         # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
-        # still in flight: two copies in flight together, of a message sent once.
+        # still in flight: two copies in flight together, of a message sent once. A batch
+        # whose worker was SIGKILLed after its poison rows, before its ack, is delivered
+        # again too, and its messages, in other batches then, may be applied (a batch's
+        # poison reason may be another message's): its claim marks the rows recovered.
         copies = Counter({k: max(2, n) for k, n in copies.items()})
     problem(
         "poisoned-copy-pending",
@@ -358,13 +361,22 @@ STALLS = {"net_blackhole": 3.0, "net_delay": 5.0}
 """Network faults (and the shortest that does) that hold a delivery in flight longer than
 a redelivery timer of 3 s (the explorer's ``min_idle_time``, ``ack_wait`` and Kafka
 session)."""
+PG_STOPS = ("pg_fast", "pg_immediate", "pg_after_start")
+"""Faults that stop PostgreSQL for a while (``pg_terminate`` only ends its sessions)."""
 
 
 def _stalled(schedule: Any) -> bool:
     """Whether a delivery may have been redelivered while still in flight: a broker that
-    redelivers on a timer, and a network fault that holds a transaction past it."""
-    timer = schedule.config.target in ("faststream-redis", "faststream-nats", "faststream-kafka")
-    return timer and any(f.kind in STALLS and f.seconds >= STALLS[f.kind] for f in schedule.faults)
+    redelivers on a timer, and a network fault that holds a transaction past it, or a
+    PostgreSQL outage behind PgBouncer (which holds a client's statements while the
+    server is away, rather than failing them: its restart here takes seconds, whatever
+    the fault's own duration)."""
+    config = schedule.config
+    timer = config.target in ("faststream-redis", "faststream-nats", "faststream-kafka")
+    held = config.pooler == "pgbouncer" and any(f.kind in PG_STOPS for f in schedule.faults)
+    return timer and (
+        held or any(f.kind in STALLS and f.seconds >= STALLS[f.kind] for f in schedule.faults)
+    )
 
 
 def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:

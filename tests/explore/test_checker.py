@@ -4,6 +4,8 @@ is there to find in histories written by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .check import check
 from .run import History
 from .schedule import Fault, Intent, Schedule, draw
@@ -387,3 +389,38 @@ def test_check__an_intent_dead_lettered_without_its_poison_row_is_a_finding() ->
     history.destinations = {"dead-letter": [{"key": "b"}, {"key": "c"}]}
     history.extra = {"not_available": []}
     assert _kinds(history) == ["dead-lettered-unexplained"]
+
+
+def test_check__a_batch_poisoned_beside_its_copy_applied_in_another_batch_is_two_copies() -> None:
+    # Seed 29195: FastStream on Redis streams, a batch subscriber, PostgreSQL stopped
+    # behind PgBouncer. Batches held in flight past the reclaim's min_idle_time while
+    # PgBouncer waited for the server were reclaimed into other batches: a, sent once,
+    # was in a batch that a misusing handler (b) failed, and in another that applied it.
+    # The failed batch's poison row for a, written once the other had committed, is
+    # `recovered` (limits.md, "A poisoned copy and a later copy"): two copies in flight.
+    history = _history(
+        target="faststream-redis", queues="n/a", guard="off", batch="on", pooler="pgbouncer"
+    )
+    history.schedule.intents[1] = Intent("b", "commit", 2)
+    history.schedule.faults = [Fault(0.3, "pg_fast", seconds=3.0)]
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("a", "handler_transaction", "recovered"), ("b", "handler_transaction", "")]
+    assert check(history) == []
+    # A row left pending well before the effect still is a finding
+    history.poison[0] = ("a", "handler_transaction", "pending")
+    history.poison_lead = {"a": 5.0}
+    assert _kinds(history) == ["poisoned-copy-pending"]
+    # So is the same without anything that delivers a message sent once twice
+    history.poison[0] = ("a", "handler_transaction", "recovered")
+    history.poison_lead = {}
+    history.schedule.faults = []
+    assert _kinds(history) == ["poisoned-and-applied"]
+    # Directly to PostgreSQL, its outage fails the statements at once: no stall
+    history.schedule.faults = [Fault(0.3, "pg_fast", seconds=3.0)]
+    history.schedule.config = replace(history.schedule.config, pooler="direct")
+    assert _kinds(history) == ["poisoned-and-applied"]
+    # A worker SIGKILLed after the rows, before the ack: the batch comes back, and its
+    # messages, in other batches, may be applied
+    history.schedule.faults = [Fault(1.0, "worker_kill", worker=0)]
+    assert check(history) == []
