@@ -299,6 +299,48 @@ async def test_faststream_batch__a_conflict_is_quarantined_when_its_batch_fails(
     assert len(dead) == 2
 
 
+async def test_faststream_batch__a_handler_ending_the_transaction_commits_nothing_of_the_batch(
+    h, pg_async_engine, pg_engine, seen
+):
+    # Asked after seed 29195: a batch handler that writes every message's effect, then
+    # calls commit() itself, must not have committed the batch's effects by that commit.
+    from sqlalchemy import select
+
+    from inbox_middleware._storage import InboxSchema
+
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1))
+    h.broker.add_middleware(inbox.middleware)
+    inbox.guard(h.broker)
+
+    @h.subscribe(inbox.consumer("billing"), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        for body in bodies:
+            await apply_credit_async(session, "billing", body["account"], body["delta"])
+        await session.commit()
+
+    poison = InboxSchema().tables.poison
+
+    def rows() -> list[tuple[str, str]]:
+        with pg_engine.connect() as conn:
+            return sorted((r.message_id, r.reason_code) for r in conn.execute(select(poison)))
+
+    await h.prepare_source()
+    async with h.broker:
+        for number in range(3):
+            await h.publish(*order(f"p-{number}", 1))
+        await h.broker.start()
+        await eventually(lambda: len(rows()) == 3, timeout=30, what="three poison rows")
+        dead = await h.read_at_least(f"{h.source}.dead-letter", 3)
+    # Then the commit was refused before it reached the server: nothing of the batch is
+    # applied, and each message is kept as poison (handler_transaction), dead-lettered
+    assert effects_now(pg_engine) == 0
+    assert rows() == [(f"p-{n}", "handler_transaction") for n in range(3)]
+    assert len(dead) == 3
+    claims = InboxSchema().tables.inbox
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(claims)).first() is None
+
+
 async def test_faststream_batch__an_expired_message_is_kept_as_poison_alone_the_rest_applied(
     h, pg_async_engine, pg_engine, seen
 ):
