@@ -669,7 +669,7 @@ def _workload(
         problem(
             "purge-too-young",
             (
-                f"{k} (applied {last - first[k]:.1f}s before the last purge)"
+                f"{k} (applied {last - first[k]:.1f}s before the last purge ended)"
                 for k in applied
                 if claims[k] == 0 and k in first and first[k] > last - PURGE_WINDOW + MARGIN
             ),

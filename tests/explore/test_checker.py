@@ -323,7 +323,7 @@ def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     history.effects = [("a", "a", 1), ("c", "c", 3)]
     history.claims = []
     history.poison = [("b", "explore_refused", "pending")]
-    # a applied 30 s before the last purge began (older than the window), c 1 s before
+    # a applied 30 s before the last purge ended (older than the window), c 1 s before
     history.extra = {"purges": [(100.0, 0)], "first_effect": {"a": 70.0, "c": 99.0}}
     assert _kinds(history) == ["purge-too-young", "record-contradicts"]
     # A copy applied again 20 s after the first, once its claim could be purged: the
