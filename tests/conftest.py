@@ -19,7 +19,7 @@ from inbox_middleware._storage import migrate
 from .apps import domain
 from .support import database, services
 from .support.engines import async_engine, sync_engine
-from .support.serial import is_serial
+from .support.serial import is_own_servers, is_serial
 
 pytest_plugins = [
     "pytester",  # the plugin's own tests run users' suites
@@ -31,8 +31,11 @@ pytest_plugins = [
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     for item in items:
-        if is_serial(Path(str(item.path)).relative_to(root).as_posix()):
+        relative = Path(str(item.path)).relative_to(root).as_posix()
+        if is_serial(relative):
             item.add_marker(pytest.mark.serial)
+        elif is_own_servers(relative):
+            item.add_marker(pytest.mark.own_servers)
 
 
 @pytest.fixture(scope="session")

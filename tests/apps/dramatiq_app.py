@@ -19,6 +19,7 @@ INBOX_TEST_REDIS_URL      Redis for the group barriers (GroupCallbacks) and the 
 INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: the
                           library's)
 INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
+INBOX_TEST_REDELIVERY_LIMIT  the inbox's redelivery_limit (default: the library's)
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ def _broker() -> dramatiq.Broker:
     )
 
 
-_patience: dict[str, Any] = (
+_settings: dict[str, Any] = (
     {"startup_patience": float(ENV["INBOX_TEST_STARTUP_PATIENCE"])}
     if "INBOX_TEST_STARTUP_PATIENCE" in ENV
     else {}
 )
+if "INBOX_TEST_REDELIVERY_LIMIT" in ENV:
+    _settings["redelivery_limit"] = int(ENV["INBOX_TEST_REDELIVERY_LIMIT"])
 broker = _broker()
 broker.add_middleware(CrashPoints())
 # Added after CrashPoints, so its after_process_message runs before the after_commit pause:
@@ -125,7 +128,7 @@ broker.add_middleware(
         engine,
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
-        **_patience,
+        **_settings,
         count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
     )
 )

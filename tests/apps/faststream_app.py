@@ -26,6 +26,11 @@ INBOX_TEST_REDELIVERY_LIMIT  the consumers' redelivery_limit (default: the libra
 INBOX_TEST_RETRY_BACKOFF  "first,limit": the hand-back backoff in seconds (default 0.1,1.0)
 INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 INBOX_TEST_BATCH          "1": NATS only, a batch subscriber (PullSub(batch=True))
+INBOX_TEST_SLOW           "accounts:seconds" ("9,7:4"): a credit to one of those accounts
+                          sleeps that long in its handler (after its writes), so that a
+                          worker stopped then has it in hand
+INBOX_TEST_GRACEFUL_TIMEOUT  the broker's graceful_timeout in seconds (FastStream's default:
+                          15)
 """
 
 from __future__ import annotations
@@ -87,21 +92,24 @@ class CrashPoints(BaseMiddleware):
 
 def _broker(middlewares: list[Any]) -> Any:
     kind, url = ENV["INBOX_TEST_BROKER"], ENV["INBOX_TEST_BROKER_URL"]
+    options: dict[str, Any] = {"middlewares": middlewares}
+    if "INBOX_TEST_GRACEFUL_TIMEOUT" in ENV:
+        options["graceful_timeout"] = float(ENV["INBOX_TEST_GRACEFUL_TIMEOUT"])
     if kind == "rabbit":
         from faststream.rabbit import RabbitBroker
 
-        return RabbitBroker(url, middlewares=middlewares)
+        return RabbitBroker(url, **options)
     if kind == "redis":
         from faststream.redis import RedisBroker
 
-        return RedisBroker(url, middlewares=middlewares)
+        return RedisBroker(url, **options)
     if kind == "kafka":
         from faststream.kafka import KafkaBroker
 
-        return KafkaBroker(url, middlewares=middlewares)
+        return KafkaBroker(url, **options)
     from faststream.nats import NatsBroker
 
-    return NatsBroker(url, middlewares=middlewares)
+    return NatsBroker(url, **options)
 
 
 engine = async_engine(ENV["INBOX_TEST_DATABASE_URL"], pool_size=16)
@@ -133,8 +141,13 @@ if policy := ENV.get("INBOX_TEST_ACK_POLICY"):
     options["ack_policy"] = AckPolicy(policy)
 
 
+SLOW_ACCOUNTS, _, SLOW_SECONDS = ENV.get("INBOX_TEST_SLOW", "").partition(":")
+
+
 async def add_credit(body: dict[str, int], session: InboxSession) -> None:
     await apply_credit_async(session, "billing", body["account"], body["delta"])
+    if SLOW_SECONDS and str(body["account"]) in SLOW_ACCOUNTS.split(","):
+        await asyncio.sleep(float(SLOW_SECONDS))
     await pause_point("in_body")
 
 

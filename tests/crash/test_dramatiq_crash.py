@@ -300,3 +300,43 @@ def test_crash__worker_refuses_to_boot_on_a_missing_schema(setup):
         what="the boot failure",
     )
     assert "do not exist; run `inbox-middleware migrate`" in worker.output()
+
+
+@pytest.mark.parametrize("broker_kind", ["rabbitmq"])
+@pytest.mark.parametrize(("limit", "kept"), [("1", []), ("0", [("o-2", "redelivery_limit")])])
+def test_crash__a_prefetched_message_a_stopping_worker_never_started_counts_as_no_outcome(
+    setup, pg_engine, broker_kind, limit, kept
+):
+    start, producer, _, tmp_path = setup
+    # Given a worker of one thread (prefetching two messages) SIGTERMed while o-1's slow
+    # body runs and o-2 waits in its memory: Dramatiq finishes o-1, and leaves o-2 to the
+    # broker without running any middleware (RabbitMQ delivers it again, redelivered)
+    settings = {"INBOX_TEST_SLEEP": "3", "INBOX_TEST_REDELIVERY_LIMIT": limit}
+    first = start(threads=1, **settings)
+    send(producer, 9, 1, "o-1")
+    send(producer, 7, 10, "o-2")
+    arrivals = tmp_path / "arrivals.log"
+    wait_for(arrivals.exists, timeout=30, what="o-1 in hand")
+    time.sleep(0.5)  # o-2 prefetched meanwhile
+    first.stop()
+    assert len(arrivals.read_text().splitlines()) == 1  # o-2 reached no middleware
+    assert applied(pg_engine, 9) == 1
+    # When a fresh worker gets o-2 again
+    second = start(threads=1, **settings)
+    wait_for(
+        lambda: applied(pg_engine, 7) + len(_poison(pg_engine)) == 1,
+        timeout=60,
+        what="o-2 settled",
+    )
+    time.sleep(1)
+    second.stop()
+    # Then its delivery counts as one that ended without an outcome: within a limit of 1
+    # it is applied; a limit of 0 keeps it as poison (redelivery_limit)
+    assert _poison(pg_engine) == kept
+    assert applied(pg_engine, 7) == (0 if kept else 1)
+
+
+def _poison(pg_engine) -> list[tuple[str, str]]:
+    with pg_engine.connect() as conn:
+        rows = conn.execute(text("SELECT message_id, reason_code FROM inbox_poison"))
+        return sorted((str(row[0]), str(row[1])) for row in rows)

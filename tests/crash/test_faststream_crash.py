@@ -12,6 +12,9 @@ applied exactly once:
 RabbitMQ redelivers once the dead worker's connection drops; Redis once the message has
 been pending for the reclaiming subscriber's idle time; NATS once JetStream's ack wait
 has passed.
+
+The last tests stop a RabbitMQ worker gracefully (SIGTERM) instead, and show what a stop
+leaves without an outcome (see the section "a graceful stop" below).
 """
 
 from __future__ import annotations
@@ -191,3 +194,124 @@ async def test_faststream_crash__worker_refuses_to_start_with_ack_first(setup, p
     assert "ACK_FIRST" in worker.output()
     assert applied(pg_engine) == 0
     assert await producer.leftover() == 1
+
+
+# -- a graceful stop (SIGTERM) ---------------------------------------------------------------
+#
+# FastStream stops a subscriber by ceasing to process (a message delivered from then on is
+# left unacknowledged, without reaching any middleware, the inbox's included), waits up to
+# the broker's graceful_timeout for the messages in hand, then cancels its consumer and
+# closes the connection: RabbitMQ delivers every unacknowledged message again, flagged
+# redelivered. To the worker that gets it, such a copy is a delivery that ended without an
+# outcome, as after a death: docs/explanation/limits.md, "What counts as a worker dying".
+
+
+async def _stopped_with_a_slow_credit(
+    setup: Any, limit: str, copies: int, **extra: str
+) -> dict[str, str]:
+    """A worker with a slow credit (o-1, account 9) in hand is SIGTERMed; while it waits
+    for that credit, ``copies`` copies of o-2 (account 7) are delivered to it."""
+    start, producer, markers = setup
+    arrivals = markers.parent / "arrivals.log"
+    settings = {"INBOX_TEST_REDELIVERY_LIMIT": limit, "INBOX_TEST_SLOW": "9:4"} | extra
+    first = await start(**settings)
+    async with producer.broker:
+        await producer.publish(
+            {"account": 9, "delta": 1}, identity_headers(producer="orders", message_id="o-1")
+        )
+        await eventually(arrivals.exists, timeout=30, what="the slow credit in hand")
+        first.proc.terminate()
+        await eventually(
+            lambda: "FastStream app shutting down" in first.output(),
+            timeout=10,
+            what="the worker stopping",
+        )
+        await asyncio.sleep(0.5)  # its subscriber has stopped processing by now
+        for _ in range(copies):
+            await producer.publish(
+                {"account": 7, "delta": 10}, identity_headers(producer="orders", message_id="o-2")
+            )
+    await asyncio.to_thread(first.proc.wait, 30)
+    # The copies reached no middleware of the stopping worker: one arrival, the slow one
+    assert len(arrivals.read_text().splitlines()) == 1
+    return settings
+
+
+@pytest.mark.parametrize("kind", ["rabbit"])
+@pytest.mark.parametrize(("limit", "kept"), [("1", []), ("0", [("o-2", "redelivery_limit")])])
+async def test_faststream_crash__a_message_delivered_while_its_worker_stops_counts_as_no_outcome(
+    setup, pg_engine, kind, limit, kept
+):
+    # Given a worker SIGTERMed with a slow credit in hand, to which a message is delivered
+    # while it waits for that credit (the message is left unacknowledged, then redelivered)
+    settings = await _stopped_with_a_slow_credit(setup, limit, copies=1)
+    start, producer, _ = setup
+    with pg_engine.connect() as conn:
+        assert effects(conn, 9) == 1  # the credit in hand was finished, within the grace
+    # When a fresh worker gets the message again
+    second = await start(**settings)
+    await eventually(
+        lambda: applied(pg_engine) + len(poison(pg_engine)) == 1,
+        timeout=60,
+        what="the redelivered message settled",
+    )
+    await asyncio.sleep(1)
+    second.stop()
+    # Then that delivery counts as one that ended without an outcome: within a limit of 1
+    # the message is applied; a limit of 0 keeps it as poison (redelivery_limit)
+    assert poison(pg_engine) == kept
+    assert applied(pg_engine) == (0 if kept else 1)
+    assert await producer.leftover() == 0
+
+
+@pytest.mark.parametrize("kind", ["rabbit"])
+async def test_faststream_crash__copies_left_by_one_stop_count_once_each(setup, pg_engine, kind):
+    # Explorer seed 5009. Given three copies of one intent delivered to a worker while it
+    # stops, under redelivery_limit=1, and a fresh worker that gets them again together
+    # (the first copy's handler slow, so the other two arrive while it is in flight)
+    settings = await _stopped_with_a_slow_credit(setup, "1", copies=3, INBOX_TEST_SLOW="9,7:4")
+    start, producer, _ = setup
+    second = await start(**settings)
+    await eventually(lambda: applied(pg_engine) == 1, timeout=60, what="the intent applied")
+    await asyncio.sleep(1)
+    second.stop()
+    # Then each copy's redelivery counted against the one intent: the second and third are
+    # past the limit and kept as poison (redelivery_limit, pending beside the effect: the
+    # copies were in flight together), the first applied once
+    assert poison(pg_engine) == [("o-2", "redelivery_limit")]
+    assert applied(pg_engine) == 1
+    assert await producer.leftover() == 0
+
+
+@pytest.mark.parametrize("kind", ["rabbit"])
+async def test_faststream_crash__a_delivery_past_the_graceful_timeout_counts_as_no_outcome(
+    setup, pg_engine, kind
+):
+    # Given a worker SIGTERMed with a credit in hand that outlasts its graceful_timeout
+    # (FastStream then closes the connection, and the handler is cancelled when the
+    # process ends: the delivery is left unacknowledged), under redelivery_limit=0
+    start, producer, markers = setup
+    arrivals = markers.parent / "arrivals.log"
+    settings = {
+        "INBOX_TEST_REDELIVERY_LIMIT": "0",
+        "INBOX_TEST_SLOW": "9:4",
+        "INBOX_TEST_GRACEFUL_TIMEOUT": "1",
+    }
+    first = await start(**settings)
+    async with producer.broker:
+        await producer.publish(
+            {"account": 9, "delta": 1}, identity_headers(producer="orders", message_id="o-1")
+        )
+    await eventually(arrivals.exists, timeout=30, what="the slow credit in hand")
+    first.proc.terminate()
+    await asyncio.to_thread(first.proc.wait, 30)
+    # When a fresh worker gets it again
+    second = await start(**settings)
+    await eventually(lambda: poison(pg_engine) != [], timeout=60, what="the poison row")
+    await asyncio.sleep(1)
+    second.stop()
+    # Then the cancelled delivery was one without an outcome, as after a death
+    assert poison(pg_engine) == [("o-1", "redelivery_limit")]
+    with pg_engine.connect() as conn:
+        assert effects(conn, 9) == 0
+    assert await producer.leftover() == 0

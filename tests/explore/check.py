@@ -6,8 +6,8 @@ For every intent sent with an identity:
     (``wrong-payload``), never for a refused intent (``refused-applied``);
   * it is committed, or there is a durable record of why: a poison row, or a message at
     the dead-letter destination (``lost``); a refused intent has its poison row with the
-    handler's reason, or ``redelivery_limit`` where a worker was SIGKILLed
-    (``refused-unrecorded``);
+    handler's reason, or ``redelivery_limit`` where a worker was SIGKILLed, or SIGTERMed
+    often enough for its copies (`_died`) (``refused-unrecorded``);
   * an intent whose handler does nothing wrong is poisoned only by a limit the
     configuration sets (``poison-reason``); a committed intent has no poison row
     (``poisoned-and-applied``: "every message ends in exactly one place", as
@@ -168,17 +168,18 @@ def check(history: History) -> list[Finding]:
         (k for k in unrecorded if held[k]),
         "intents neither applied nor recorded, still in the broker once the workers stopped",
     )
-    # Workers that died with messages in hand: SIGKILLed (SIGTERM is a graceful stop).
-    killed = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
-    # A refused intent's own reason; or the redelivery limit, which may stop it before its
-    # handler runs where a worker died with it in hand.
+    # Intents the redelivery limit may stop before their handler runs: every one where a
+    # worker was SIGKILLed with messages in hand; where workers were only SIGTERMed, those
+    # whose copies, each left without an outcome by every stop, exceed the limit.
+    died = _died(history, identified)
+    # A refused intent's own reason; or the redelivery limit.
     # In a batch, a refused intent is kept as poison with its batch's reason, which another
     # message of the batch may have given (docs/how-to/faststream.md, "Batches").
-    refusal = (
-        {REFUSED}
-        | (_allowed(config, "permanent", killed) & {"redelivery_limit"})
-        | _batch_reasons(config, intents, killed)
-    )
+    batched = _batch_reasons(config, intents, bool(died))
+
+    def refusal(key: str) -> set[str]:
+        return {REFUSED} | (_allowed(config, "permanent", key in died) & {"redelivery_limit"})
+
     problem(
         "refused-unrecorded",
         (
@@ -186,19 +187,21 @@ def check(history: History) -> list[Finding]:
             for k, i in identified.items()
             if i.behaviour == "permanent"
             and k not in expired
-            and not set(poison.get(k, [])) & refusal
+            and not set(poison.get(k, [])) & (refusal(k) | batched)
         ),
         f"refused intents without a poison row of reason {REFUSED}",
     )
-    too_old = {"expired_redelivery"} | (refusal - {REFUSED})
+
+    def too_old(key: str) -> set[str]:
+        return {"expired_redelivery"} | ((refusal(key) | batched) - {REFUSED})
+
     problem(
         "expired-unrecorded",
-        (k for k in expired if not set(poison.get(k, [])) & too_old),
+        (k for k in expired if not set(poison.get(k, [])) & too_old(k)),
         "intents stamped older than the retention window without a poison row of reason "
         "expired_redelivery",
     )
     innocent = ("ok", "transient", "sometimes", "deferred", "timelimit", "invalid")
-    batched = _batch_reasons(config, intents, killed)
     problem(
         "poison-reason",
         (
@@ -207,10 +210,10 @@ def check(history: History) -> list[Finding]:
             if k in poison
             and k not in expired
             and (
-                (i.behaviour == "permanent" and not set(poison[k]) <= refusal | batched)
+                (i.behaviour == "permanent" and not set(poison[k]) <= refusal(k) | batched)
                 or (
                     i.behaviour in innocent
-                    and not set(poison[k]) <= _allowed(config, i.behaviour, killed) | batched
+                    and not set(poison[k]) <= _allowed(config, i.behaviour, k in died) | batched
                 )
             )
         ),
@@ -228,7 +231,8 @@ def check(history: History) -> list[Finding]:
         for r in extra.get("inbox_poison", [])
         if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
     }
-    if _stalled(schedule) or (config.batch == "on" and killed):
+    sigkilled = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
+    if _stalled(schedule) or (config.batch == "on" and sigkilled):
         # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
         # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
         # still in flight: two copies in flight together, of a message sent once. A batch
@@ -247,7 +251,11 @@ def check(history: History) -> list[Finding]:
     )
     problem(
         "poison-reason",
-        (f"{k} ({'/'.join(poison[k])})" for k in expired if not set(poison.get(k, [])) <= too_old),
+        (
+            f"{k} ({'/'.join(poison[k])})"
+            for k in expired
+            if not set(poison.get(k, [])) <= too_old(k)
+        ),
         "intents stamped older than the window poisoned for another reason",
     )
     problem(
@@ -344,9 +352,7 @@ def check(history: History) -> list[Finding]:
     # An expired intent is kept as poison before its handler runs, whatever that handler
     # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
     fresh = {k: i for k, i in identified.items() if k not in expired}
-    findings += _workload(
-        history, fresh, effects, poison, dead, killed, accepted, forgotten, lapsed
-    )
+    findings += _workload(history, fresh, effects, poison, dead, died, accepted, forgotten, lapsed)
     # Nothing stuck.
     if not history.settled:
         findings.append(
@@ -379,11 +385,31 @@ def _stalled(schedule: Any) -> bool:
     )
 
 
+def _died(history: History, identified: dict[str, Any]) -> set[str]:
+    """Intents a redelivery limit may keep as poison: deliveries that ended without an
+    outcome. A SIGKILLed worker (or one killed in its start-up) leaves any number of them.
+    A SIGTERMed worker finishes what it has in hand, but leaves the messages it receives
+    while stopping, and any still in hand when its graceful timeout ends, unacknowledged:
+    each comes back redelivered, counted against its intent like a death's, one per copy
+    and per stop (docs/explanation/limits.md, "What counts as a worker dying"). So where
+    workers were only SIGTERMed, an intent is explained when its copies times the stops
+    exceed the limit (seed 5009: three copies, two stops, a limit of 1)."""
+    config = history.schedule.config
+    if config.redelivery_limit is None:
+        return set()
+    faults = history.schedule.faults
+    if any(f.kind in ("worker_kill", "pg_after_start") for f in faults):
+        return set(identified)
+    stops = sum(f.kind == "worker_term" for f in faults)
+    copies = Counter(key for _, key, kind, _ in history.sent if kind != "conflict")
+    return {k for k in identified if copies[k] * stops > config.redelivery_limit}
+
+
 def _allowed(config: Any, behaviour: str, killed: bool) -> set[str]:
     """Poison reasons the configuration explains for a handler that does nothing wrong:
-    a redelivery limit, where a worker died with messages in hand (``killed``: a hand-back
-    is never counted as a crash, docs/how-to/failures.md), and attempts for a handler that
-    fails."""
+    a redelivery limit, where workers ended leaving this message without an outcome
+    (``killed``, see `_died`; a hand-back is never counted as a crash,
+    docs/how-to/failures.md), and attempts for a handler that fails."""
     allowed = set()
     if config.redelivery_limit is not None and killed:
         allowed.add("redelivery_limit")
@@ -480,7 +506,7 @@ def _workload(
     effects: dict[str, list[int]],
     poison: dict[str, list[str]],
     dead: Counter[str],
-    killed: bool,
+    died: set[str],
     accepted: dict[str, int],
     forgotten: set[str],
     lapsed: set[tuple[str, int]],
@@ -498,7 +524,10 @@ def _workload(
         return findings
     behaviour = {k: i.behaviour for k, i in identified.items()}
     applied = {k for k in identified if effects.get(k)}
-    limits = {"redelivery_limit"} if config.redelivery_limit is not None and killed else set()
+
+    def limits(key: str) -> set[str]:
+        return {"redelivery_limit"} if key in died else set()
+
     # Extended handlers.
     problem(
         "misuse-applied",
@@ -512,7 +541,7 @@ def _workload(
             for k in identified
             if behaviour[k] in MISUSES
             and config.batch != "on"
-            and not set(poison.get(k, [])) & ({"handler_transaction"} | limits)
+            and not set(poison.get(k, [])) & ({"handler_transaction"} | limits(k))
         ),
         "misusing handlers not kept as poison handler_transaction",
     )
@@ -535,7 +564,7 @@ def _workload(
         (
             f"{k} ({'/'.join(poison[k])})"
             for k in identified
-            if behaviour[k] == "invalid" and k in poison and not set(poison[k]) <= limits
+            if behaviour[k] == "invalid" and k in poison and not set(poison[k]) <= limits(k)
         ),
         "bodies refused by validation kept as poison (a body that does not fit is "
         "dead-lettered without a poison row)",
@@ -653,7 +682,7 @@ def _workload(
         problem(
             "purge-too-young",
             (
-                f"{k} (applied {last - first[k]:.1f}s before the last purge)"
+                f"{k} (applied {last - first[k]:.1f}s before the last purge ended)"
                 for k in applied
                 if claims[k] == 0 and k in first and first[k] > last - PURGE_WINDOW + MARGIN
             ),

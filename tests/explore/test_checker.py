@@ -123,6 +123,30 @@ def test_check__a_redelivery_limit_poisons_only_where_a_worker_died() -> None:
     assert check(history) == []
 
 
+def test_check__after_sigterms_a_redelivery_limit_is_explained_by_copies_times_stops() -> None:
+    # A stopping worker leaves the messages it receives while stopping unacknowledged:
+    # each copy comes back counted against its intent, once per stop (seed 5009)
+    history = _history(redelivery_limit=1)
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending"), ("c", "redelivery_limit", "pending")]
+    history.schedule.faults.append(Fault(3.7, "worker_term"))
+    # c sent once, one stop: at most one delivery without an outcome, within the limit
+    assert _kinds(history) == ["poison-reason"]
+    # c sent three times around that stop: up to three
+    history.sent += [(3.6, "c", "duplicate", 3), (3.7, "c", "concurrent", 3)]
+    assert check(history) == []
+    # c sent once, two stops: up to two
+    history.sent = history.sent[:3]
+    history.schedule.faults.append(Fault(11.5, "worker_term"))
+    assert check(history) == []
+    # a refused intent likewise
+    history.poison = [("b", "redelivery_limit", "pending"), ("c", "redelivery_limit", "pending")]
+    assert check(history) == []
+    history.schedule.faults.pop()
+    assert _kinds(history) == ["poison-reason", "refused-unrecorded"]
+
+
 def test_check__a_refused_intent_may_meet_the_redelivery_limit_only_after_a_kill() -> None:
     history = _history(redelivery_limit=1)
     history.effects = [("a", "a", 1), ("c", "c", 3)]
@@ -301,7 +325,7 @@ def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     history.effects = [("a", "a", 1), ("c", "c", 3)]
     history.claims = []
     history.poison = [("b", "explore_refused", "pending")]
-    # a applied 30 s before the last purge began (older than the window), c 1 s before
+    # a applied 30 s before the last purge ended (older than the window), c 1 s before
     history.extra = {"purges": [(100.0, 0)], "first_effect": {"a": 70.0, "c": 99.0}}
     assert _kinds(history) == ["purge-too-young", "record-contradicts"]
     # A copy applied again 20 s after the first, once its claim could be purged: the

@@ -190,7 +190,7 @@ class Extras:
         self.decisions: list[tuple[str, int, str, str, int]] = []
         """(kind, row id, action, message id, CLI exit status) of the operator's decisions."""
         self.purges: list[tuple[float, int]] = []
-        """(the database's clock as a purge began, epoch seconds; its exit status)."""
+        """(the database's clock once a purge ended, epoch seconds; its exit status)."""
         self.stopping = threading.Event()
         self.closed = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -306,7 +306,6 @@ class Extras:
         admin = Admin(self.admin_url)
         try:
             while not self.closed.wait(2.0):
-                (now,) = admin.query("SELECT extract(epoch FROM clock_timestamp())")[0]
                 done = self._cli(
                     "purge",
                     "--older-than",
@@ -318,6 +317,10 @@ class Extras:
                     "--consumer",
                     "explore",
                 )
+                # Taken once the command has ended: its own clock, which decides what is
+                # older than the window, ran after its start-up (seconds on a loaded
+                # machine), so a clock taken before the command would be too early.
+                (now,) = admin.query("SELECT extract(epoch FROM clock_timestamp())")[0]
                 self.purges.append((float(now), done.returncode))
                 if done.returncode != 0:
                     self._event(f"purge: exit {done.returncode} {done.stderr.strip()[-200:]}")

@@ -13,7 +13,6 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -144,6 +143,11 @@ def test_cli_map__status_explain_purge_and_poison_on_every_database_or_one(
     status = run("status", "--map", path, "--json", "--exact")
     assert status.returncode == 0, status.stderr
     assert status.stderr.splitlines() == ["== database db0", "== database db1", "== database db2"]
+    claims = {
+        name: document["inbox"]["rows"]
+        for name, document in json.loads(status.stdout)["databases"].items()
+    }
+    assert claims == {"db0": 6, "db1": 6, "db2": 6}  # one JSON document for the map
     # explain: the identity's tenant picks the database
     explained = run("explain", "billing", "orders", "o-t4-1", "--tenant", "t4", "--map", path)
     assert explained.returncode == 0, explained.stderr
@@ -165,7 +169,9 @@ def test_cli_map__status_explain_purge_and_poison_on_every_database_or_one(
     assert "give --tenant or --database" in refused.stderr
     shown = run("poison", "show", row_id, "--map", path, "--tenant", rows[0]["tenant"])
     assert shown.returncode == 0, shown.stderr
-    assert json.loads(shown.stdout)["message_id"] == rows[0]["message_id"]
+    assert rows[0]["database"] == tenant_database(rows[0]["tenant"])  # each row names its own
+    document = json.loads(shown.stdout)  # one document, keyed by the database
+    assert document["databases"][rows[0]["database"]]["message_id"] == rows[0]["message_id"]
     discarded = run("poison", "discard", "--map", path, "--consumer", "billing", "--reason", "gone")
     assert discarded.returncode == 0, discarded.stderr
     # (row #1 of db1 and row #1 of db2: the same id in two databases, hence the refusal)
@@ -257,7 +263,7 @@ def test_cli_map__outbox_run_list_and_retry_over_the_map(
     listed = run("outbox", "list", "--map", path)
     assert listed.stdout.count("dispatched 2,") == 3, listed.stdout
     shown = run("outbox", "show", "e21", "--map", path, "--database", "db2")
-    assert json.loads(shown.stdout)["status"] == "dispatched"
+    assert json.loads(shown.stdout)["databases"]["db2"]["status"] == "dispatched"
     retried = run("outbox", "retry", "--all-failed", "--map", path)
     assert retried.returncode == 0, retried.stderr
     assert retried.stdout.count("0 failed effects are pending again") == 3
@@ -288,7 +294,7 @@ def test_cli_map__status_shows_each_databases_own_settlement_counts(
     shown = run("status", "--map", str(tenant_databases.map_path), "--json")
     assert shown.returncode == 0, shown.stderr
     by_database = {}
-    for name, document in zip(("db0", "db1", "db2"), _documents(shown.stdout), strict=True):
+    for name, document in json.loads(shown.stdout)["databases"].items():
         by_database[name] = {
             consumer["consumer"]: {k: v for k, v in consumer["counted"].items() if v}
             for consumer in document["consumers"]
@@ -341,9 +347,7 @@ def test_cli_map__a_faststream_worker_over_the_map_writes_each_databases_counts(
         def counts() -> dict[str, dict[str, int]] | None:
             shown = run("status", "--map", str(tenant_databases.map_path), "--json")
             found = {}
-            for name, document in zip(
-                ("db0", "db1", "db2"), _documents(shown.stdout), strict=False
-            ):
+            for name, document in json.loads(shown.stdout)["databases"].items():
                 found[name] = {
                     k: v
                     for consumer in document["consumers"]
@@ -410,18 +414,8 @@ def test_cli_map__a_dramatiq_worker_over_the_map_writes_each_databases_counts(
     shown = run("status", "--map", str(tenant_databases.map_path), "--json")
     found = {
         name: {k: v for c in document["consumers"] for k, v in c["counted"].items() if v}
-        for name, document in zip(("db0", "db1", "db2"), _documents(shown.stdout), strict=True)
+        for name, document in json.loads(shown.stdout)["databases"].items()
     }
     assert found == {"db0": {}, "db1": {"processed": 1, "duplicate": 1}, "db2": {"processed": 1}}, (
         worker.output()
     )
-
-
-def _documents(text_: str) -> list[dict[str, Any]]:
-    """The JSON documents printed one after the other (one per database)."""
-    decoder, documents = json.JSONDecoder(), []
-    while text_.strip():
-        document, end = decoder.raw_decode(text_.lstrip())
-        documents.append(document)
-        text_ = text_.lstrip()[end:]
-    return documents

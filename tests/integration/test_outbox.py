@@ -310,8 +310,17 @@ def test_dispatcher__two_dispatchers_deliver_each_effect_once(pg_url, pg_engine,
             thread.join(timeout=30)
         for engine in engines:
             engine.dispose()
-    # Then each effect was delivered exactly once, both took part, and none twice at a time
-    assert sorted(r.key for r in remote.received) == sorted(ids)
+    # Then each effect was applied once and delivered once, but where a delivery's outcome
+    # was not recorded as dispatched, which the dispatchers count: its lease ran out first
+    # (a stalled dispatcher: a loaded machine, a pooler's queue), or its deadline cut it
+    # short (released) or it timed out (retried) after the remote had it; then it was
+    # delivered again with the same idempotency key. Both took part, and none was
+    # delivered twice at a time
+    received = [r.key for r in remote.received]
+    assert sorted(set(received)) == sorted(ids)
+    assert sorted(remote.applied) == sorted(ids)
+    unrecorded = sum(d.stats.leases_lost + d.stats.released + d.stats.retried for d in racing)
+    assert len(received) - len(ids) <= unrecorded, [d.stats for d in racing]
     assert [d.stats.leased > 100 for d in racing] == [True, True], [d.stats for d in racing]
     assert sum(d.stats.dispatched for d in racing) == 1000
     assert remote.max_concurrent_per_key == 1

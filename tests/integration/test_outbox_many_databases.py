@@ -100,6 +100,7 @@ def test_outbox_map__two_dispatchers_deliver_every_databases_effects_once(
     tenant_databases: TenantDatabases, remote: Remote
 ):
     recorded = record(tenant_databases)
+    before = {name: delivered(name) for name in ("db0", "db1", "db2")}
     # When two dispatchers over the map run together until nothing is due
     first = dispatcher(tenant_databases, remote, batch_size=3, parallel=2)
     second = dispatcher(tenant_databases, remote, batch_size=3, parallel=2)
@@ -121,6 +122,19 @@ def test_outbox_map__two_dispatchers_deliver_every_databases_effects_once(
         "db1",
         "db2",
     }
+    # And each attempt is counted under its database's name in the map (not its tenant)
+    counted = {name: delivered(name) - before[name] for name in ("db0", "db1", "db2")}
+    assert counted == {
+        name: len(outbox_rows(tenant_databases, index)) for index, name in enumerate(counted)
+    }
+
+
+def delivered(database: str) -> float:
+    """``inbox_outbox_attempts_total`` of the remote's delivered effects from ``database``."""
+    from prometheus_client import REGISTRY
+
+    labels = {"destination": "remote", "outcome": "delivered", "database": database}
+    return REGISTRY.get_sample_value("inbox_outbox_attempts_total", labels) or 0.0
 
 
 def test_outbox_map__an_idle_database_is_looked_at_within_the_latency_bound(

@@ -53,6 +53,13 @@ PermanentError: account 7 does not exist
 ├── inbox.record poison
 └── inbox.publish dead_letter  reason=Poisoned"""
 
+ROUTED = """\
+inbox billing  settlement=processed decision=first attempt=1 database=shard-a
+├── inbox.route
+├── inbox.claim  decision=first attempt=1
+├── inbox.handler
+└── inbox.commit"""
+
 
 @pytest.fixture
 def spans() -> Spans:
@@ -201,3 +208,29 @@ def test_tracing_dramatiq__async_actor_has_the_same_tree(
         (first,) = delivered(spans, 1)
     # Then the spans made on the loop's thread are the delivery's children all the same
     assert spans.tree(first) == FIRST
+
+
+def test_tracing_dramatiq__a_routed_delivery_names_its_database_not_its_tenant(
+    redis_broker, queue, pg_engine, pg_url, spans
+):
+    from inbox_middleware import DatabaseMap
+    from inbox_middleware.dramatiq import identity
+
+    # Given a worker over a database map whose database shard-a (the run's) serves t1
+    routes = DatabaseMap({"shard-a": pg_url}, tenants={"t1": "shard-a"})
+    redis_broker.add_middleware(InboxMiddleware(router=routes, tracing=spans.provider))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing")
+    def add_credit(account_id: int, delta: int) -> None:
+        apply_credit(current_session(), "billing", account_id, delta)
+
+    with running_worker(redis_broker) as worker:
+        # When a message of tenant t1 is processed
+        add_credit.send_with_options(
+            args=(7, 10), **identity(producer="orders", message_id="ord-1", tenant="t1")
+        )
+        drain(redis_broker, queue, worker)
+        (span,) = delivered(spans, 1)
+    # Then its delivery span names the map's database (a label per shard, not per tenant)
+    assert spans.tree(span) == ROUTED
+    assert (span.attributes or {})["inbox.tenant"] == "t1"

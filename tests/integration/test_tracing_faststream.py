@@ -58,6 +58,13 @@ PermanentError: account 7 is closed
 ├── inbox.record poison
 └── inbox.publish dead_letter  reason=Poisoned"""
 
+ROUTED = """\
+inbox billing  settlement=processed decision=first attempt=1 database=shard-a
+├── inbox.route
+├── inbox.claim  decision=first attempt=1
+├── inbox.handler
+└── inbox.commit"""
+
 
 @pytest.fixture
 def spans() -> Spans:
@@ -207,7 +214,7 @@ async def test_tracing_faststream__nests_under_the_telemetry_middleware(inbox, s
 
 def test_tracing__the_monitoring_page_shows_the_trees_these_tests_produce():
     page = (DOCS / "how-to" / "monitoring.md").read_text()
-    for tree in (FIRST, DUPLICATE, CONFLICT, HAND_BACK, POISON):
+    for tree in (FIRST, DUPLICATE, CONFLICT, HAND_BACK, POISON, ROUTED):
         assert f"\n{tree}\n" in page, tree
 
 
@@ -247,3 +254,77 @@ async def test_tracing__a_batch_is_one_delivery_span_with_its_claim_and_commit(
     names = [span.name for span in spans.children(root)]
     assert "inbox.claim" in names
     assert "inbox.commit" in names
+
+
+# -- over a database map ----------------------------------------------------------------------
+
+
+def routed(pg_async_url: str, spans: Spans, **options: Any) -> FastStreamInbox:
+    """An inbox over a map whose database ``shard-a`` (the run's database) serves t1."""
+    from inbox_middleware import DatabaseMap
+
+    return FastStreamInbox(
+        router=DatabaseMap({"shard-a": pg_async_url}, tenants={"t1": "shard-a"}),
+        retry_backoff=(0.05, 0.5),
+        tracing=spans.provider,
+        **options,
+    )
+
+
+async def test_tracing__a_routed_delivery_names_its_database_not_its_tenant(
+    pg_engine, pg_async_url, spans
+):
+    # Given a subscriber over a database map, tracing on
+    inbox = routed(pg_async_url, spans)
+    harness = Harness("rabbit", [inbox.middleware])
+    credit(harness, inbox)
+    try:
+        await harness.prepare_source()
+        async with harness.broker:
+            await harness.broker.start()
+            # When a message of tenant t1 is processed
+            await harness.publish(ORDER, ident("ord-1", **{"x-inbox-tenant": "t1"}))
+            (span,) = await delivered(spans, 1)
+    finally:
+        await harness.cleanup()
+    # Then its delivery span names the map's database (a label per shard, not per tenant)
+    assert spans.tree(span) == ROUTED
+    assert (span.attributes or {})["inbox.tenant"] == "t1"
+
+
+async def test_tracing__a_routed_batch_names_its_database_in_its_span_and_its_counts(
+    pg_engine, pg_async_url, spans
+):
+    from inbox_middleware._operate.tally import tally
+
+    from ..support.faststream_brokers import Seen, recorder
+
+    # Given a batch subscriber on NATS JetStream over a database map, tracing on
+    seen = Seen()
+    inbox = routed(pg_async_url, spans)
+    harness = Harness("nats", [recorder(seen), inbox.middleware])
+    inbox.guard(harness.broker)
+    consumer = f"batch-{harness.name[-8:]}"
+
+    @harness.subscribe(inbox.consumer(consumer), batch=True)
+    async def handle(bodies: list[dict[str, Any]], session: InboxSession) -> None:
+        for body in bodies:
+            await apply_credit_async(session, consumer, body["account"], body["delta"])
+
+    try:
+        await harness.prepare_source()
+        async with harness.broker:
+            # When three messages of tenant t1 arrive in one batch
+            for number in range(3):
+                await harness.publish(ORDER, ident(f"ord-{number}", **{"x-inbox-tenant": "t1"}))
+            await harness.broker.start()
+            await eventually(lambda: applied(pg_engine) == 3, what="the batch's effects")
+            await eventually(lambda: spans.deliveries(consumer), what="the batch's span")
+    finally:
+        await harness.cleanup()
+    # Then its messages are counted under the map's database (for that database's
+    # inbox_counts rows), not under no database, and its span names that database
+    assert tally.totals("shard-a").get((consumer, "processed")) == 3
+    assert (consumer, "processed") not in tally.totals()
+    for span in spans.deliveries(consumer):
+        assert (span.attributes or {})["inbox.database"] == "shard-a"

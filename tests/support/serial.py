@@ -1,21 +1,32 @@
-"""The tests that must run alone: they stop, restart or kill a server other tests use
-(PostgreSQL on 5432, RabbitMQ, the persistent Redis, the failover pair, the outage and
-tenant servers), as the fault and chaos runs do. The crash tests kill only worker
-processes of their own, and run with the rest. ``tests/conftest.py`` marks these
-``serial``; ``scripts/test`` runs everything else in two processes first (each with its
-own database and queue names), then these in one. ``tests/unit/test_serial.py`` holds
-this list to what the test modules call."""
+"""Which tests run where. ``scripts/test`` runs the suite in three streams:
+
+- everything that shares no server state, in two processes (pytest-xdist; each process
+  has its own database and queue names, a module kept on one process);
+- at the same time, in one more process, the tests that stop, restart or kill a server
+  only they use (``OWN_SERVERS``: the tenant servers, the outage server, the failover
+  pair, the persistent Redis, the explorer's servers), one after the other;
+- then, alone, the tests that stop, restart or kill a server the others use (``SERIAL``:
+  PostgreSQL on 5432, RabbitMQ on 5672), as the fault and chaos runs do.
+
+The crash tests kill only worker processes of their own, and run with the rest.
+``tests/conftest.py`` marks these lists ``serial`` and ``own_servers``;
+``tests/unit/test_serial.py`` holds them to what the test modules call."""
 
 from __future__ import annotations
 
 SERIAL = (
-    "tests/faults/",
+    "tests/faults/test_faults.py",  # restarts and stops PostgreSQL
+    "tests/faults/test_paths.py",  # restarts PostgreSQL during a worker's start-up
+    "tests/chaos/",  # restarts PostgreSQL and RabbitMQ
+    "tests/integration/test_broker_destinations.py",  # restarts RabbitMQ
+)
+"""Folders (ending in ``/``) and modules, relative to the project's root."""
+
+OWN_SERVERS = (
     "tests/crash/test_many_databases.py",  # stops a tenant server
     "tests/crash/test_outbox_many_databases.py",  # stops a tenant server
-    "tests/chaos/",
-    "tests/explore/",
     "tests/acceptance/test_demo.py",  # the failover pair
-    "tests/integration/test_broker_destinations.py",  # restarts RabbitMQ
+    "tests/explore/",  # the explorer's PostgreSQL, Redis, RabbitMQ and PgBouncer
     "tests/integration/test_cli_many_databases.py",  # the tenant servers
     "tests/integration/test_dramatiq_broker_outage.py",  # kills the persistent Redis
     "tests/integration/test_move_tenant.py",  # the tenant servers
@@ -25,20 +36,28 @@ SERIAL = (
     "tests/integration/test_startup_outage.py",  # stops the outage server
     "tests/integration/test_tenant_isolation.py",  # the tenant servers
 )
-"""Folders (ending in ``/``) and modules, relative to the project's root."""
+"""Modules that stop only servers no test outside these lists uses."""
 
-SERVER_FAULTS = (
-    "restart_postgres",
-    "restart_rabbitmq",
+SHARED_FAULTS = ("restart_postgres", "restart_rabbitmq", "pg_ctl")
+"""What a test module calls to stop or restart a server every test uses."""
+
+OWN_FAULTS = (
     "kill_persistent_redis",
     "failover_postgres",
     "failover_pair",
     "outage_postgres",
     "tenant_databases",
-    "pg_ctl",
 )
-"""What a test module calls to stop, restart or kill a shared server."""
+"""What a test module calls to stop, restart or kill (or use) a server of its own."""
+
+
+def _listed(relative: str, entries: tuple[str, ...]) -> bool:
+    return any(relative == entry or relative.startswith(entry) for entry in entries)
 
 
 def is_serial(relative: str) -> bool:
-    return any(relative == entry or relative.startswith(entry) for entry in SERIAL)
+    return _listed(relative, SERIAL)
+
+
+def is_own_servers(relative: str) -> bool:
+    return _listed(relative, OWN_SERVERS)

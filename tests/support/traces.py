@@ -35,6 +35,7 @@ SHOWN = (
     "inbox.reason",
     "inbox.attempt",
     "inbox.claim.wait_seconds",
+    "inbox.database",
 )
 
 

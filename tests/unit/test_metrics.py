@@ -2,6 +2,7 @@
 OpenTelemetry mirror records what Prometheus does; a disabled recorder does nothing."""
 
 import uuid
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -95,6 +96,50 @@ def test_metrics__opentelemetry_mirror_records_the_same_samples():
     ((attrs, _),) = points["inbox.missing_identity"]
     assert attrs == {"consumer": "billing", "reason": "invalid", "outcome": "rejected"}
     assert points["inbox.identified"][0][1].value > 1e9  # a Unix time
+
+
+def test_metrics__outbox_attempts_carry_the_database_over_a_map_and_none_over_one():
+    # Given a dispatcher over one database and one over a map's database db1
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    destination = f"mail-{uuid.uuid4().hex[:8]}"
+    try:
+        recorder = Metrics(prometheus=True, meter=provider.get_meter("test"))
+        recorder.outbox(destination, "delivered")
+        recorder.outbox(destination, "delivered", "db1")
+        recorder.outbox(destination, "retry", "db1")
+        data = reader.get_metrics_data()
+    finally:
+        provider.shutdown()
+    # Then Prometheus labels each attempt with its database, empty over one database
+    # (which Prometheus stores as no label: the series of one database do not change)
+    exported = sorted(
+        (labels["outcome"], labels["database"])
+        for name, labels in label_values()
+        if name == "inbox_outbox_attempts_total" and labels.get("destination") == destination
+    )
+    assert exported == [("delivered", ""), ("delivered", "db1"), ("retry", "db1")]
+    # And the OpenTelemetry mirror leaves the empty label out
+    attributes = sorted(
+        (dict(point.attributes) for point in _points(data, "inbox.outbox_attempts")),
+        key=lambda attrs: (len(attrs), attrs["outcome"]),
+    )
+    assert attributes == [
+        {"destination": destination, "outcome": "delivered"},
+        {"destination": destination, "outcome": "delivered", "database": "db1"},
+        {"destination": destination, "outcome": "retry", "database": "db1"},
+    ]
+
+
+def _points(data: Any, name: str) -> list[Any]:
+    return [
+        point
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
 
 
 def test_metrics__disabled_recorder_creates_nothing():

@@ -1,24 +1,55 @@
-"""Every test module that stops, restarts or kills a shared server is run alone."""
+"""Every test module that stops, restarts or kills a server runs where no other test
+depends on that server at the same time (tests/support/serial.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.serial import SERIAL, SERVER_FAULTS, is_serial
+from tests.support.serial import (
+    OWN_FAULTS,
+    OWN_SERVERS,
+    SERIAL,
+    SHARED_FAULTS,
+    is_own_servers,
+    is_serial,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _modules() -> list[tuple[str, str]]:
+    return [
+        (module.relative_to(ROOT).as_posix(), module.read_text())
+        for module in sorted((ROOT / "tests").rglob("test_*.py"))
+    ]
+
+
 def test_serial__every_module_that_stops_a_shared_server_runs_alone() -> None:
-    parallel = []
-    for module in sorted((ROOT / "tests").rglob("test_*.py")):
-        relative = module.relative_to(ROOT).as_posix()
-        called = [name for name in SERVER_FAULTS if name in module.read_text()]
-        if called and not is_serial(relative):
-            parallel.append(f"{relative}: {', '.join(called)}")
-    assert parallel == [], "add these to tests/support/serial.py's SERIAL"
+    elsewhere = [
+        f"{relative}: {', '.join(name for name in SHARED_FAULTS if name in text)}"
+        for relative, text in _modules()
+        if any(name in text for name in SHARED_FAULTS) and not is_serial(relative)
+    ]
+    assert elsewhere == [], "add these to tests/support/serial.py's SERIAL"
+
+
+def test_serial__every_module_that_stops_a_server_of_its_own_runs_apart_from_the_rest() -> None:
+    elsewhere = [
+        f"{relative}: {', '.join(name for name in OWN_FAULTS if name in text)}"
+        for relative, text in _modules()
+        if any(name in text for name in OWN_FAULTS)
+        and not (is_serial(relative) or is_own_servers(relative))
+    ]
+    assert elsewhere == [], "add these to tests/support/serial.py's OWN_SERVERS (or SERIAL)"
+
+
+def test_serial__the_two_lists_do_not_overlap() -> None:
+    both = [
+        relative for relative, _ in _modules() if is_serial(relative) and is_own_servers(relative)
+    ]
+    assert both == []
 
 
 def test_serial__every_entry_names_a_test_folder_or_module() -> None:
-    missing = [entry for entry in SERIAL if not (ROOT / entry).exists()]
+    missing = [entry for entry in SERIAL + OWN_SERVERS if not (ROOT / entry).exists()]
     assert missing == []

@@ -144,8 +144,9 @@ _INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "counter",
         "inbox_outbox_attempts",
         "Outbox delivery attempts recorded, by outcome (delivered, retry, failed, "
-        "released, lost_lease)",
-        ("destination", "outcome"),
+        "released, lost_lease) and database (the map's name, never the tenant; empty for "
+        "a dispatcher over one database)",
+        ("destination", "outcome", "database"),
     ),
 }
 
@@ -318,11 +319,13 @@ class Metrics:
         if self.enabled:
             self._get("expired", consumer, outcome).add()
 
-    def outbox(self, destination: str, outcome: str) -> None:
+    def outbox(self, destination: str, outcome: str, database: str = "") -> None:
         """An outbox delivery attempt: ``delivered``, ``retry``, ``failed``, ``released``
-        (given back unattempted) or ``lost_lease``."""
+        (given back unattempted) or ``lost_lease``; ``database``: the map's name of the
+        database the effect was leased from (a dispatcher over many), as
+        `route` labels it; empty over one database, which Prometheus stores as no label."""
         if self.enabled:
-            self._get("outbox_attempts", destination, outcome).add()
+            self._get("outbox_attempts", destination, outcome, database).add()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -344,7 +347,13 @@ class Metrics:
             series = _Series(
                 prom.labels(*values) if prom is not None else None,
                 self._otel.get(name),
-                dict(zip(labels, values, strict=True)),
+                # Over one database the database label is empty: Prometheus stores such
+                # a label as none, and the OpenTelemetry mirror leaves it out the same way.
+                {
+                    label: value
+                    for label, value in zip(labels, values, strict=True)
+                    if value or label != "database"
+                },
             )
             self._series[(name, values)] = series
             return series

@@ -4,7 +4,9 @@ Opt-in (``InboxMiddleware(..., tracing=True)``, ``FastStreamInbox(..., tracing=T
 a ``TracerProvider`` instead of True; extra ``otel``). A delivery's trace::
 
     inbox billing                  CONSUMER  consumer, producer, tenant, message id, hash
-    │                                        scheme, attempt, decision, settlement
+    │                                        scheme, attempt, decision, settlement, and
+    │                                        over a database map the database's name
+    ├── inbox.route                          (over a database map) the choice of database
     ├── inbox.claim                          decision, wait on a concurrent claim, attempt
     ├── inbox.handler                        (first seen only) the handler's own spans nest here
     ├── inbox.commit
@@ -50,6 +52,7 @@ from .._core.consumption import (
     QuarantineConflict,
     Quarantined,
     RecordPoison,
+    ResolveRoute,
     RunUnprotected,
     SendOutputs,
 )
@@ -238,6 +241,8 @@ class _Trace:
                 attributes = {"inbox.reason": details.get("reason", "")}
             case SendOutputs():
                 name, span_kind = "inbox.publish outputs", self.tracing._kinds.PRODUCER
+            case ResolveRoute():
+                name = "inbox.route"  # the database is the delivery span's (`database`)
             case _:
                 name = f"inbox.record {_RECORDS.get(type(op), type(op).__name__)}"
         identified = getattr(op, "delivery", None)
@@ -265,6 +270,13 @@ class _Trace:
             self.span.set_attribute("inbox.attempt", answer.attempts)
         elif isinstance(op, CountFailure) and isinstance(answer, int):
             self.span.set_attribute("inbox.failed_attempts", answer)
+        elif isinstance(op, ResolveRoute) and isinstance(answer, str):
+            self.database(answer)
+
+    def database(self, name: str) -> None:
+        """The delivery went to ``name``, the map's name of its database (over many
+        databases; never the tenant, which `_identify` gives as ``inbox.tenant``)."""
+        _quietly(self.span.set_attribute, "inbox.database", name)
 
     def batch(self, size: int) -> None:
         """This delivery is a batch of ``size`` messages, settled as a whole."""
@@ -387,6 +399,9 @@ class _NoTrace(_NoClaim):
     trace_id = None
 
     def batch(self, size: int) -> None:
+        pass
+
+    def database(self, name: str) -> None:
         pass
 
     def settled(self, settlement: object) -> None:

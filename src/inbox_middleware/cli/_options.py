@@ -8,9 +8,10 @@ databases gives ``--map FILE`` (or ``INBOX_DATABASE_MAP``: the `DatabaseMap` fil
 workers read) instead of the URL: the command then runs on every database of the map, one
 after the other, or on the database of one tenant (``--tenant``); each database's output
 follows a line ``== database NAME`` on standard error, a database that fails is reported
-and the others still run, and the command fails at the end if any did. ``outbox run``
-takes the map itself (its function is marked ``takes_the_map``): one dispatcher over
-every database of the map, or the tenant's, in rotation.
+and the others still run, and the command fails at the end if any did. Its JSON is still
+one document, keyed by database (see `_output`), or JSON lines each naming its database.
+``outbox run`` takes the map itself (its function is marked ``takes_the_map``): one
+dispatcher over every database of the map, or the tenant's, in rotation.
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ def _each_database(
 
     from .._core.exceptions import InboxError
     from .._core.tenancy import load_map
+    from ._output import each_database
 
     names = _databases(map_file, tenant, name) or load_map(map_file).names()
     if len(names) > 1 and any(kwargs.get(arg) for arg in _PER_DATABASE_IDS):
@@ -257,18 +259,22 @@ def _each_database(
         )
     routes = load_map(map_file)
     failed: list[str] = []
-    for one in names:
-        click.echo(f"== database {one}", err=True)
-        try:
-            run(*args, **{**kwargs, "database_url": routes.url(one)})
-        except (InboxError, DBAPIError, click.ClickException) as exc:
-            text = str(exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc)
-            first = (text.strip().splitlines() or [type(exc).__name__])[0]
-            click.echo(f"error: database {one}: {first}", err=True)
-            failed.append(one)
-        except SystemExit as exc:  # a command that said why on standard error, then exited
-            if exc.code not in (None, 0):
+    with each_database() as database:  # one JSON document for the map, not one each
+        for one in names:
+            click.echo(f"== database {one}", err=True)
+            database(one, None)
+            try:
+                run(*args, **{**kwargs, "database_url": routes.url(one)})
+            except (InboxError, DBAPIError, click.ClickException) as exc:
+                text = str(exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc)
+                first = (text.strip().splitlines() or [type(exc).__name__])[0]
+                click.echo(f"error: database {one}: {first}", err=True)
+                database(one, first)
                 failed.append(one)
+            except SystemExit as exc:  # a command that said why on standard error, exited
+                if exc.code not in (None, 0):
+                    database(one, f"exited with status {exc.code}")
+                    failed.append(one)
     if failed:
         raise click.ClickException(
             f"{len(failed)} of {len(names)} databases failed: {', '.join(failed)}"

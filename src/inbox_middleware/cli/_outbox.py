@@ -30,7 +30,7 @@ from ._options import (
     naming_from,
     takes_the_map,
 )
-from ._output import echo_json, table, when
+from ._output import echo_json, echo_row, table, when
 
 __all__ = ["outbox"]
 
@@ -300,7 +300,7 @@ def list_command(
         ]
     if as_json:
         for row in rows:
-            echo_json(row, indent=None)
+            echo_row(row)
         return
     click.echo(", ".join(f"{name} {counts.get(name, 0)}" for name in STATUSES))
     if not rows:

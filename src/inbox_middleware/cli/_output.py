@@ -6,6 +6,11 @@
 - Payloads: in JSON, the message as a JSON value when it is JSON (a Dramatiq message, a
   FastStream JSON body), else a string when it is text, else ``{"base64": "..."}``.
 - Progress: a rich progress bar on standard error, only when it is a terminal.
+- Over a database map (``--map``), still one JSON document: a command that prints one
+  (``status --json``, ``explain --json``, ``show``) prints, after the last database,
+  ``{"format": "inbox-middleware.databases/1", "databases": {NAME: document, ...},
+  "failed": {NAME: error, ...}}``; a command that prints JSON lines (``list --json``)
+  prints each row with ``"database": NAME`` first. See `each_database`.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from rich.table import Table
 from rich.text import Text
 
 __all__ = [
+    "MAP_FORMAT",
     "console",
+    "each_database",
     "echo_json",
+    "echo_row",
     "iso",
     "jsonable",
     "payload_value",
@@ -111,8 +119,62 @@ def _binary(value: Any) -> bool:
     return isinstance(value, bytes | bytearray | memoryview)
 
 
+MAP_FORMAT = "inbox-middleware.databases/1"
+"""The ``format`` of the one JSON document a command prints over a map."""
+
+
+class _OverTheMap:
+    """The JSON a command prints over a map, gathered per database (see `each_database`)."""
+
+    def __init__(self) -> None:
+        self.database = ""
+        self.documents: dict[str, Any] = {}
+        self.failed: dict[str, str] = {}
+
+
+_over_the_map: _OverTheMap | None = None
+"""Set while a command runs on each database of a map (a command line runs one command,
+in one thread, hence no context variable: an asyncpg command runs in another thread)."""
+
+
+@contextmanager
+def each_database() -> Iterator[Callable[[str, str | None], None]]:
+    """While a command runs on each database of a map: yields ``database(name, error)``,
+    called before each database's run with ``error`` None, and after a failed one with
+    its error. Documents are gathered and printed as one when it ends, if any was."""
+    global _over_the_map  # noqa: PLW0603 (one command per process)
+    gathered = _OverTheMap()
+
+    def database(name: str, error: str | None) -> None:
+        if error is None:
+            gathered.database = name
+        else:
+            gathered.failed[name] = error
+
+    _over_the_map = gathered
+    try:
+        yield database
+    finally:
+        _over_the_map = None
+        if gathered.documents:
+            echo_json(
+                {"format": MAP_FORMAT, "databases": gathered.documents, "failed": gathered.failed}
+            )
+
+
 def echo_json(value: Any, *, indent: int | None = 2) -> None:
+    """Print one JSON document (over a map: gathered with the other databases')."""
+    if _over_the_map is not None:
+        _over_the_map.documents[_over_the_map.database] = jsonable(value)
+        return
     click.echo(json.dumps(jsonable(value), indent=indent, ensure_ascii=False))
+
+
+def echo_row(row: Mapping[str, Any]) -> None:
+    """Print one row as a line of JSON (over a map: with its database first)."""
+    if _over_the_map is not None:
+        row = {"database": _over_the_map.database, **row}
+    click.echo(json.dumps(jsonable(row), ensure_ascii=False))
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:

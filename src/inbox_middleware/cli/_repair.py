@@ -24,7 +24,7 @@ from .._operate import repair
 from .._operate.repair import Kind, RepairError, Republisher
 from .._storage.tables import InboxSchema
 from ._options import DURATION, ROW_ID, database, database_options
-from ._output import echo_json, progress, table, when
+from ._output import echo_json, echo_row, progress, table, when
 
 __all__ = ["poison", "quarantine", "republisher"]
 
@@ -293,7 +293,7 @@ def _group(kind: Kind) -> click.Group:
             )
         if as_json:
             for row in rows:
-                echo_json(row, indent=None)
+                echo_row(row)
             return
         if not rows:
             click.echo(f"no {kind} rows" + ("" if decision == "all" else f" ({decision})"))

@@ -143,6 +143,9 @@ async def _consume(
         ),
         held=held,
     )
+    database = _database_of(sub, deliveries)
+    if database:
+        trace.database(database)
 
     def body(op: ProcessBatch) -> Callable[[AsyncSession, tuple[Verdict, ...]], Awaitable[Any]]:
         async def run(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> Any:
@@ -185,8 +188,27 @@ async def _consume(
         logger.exception("inbox consumer %s failed to settle a batch", sub.consumer.name)
         settlement = core.HandedBack(exc, counted=False)
     return await _tell_batch(
-        sub, trace, message, key, settlement, size=len(items), quiet=held is not None
+        sub,
+        trace,
+        message,
+        key,
+        settlement,
+        size=len(items),
+        quiet=held is not None,
+        database=database,
     )
+
+
+def _database_of(sub: BatchSubscription, deliveries: list[tuple[int, Delivery]]) -> str:
+    """The map's database of the batch (a routed batch's messages are all in one: that of
+    its first), for its span and its counts; "" with one database, or none (an unknown
+    tenant's counts stay in memory, as one message's do)."""
+    if not getattr(sub.storage, "routed", False) or not deliveries:
+        return ""
+    try:
+        return str(sub.storage.route(deliveries[0][1]))  # type: ignore[union-attr]
+    except Exception:
+        return ""
 
 
 def _repair_marker(item: Item) -> str | None:
@@ -215,16 +237,22 @@ def _log_dead_letter(sub: BatchSubscription, details: dict[str, Any]) -> None:
     )
 
 
-def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> None:
+def _count(
+    sub: BatchSubscription, settlement: BatchSettlement, size: int, database: str = ""
+) -> None:
     """The batch's metrics and its messages' counts for ``inbox_counts`` (a message's are
-    `outcomes.report`'s)."""
+    `outcomes.report`'s), under the batch's ``database`` over a map."""
     name = sub.consumer.name
+
+    def count(outcome: str) -> None:
+        tally.count(name, outcome, database)
+
     match settlement:
         case BatchProcessed(verdicts=verdicts, dead_lettered=indexes, poisoned=poisoned):
             for verdict in verdicts:
                 if verdict.decision is Decision.CONFLICT and not verdict.shadow:
                     metrics.moved(name, "quarantine")
-                tally.count(name, _COUNTED[verdict.decision] if not verdict.shadow else "processed")
+                count(_COUNTED[verdict.decision] if not verdict.shadow else "processed")
             for _ in settlement.expired:
                 metrics.expired(name, "processed")
             for kept in settlement.poison:
@@ -233,7 +261,7 @@ def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> No
                 metrics.handler_failure(name, kept.reason)
                 metrics.moved(name, "poison")
             for index in indexes:
-                tally.count(name, "poisoned" if index in poisoned else "no_identity")
+                count("poisoned" if index in poisoned else "no_identity")
         case BatchRejected(reason=reason, records=records, quarantined=quarantined):
             for _ in records:
                 metrics.moved(name, "poison")
@@ -241,14 +269,14 @@ def _count(sub: BatchSubscription, settlement: BatchSettlement, size: int) -> No
                 metrics.handler_failure(name, reason)
             for _ in quarantined:
                 metrics.moved(name, "quarantine")
-                tally.count(name, "quarantined")
+                count("quarantined")
             for _ in range(size - len(quarantined)):
-                tally.count(name, "poisoned" if records else "dead_lettered")
+                count("poisoned" if records else "dead_lettered")
         case core.HandedBack(error=error, counted=counted):
             if counted:
                 metrics.handler_failure(name, type(error).__name__)
             for _ in range(size):
-                tally.count(name, "failed" if counted else "handed_back")
+                count("failed" if counted else "handed_back")
 
 
 _COUNTED = {
@@ -267,13 +295,14 @@ async def _tell_batch(
     *,
     size: int,
     quiet: bool = False,
+    database: str = "",
 ) -> Any:
     """Tell the broker a batch's settlement: the one place that does, for batches.
     ``quiet``: a held batch, whose warning the start-up check prints once."""
     faults.at("settle", None)
     name = sub.consumer.name
     try:  # whatever happens here, the broker is still told
-        _count(sub, settlement, size)
+        _count(sub, settlement, size, database)
     except Exception:
         logger.exception("could not count a settlement of %s", name)
     match settlement:

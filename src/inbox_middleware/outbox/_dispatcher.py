@@ -240,6 +240,7 @@ class Dispatcher(_Stoppable):
         """True while a LISTEN connection that notifications are known to reach is open."""
         self.shutdown_grace = delivery_timeout if shutdown_grace is None else shutdown_grace
         self.stats = DispatcherStats()
+        self._database = ""  # the map's name of its database, under a `RoutedDispatcher`
         self._statements: OutboxStatements = statements_for(self.naming, "postgresql")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -534,7 +535,7 @@ class Dispatcher(_Stoppable):
             recorded = set(conn.scalars(self._statements.settle, params))
         stats = self.stats
         for outcome in outcomes:
-            metrics.outbox(outcome["destination"], _counted(outcome, recorded))
+            metrics.outbox(outcome["destination"], _counted(outcome, recorded), self._database)
             if outcome["effect_id"] not in recorded:
                 stats.leases_lost += 1
                 logger.warning(

@@ -230,6 +230,7 @@ class RoutedDispatcher(_Stoppable):
                 found = self._dispatchers[database] = Dispatcher(
                     self._engine(database), self.destinations, **self.settings
                 )
+                found._database = database  # its attempts' database label
             if self._stopping is not None and self._aborting is not None:
                 found._join(self._loop, self._stopping, self._aborting)
             return found
