@@ -148,6 +148,11 @@ class Run:
     healthy_p99_holed_ms: float
     """p99 over the second half (the database black-holed)."""
     down_applied_in_window: int
+    healthy_p99_by_5s_ms: list[float]
+    """p99 of the healthy tenants' messages sent in each 5 s of the window, in order."""
+    healthy_slowest: list[tuple[float, float]]
+    """The slowest 1% of the healthy tenants' messages of the window: (sent, seconds into
+    the window; latency, ms), slowest first."""
 
 
 def start_workers(
@@ -171,6 +176,7 @@ def start_workers(
         "PYTHONUNBUFFERED": "1",
     }
     log = open(folder / "workers.log", "ab")  # noqa: SIM115 - closed below
+    print(f"the workers' log: {log.name}", flush=True)
     if framework == "faststream":
         commands = [
             [sys.executable, "-m", "faststream", "run", "bench.tenants_faststream_app:app"]
@@ -331,6 +337,15 @@ def summarise(
     middle = (low + high) / 2
     stopped, holed = latencies(low, middle), latencies(middle, high)
     down = [1 for _, tenant, s, _ in rows if int(tenant[1:]) % 3 == DOWN and low <= s < high]
+    timed = sorted(
+        (
+            (float(s) - low, (float(a) - float(s)) * 1000)
+            for _, tenant, s, a in rows
+            if int(tenant[1:]) % 3 != DOWN and low <= s < high
+        ),
+        key=lambda pair: -pair[1],
+    )
+    buckets = [latencies(start, min(start + 5.0, high)) for start in _steps(low, high, 5.0)]
     return Run(
         kind=kind,
         sent=len(sent),
@@ -343,7 +358,21 @@ def summarise(
         healthy_p99_stopped_ms=percentile(stopped, 0.99) if stopped else float("nan"),
         healthy_p99_holed_ms=percentile(holed, 0.99) if holed else float("nan"),
         down_applied_in_window=len(down),
+        healthy_p99_by_5s_ms=[
+            round(percentile(b, 0.99), 1) if b else float("nan") for b in buckets
+        ],
+        healthy_slowest=[
+            (round(t, 2), round(ms, 1)) for t, ms in timed[: max(1, len(timed) // 100)]
+        ],
     )
+
+
+def _steps(low: float, high: float, step: float) -> list[float]:
+    starts = []
+    while low < high:
+        starts.append(low)
+        low += step
+    return starts
 
 
 def ledger_rows(expected: int, deadline: float) -> list[tuple[str, str, float, float]]:
