@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from inbox_middleware import (
     UnknownTenant,
     load_map,
 )
-from inbox_middleware._storage.routed import RoutedInbox, database_url
+from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox, database_url
 
 DATABASES = {"a": "postgresql://h/a", "b": "postgresql://h/b", "c": "postgresql://h/c"}
 
@@ -171,12 +174,106 @@ def test_tenancy__the_guides_set_ups_build_without_connecting():
 
 
 def test_tenancy__a_database_holds_at_most_its_pool_of_a_workers_deliveries():
-    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4)
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4, busy_wait=0)
     with inbox._slot("a", "billing"), inbox._slot("a", "billing"):
-        # a third delivery to the same database is handed back, never waits for it
-        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+        # a third delivery to the same database is handed back (no wait allowed here)
+        with pytest.raises(RouteUnavailable) as refused, inbox._slot("a", "billing"):
             pass
+        assert refused.value.retry_after == inbox.down_pause
         with inbox._slot("b", "billing"):  # the other databases are not held up
             pass
     with inbox._slot("a", "billing"):  # released
         pass
+
+
+def test_tenancy__a_busy_database_is_waited_for_while_its_deliveries_are_young():
+    """All of a database's places taken by deliveries that began less than busy_wait ago
+    (a database that answers, busy for a moment): the next delivery waits for a place,
+    it is not handed back for a pause."""
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=2)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with inbox._slot("a", "billing"):
+            taken.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        taken.wait(5)
+        threading.Timer(0.2, release.set).start()
+        began = time.monotonic()
+        with inbox._slot("a", "billing"):  # waits for the holder, about 0.2 s
+            waited = time.monotonic() - began
+        assert 0.1 < waited < 1.5, waited
+    finally:
+        release.set()
+        holder.join(5)
+
+
+def test_tenancy__a_database_whose_deliveries_hang_is_not_waited_for():
+    """Its places held longer than busy_wait (a database that hangs): handed back at once;
+    a delivery waiting meanwhile is handed back once the oldest has run busy_wait."""
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=0.3)
+    with inbox._slot("a", "billing"):
+        began = time.monotonic()
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        assert 0.2 < time.monotonic() - began < 1.0  # waited busy_wait, then handed back
+        began = time.monotonic()
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        assert time.monotonic() - began < 0.1  # the holder is old: not waited for
+        with inbox._slot("b", "billing"):
+            pass
+
+
+def test_tenancy__an_async_busy_database_is_awaited_without_blocking_the_loop():
+    inbox = AsyncRoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=2)
+
+    async def scenario() -> tuple[float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+
+        async def hold() -> None:
+            async with inbox._aslot("a", "billing"):
+                await asyncio.sleep(0.3)
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0.05)
+        began = time.monotonic()
+        async with inbox._aslot("a", "billing"):  # waits for the holder
+            waited = time.monotonic() - began
+        await holder
+        async with inbox._aslot("b", "billing"):
+            pass
+        ticker.cancel()
+        return waited, ticks
+
+    waited, ticks = asyncio.run(scenario())
+    assert 0.1 < waited < 1.5, waited
+    assert ticks >= 10  # the loop ran meanwhile
+
+
+def test_tenancy__an_async_database_whose_deliveries_hang_is_not_awaited():
+    inbox = AsyncRoutedInbox(
+        DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=0.3
+    )
+
+    async def scenario() -> float:
+        async with inbox._aslot("a", "billing"):
+            began = time.monotonic()
+            with pytest.raises(RouteUnavailable):
+                async with inbox._aslot("a", "billing"):
+                    pass
+            return time.monotonic() - began
+
+    assert 0.2 < asyncio.run(scenario()) < 1.0
