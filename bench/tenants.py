@@ -4,6 +4,7 @@
     python -m bench.tenants --quick       # one pair of runs, 10 s outages, ~2 minutes
     python -m bench.tenants               # three alternating pairs, 60 s outages
     python -m bench.tenants --framework faststream   # the same on FastStream (RabbitMQ)
+    python -m bench.tenants --framework both    # each pair on FastStream, then Dramatiq
 
 Three databases, one on each tenant PostgreSQL server (``scripts/services tenant-postgres``:
 5450, 5451, 5452), nine tenants spread over them, one shared queue, and a fleet of two
@@ -420,26 +421,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outage", type=float, default=None, help="seconds of each outage")
     parser.add_argument("--rate", type=float, default=45.0, help="messages a second, in all")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--framework", choices=("dramatiq", "faststream"), default="dramatiq")
+    parser.add_argument(
+        "--framework",
+        choices=("dramatiq", "faststream", "both"),
+        default="dramatiq",
+        help="both: each pair on FastStream, then on Dramatiq, pair after pair",
+    )
     args = parser.parse_args(argv)
     if args.connect:
         print(json.dumps(connect_cost(), indent=2))
         return
     pairs = args.pairs or (1 if args.quick else 3)
     outage = args.outage or (10.0 if args.quick else 60.0)
-    runs: list[Run] = []
+    frameworks = ("faststream", "dramatiq") if args.framework == "both" else (args.framework,)
+    runs: dict[str, list[Run]] = {framework: [] for framework in frameworks}
     for number in range(pairs):
-        for kind in ("baseline", "outage"):
-            run = one_run(
-                kind, args.rate, warmup=5.0, outage=outage, tail=5.0, framework=args.framework
-            )
-            runs.append(run)
-            print(f"pair {number + 1} {kind}: {json.dumps(asdict(run))}", flush=True)
+        for framework in frameworks:
+            for kind in ("baseline", "outage"):
+                run = one_run(
+                    kind, args.rate, warmup=5.0, outage=outage, tail=5.0, framework=framework
+                )
+                runs[framework].append(run)
+                print(
+                    f"{framework} pair {number + 1} {kind}: {json.dumps(asdict(run))}", flush=True
+                )
+    summaries = [
+        summary(framework, ran, args.rate, outage, pairs) for framework, ran in runs.items()
+    ]
+    for one in summaries:
+        print(json.dumps(one, indent=2))
+    if args.json:
+        results = [
+            {"runs": [asdict(r) for r in ran], **one}
+            for ran, one in zip(runs.values(), summaries, strict=True)
+        ]
+        args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+
+
+def summary(
+    framework: str, runs: list[Run], rate: float, outage: float, pairs: int
+) -> dict[str, Any]:
     baseline = [r for r in runs if r.kind == "baseline"]
     broken = [r for r in runs if r.kind == "outage"]
-    summary = {
-        "framework": args.framework,
-        "rate": args.rate,
+    return {
+        "framework": framework,
+        "rate": rate,
         "outage_s": outage,
         "pairs": pairs,
         "throughput_ratio": [
@@ -451,9 +477,6 @@ def main(argv: list[str] | None = None) -> None:
         "lost": sum(r.lost for r in runs),
         "twice": sum(r.twice for r in runs),
     }
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], **summary}, indent=2))
 
 
 if __name__ == "__main__":
