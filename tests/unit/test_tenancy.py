@@ -229,6 +229,35 @@ def test_tenancy__a_database_whose_deliveries_hang_is_not_waited_for():
             pass
 
 
+def test_tenancy__a_database_whose_deliveries_hang_is_paused_longer_while_they_hang():
+    """Its places held past busy_wait (queries that never answer): its deliveries come back
+    after a pause that grows while it hangs, as a database that does not answer, not after
+    the first pause again and again (a backlog cycling through the workers)."""
+    inbox = RoutedInbox(
+        DatabaseMap(DATABASES),
+        pool_size=1,
+        connection_budget=4,
+        busy_wait=0.1,
+        down_pause=0.5,
+        down_pause_limit=2.0,
+    )
+
+    def refused() -> float:
+        with pytest.raises(RouteUnavailable) as caught, inbox._slot("a", "billing"):
+            pass
+        assert caught.value.retry_after is not None
+        return caught.value.retry_after
+
+    with inbox._slot("a", "billing"):
+        time.sleep(0.15)
+        assert refused() == pytest.approx(0.5, abs=0.01)  # the first pause
+        assert 0.3 < refused() <= 0.5  # paused: what is left of it
+        time.sleep(0.55)
+        assert refused() == pytest.approx(1.0, abs=0.01)  # still hangs: twice as long
+        with inbox._slot("b", "billing"):  # the others are not held up
+            pass
+
+
 def test_tenancy__an_async_busy_database_is_awaited_without_blocking_the_loop():
     inbox = AsyncRoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=2)
 

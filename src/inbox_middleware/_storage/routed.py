@@ -264,14 +264,23 @@ class _Routes:
                 loop.call_soon_threadsafe(_wake, future)
 
     def _busy_refusal(self, database: str, consumer: str) -> RouteUnavailable:
+        """Under the lock: the refusal of a delivery that found ``database``'s places
+        taken. Its oldest has run ``busy_wait`` or more: the database hangs (a query that
+        never answers on a connection it had), so it is paused as a database that does
+        not answer (`_went_down`: the pause grows while it stays so, and its first answer
+        ends it), and its deliveries come back after the pause, not at a fixed pace for as
+        long as it hangs. Else (busy, with young deliveries) after one first pause."""
         metrics.route(consumer, database, "busy")
         refused = RouteUnavailable(
             f"database {database!r} holds {self.pool_size} deliveries of this worker "
             f"already (its pool), busy for {self.busy_wait}s or more: handed back"
         )
-        # Its deliveries may hang (a black-holed server): come back no sooner than a
-        # pause, not at the backoff's pace for as long as they hang.
-        refused.retry_after = self.down_pause
+        now = time.monotonic()
+        if now - min(self._holders[database].values()) < self.busy_wait:
+            refused.retry_after = self.down_pause
+            return refused
+        until = self._down_until.get(database, 0.0)
+        refused.retry_after = until - now if until > now else self._pause(database, now)
         return refused
 
     @contextlib.contextmanager
@@ -328,11 +337,17 @@ class _Routes:
         ``down_pause`` and doubles while the database stays down, up to
         ``down_pause_limit``; answers the pause."""
         with self._lock:
-            downs = self._downs[database] = self._downs.get(database, 0) + 1
-            pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
-            self._down_until[database] = time.monotonic() + pause
+            pause = self._pause(database, time.monotonic())
         if consumer:
             metrics.route(consumer, database, "unavailable")
+        return pause
+
+    def _pause(self, database: str, now: float) -> float:
+        """Under the lock: pause ``database`` from ``now``, for longer than its last pause
+        if it did not answer since; answers the pause."""
+        downs = self._downs[database] = self._downs.get(database, 0) + 1
+        pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
+        self._down_until[database] = now + pause
         return pause
 
     def _answered(self, database: str) -> None:
