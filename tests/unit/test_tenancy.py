@@ -254,6 +254,11 @@ def test_tenancy__a_database_whose_deliveries_hang_is_paused_longer_while_they_h
         assert 0.3 < refused() <= 0.5  # paused: what is left of it
         time.sleep(0.55)
         assert refused() == pytest.approx(1.0, abs=0.01)  # still hangs: twice as long
+        with pytest.raises(RouteUnavailable) as caught, inbox._slot("a", "billing"):
+            pass
+        # what is left of the pause, and its whole length to spread the hand-backs over
+        assert caught.value.retry_after is not None and caught.value.retry_after <= 1.0
+        assert caught.value.retry_spread == pytest.approx(1.0)
         with inbox._slot("b", "billing"):  # the others are not held up
             pass
 

@@ -163,6 +163,7 @@ class _Routes:
         self._checked: set[str] = set()
         self._down_until: dict[str, float] = {}
         self._downs: dict[str, int] = {}  # failed tries in a row, by database
+        self._pauses: dict[str, float] = {}  # the current pause's length, by database
         # the deliveries holding a database's places: their token and when they began
         self._holders: dict[str, dict[object, float]] = {}
         self._freed = threading.Condition(self._lock)  # a place was given up
@@ -281,6 +282,7 @@ class _Routes:
             return refused
         until = self._down_until.get(database, 0.0)
         refused.retry_after = until - now if until > now else self._pause(database, now)
+        refused.retry_spread = self._pauses.get(database, self.down_pause)
         return refused
 
     @contextlib.contextmanager
@@ -348,6 +350,7 @@ class _Routes:
         downs = self._downs[database] = self._downs.get(database, 0) + 1
         pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
         self._down_until[database] = now + pause
+        self._pauses[database] = pause
         return pause
 
     def _answered(self, database: str) -> None:
@@ -356,6 +359,7 @@ class _Routes:
             with self._lock:
                 self._downs.pop(database, None)
                 self._down_until.pop(database, None)
+                self._pauses.pop(database, None)
 
     def _refuse_if_down(self, database: str, consumer: str) -> None:
         """Hand back at once while ``database`` is paused (the exception's ``retry_after``
@@ -374,11 +378,13 @@ class _Routes:
             if left <= 0:  # this delivery tries the database; the others wait for it
                 self._down_until[database] = now + self.connect_timeout + self.down_pause
                 return
+            pause = self._pauses.get(database, self.down_pause)
         metrics.route(consumer, database, "unavailable")
         refused = DatabaseUnavailable(
             f"database {database!r} did not answer; tried again in {left:.1f}s"
         )
         refused.retry_after = left
+        refused.retry_spread = pause
         raise refused
 
     def _failed(self, database: str, consumer: str, exc: DatabaseUnavailable) -> None:
