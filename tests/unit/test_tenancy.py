@@ -14,6 +14,7 @@ import pytest
 from inbox_middleware import (
     ConfigurationError,
     DatabaseMap,
+    DatabaseUnavailable,
     MapFile,
     MessageIdentity,
     RouteUnavailable,
@@ -261,6 +262,37 @@ def test_tenancy__a_database_whose_deliveries_hang_is_paused_longer_while_they_h
         assert caught.value.retry_spread == pytest.approx(1.0)
         with inbox._slot("b", "billing"):  # the others are not held up
             pass
+
+
+def test_tenancy__a_long_outages_hand_backs_are_spread_over_half_of_it():
+    """A database down longer than twice its pause: its hand-backs are spread over half
+    the time it has been down (its backlog, which grows with the outage, comes back at a
+    bounded rate), not over one pause; once it answers, from its pause again."""
+    inbox = RoutedInbox(
+        DatabaseMap(DATABASES), pool_size=1, connection_budget=4, down_pause=0.2,
+        down_pause_limit=0.2,
+    )  # fmt: skip
+
+    def refused() -> tuple[float, float]:
+        with pytest.raises(DatabaseUnavailable) as caught:
+            inbox._refuse_if_down("a", "billing")
+        assert caught.value.retry_after is not None and caught.value.retry_spread is not None
+        return caught.value.retry_after, caught.value.retry_spread
+
+    inbox._went_down("a")
+    assert refused()[1] == pytest.approx(0.2)  # down for less than two pauses: the pause
+    time.sleep(0.3)
+    inbox._went_down("a")  # still down at its next try
+    time.sleep(0.1)
+    after, spread = refused()
+    assert after <= 0.2 and spread == pytest.approx(0.2, abs=0.03)  # 0.4 s down: 0.2
+    time.sleep(0.4)
+    inbox._went_down("a")
+    _, spread = refused()
+    assert spread == pytest.approx(0.4, abs=0.05)  # 0.8 s down: half of it
+    inbox._answered("a")
+    inbox._went_down("a")
+    assert refused()[1] == pytest.approx(0.2)  # a new outage
 
 
 def test_tenancy__an_async_busy_database_is_awaited_without_blocking_the_loop():

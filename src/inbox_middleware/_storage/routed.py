@@ -164,6 +164,7 @@ class _Routes:
         self._down_until: dict[str, float] = {}
         self._downs: dict[str, int] = {}  # failed tries in a row, by database
         self._pauses: dict[str, float] = {}  # the current pause's length, by database
+        self._down_since: dict[str, float] = {}  # its first failed try of this outage
         # the deliveries holding a database's places: their token and when they began
         self._holders: dict[str, dict[object, float]] = {}
         self._freed = threading.Condition(self._lock)  # a place was given up
@@ -282,7 +283,7 @@ class _Routes:
             return refused
         until = self._down_until.get(database, 0.0)
         refused.retry_after = until - now if until > now else self._pause(database, now)
-        refused.retry_spread = self._pauses.get(database, self.down_pause)
+        refused.retry_spread = self._spread(database, now)
         return refused
 
     @contextlib.contextmanager
@@ -351,7 +352,19 @@ class _Routes:
         pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
         self._down_until[database] = now + pause
         self._pauses[database] = pause
+        self._down_since.setdefault(database, now)
         return pause
+
+    def _spread(self, database: str, now: float) -> float:
+        """Under the lock: the seconds after its pause over which a paused database's
+        hand-backs come back: the pause, or half the time it has been down if longer. Its
+        backlog grows with the outage; spread over a fixed pause, it would come back
+        through the workers ever faster (a 60 s outage's 900 messages every 10 s), ahead
+        of the other tenants' messages on a shared queue; spread over half the outage so
+        far, about four times its arrival rate, however long the outage. The price: once
+        it answers, its backlog comes back over up to that long."""
+        pause = self._pauses.get(database, self.down_pause)
+        return max(pause, (now - self._down_since.get(database, now)) / 2)
 
     def _answered(self, database: str) -> None:
         """``database`` answered: its pauses start again from ``down_pause``."""
@@ -360,6 +373,7 @@ class _Routes:
                 self._downs.pop(database, None)
                 self._down_until.pop(database, None)
                 self._pauses.pop(database, None)
+                self._down_since.pop(database, None)
 
     def _refuse_if_down(self, database: str, consumer: str) -> None:
         """Hand back at once while ``database`` is paused (the exception's ``retry_after``
@@ -378,13 +392,13 @@ class _Routes:
             if left <= 0:  # this delivery tries the database; the others wait for it
                 self._down_until[database] = now + self.connect_timeout + self.down_pause
                 return
-            pause = self._pauses.get(database, self.down_pause)
+            spread = self._spread(database, now)
         metrics.route(consumer, database, "unavailable")
         refused = DatabaseUnavailable(
             f"database {database!r} did not answer; tried again in {left:.1f}s"
         )
         refused.retry_after = left
-        refused.retry_spread = pause
+        refused.retry_spread = spread
         raise refused
 
     def _failed(self, database: str, consumer: str, exc: DatabaseUnavailable) -> None:
