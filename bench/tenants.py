@@ -4,6 +4,7 @@
     python -m bench.tenants --quick       # one pair of runs, 10 s outages, ~2 minutes
     python -m bench.tenants               # three alternating pairs, 60 s outages
     python -m bench.tenants --framework faststream   # the same on FastStream (RabbitMQ)
+    python -m bench.tenants --framework both    # each pair on FastStream, then Dramatiq
 
 Three databases, one on each tenant PostgreSQL server (``scripts/services tenant-postgres``:
 5450, 5451, 5452), nine tenants spread over them, one shared queue, and a fleet of two
@@ -148,6 +149,11 @@ class Run:
     healthy_p99_holed_ms: float
     """p99 over the second half (the database black-holed)."""
     down_applied_in_window: int
+    healthy_p99_by_5s_ms: list[float]
+    """p99 of the healthy tenants' messages sent in each 5 s of the window, in order."""
+    healthy_slowest: list[tuple[float, float]]
+    """The slowest 1% of the healthy tenants' messages of the window: (sent, seconds into
+    the window; latency, ms), slowest first."""
 
 
 def start_workers(
@@ -171,6 +177,7 @@ def start_workers(
         "PYTHONUNBUFFERED": "1",
     }
     log = open(folder / "workers.log", "ab")  # noqa: SIM115 - closed below
+    print(f"the workers' log: {log.name}", flush=True)
     if framework == "faststream":
         commands = [
             [sys.executable, "-m", "faststream", "run", "bench.tenants_faststream_app:app"]
@@ -331,6 +338,15 @@ def summarise(
     middle = (low + high) / 2
     stopped, holed = latencies(low, middle), latencies(middle, high)
     down = [1 for _, tenant, s, _ in rows if int(tenant[1:]) % 3 == DOWN and low <= s < high]
+    timed = sorted(
+        (
+            (float(s) - low, (float(a) - float(s)) * 1000)
+            for _, tenant, s, a in rows
+            if int(tenant[1:]) % 3 != DOWN and low <= s < high
+        ),
+        key=lambda pair: -pair[1],
+    )
+    buckets = [latencies(start, min(start + 5.0, high)) for start in _steps(low, high, 5.0)]
     return Run(
         kind=kind,
         sent=len(sent),
@@ -343,7 +359,21 @@ def summarise(
         healthy_p99_stopped_ms=percentile(stopped, 0.99) if stopped else float("nan"),
         healthy_p99_holed_ms=percentile(holed, 0.99) if holed else float("nan"),
         down_applied_in_window=len(down),
+        healthy_p99_by_5s_ms=[
+            round(percentile(b, 0.99), 1) if b else float("nan") for b in buckets
+        ],
+        healthy_slowest=[
+            (round(t, 2), round(ms, 1)) for t, ms in timed[: max(1, len(timed) // 100)]
+        ],
     )
+
+
+def _steps(low: float, high: float, step: float) -> list[float]:
+    starts = []
+    while low < high:
+        starts.append(low)
+        low += step
+    return starts
 
 
 def ledger_rows(expected: int, deadline: float) -> list[tuple[str, str, float, float]]:
@@ -391,26 +421,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outage", type=float, default=None, help="seconds of each outage")
     parser.add_argument("--rate", type=float, default=45.0, help="messages a second, in all")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--framework", choices=("dramatiq", "faststream"), default="dramatiq")
+    parser.add_argument(
+        "--framework",
+        choices=("dramatiq", "faststream", "both"),
+        default="dramatiq",
+        help="both: each pair on FastStream, then on Dramatiq, pair after pair",
+    )
     args = parser.parse_args(argv)
     if args.connect:
         print(json.dumps(connect_cost(), indent=2))
         return
     pairs = args.pairs or (1 if args.quick else 3)
     outage = args.outage or (10.0 if args.quick else 60.0)
-    runs: list[Run] = []
+    frameworks = ("faststream", "dramatiq") if args.framework == "both" else (args.framework,)
+    runs: dict[str, list[Run]] = {framework: [] for framework in frameworks}
     for number in range(pairs):
-        for kind in ("baseline", "outage"):
-            run = one_run(
-                kind, args.rate, warmup=5.0, outage=outage, tail=5.0, framework=args.framework
-            )
-            runs.append(run)
-            print(f"pair {number + 1} {kind}: {json.dumps(asdict(run))}", flush=True)
+        for framework in frameworks:
+            for kind in ("baseline", "outage"):
+                run = one_run(
+                    kind, args.rate, warmup=5.0, outage=outage, tail=5.0, framework=framework
+                )
+                runs[framework].append(run)
+                print(
+                    f"{framework} pair {number + 1} {kind}: {json.dumps(asdict(run))}", flush=True
+                )
+    summaries = [
+        summary(framework, ran, args.rate, outage, pairs) for framework, ran in runs.items()
+    ]
+    for one in summaries:
+        print(json.dumps(one, indent=2))
+    if args.json:
+        results = [
+            {"runs": [asdict(r) for r in ran], **one}
+            for ran, one in zip(runs.values(), summaries, strict=True)
+        ]
+        args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+
+
+def summary(
+    framework: str, runs: list[Run], rate: float, outage: float, pairs: int
+) -> dict[str, Any]:
     baseline = [r for r in runs if r.kind == "baseline"]
     broken = [r for r in runs if r.kind == "outage"]
-    summary = {
-        "framework": args.framework,
-        "rate": args.rate,
+    return {
+        "framework": framework,
+        "rate": rate,
         "outage_s": outage,
         "pairs": pairs,
         "throughput_ratio": [
@@ -422,9 +477,6 @@ def main(argv: list[str] | None = None) -> None:
         "lost": sum(r.lost for r in runs),
         "twice": sum(r.twice for r in runs),
     }
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], **summary}, indent=2))
 
 
 if __name__ == "__main__":

@@ -143,6 +143,103 @@ def test_tenant_isolation__faststream_black_holed_database_does_not_stall_the_ot
         proxy.close()
 
 
+def test_tenant_isolation__faststream_a_busy_healthy_database_is_waited_for_not_paused(
+    tenant_databases: TenantDatabases, rabbit: tuple[object, str], tmp_path: Path
+) -> None:
+    """One database black-holed, and a burst for the two healthy ones, twice their pool
+    each (the handler holds its place 0.2 s): the deliveries that find a healthy database's
+    places taken wait for one (its deliveries are young: it answers), so the whole burst is
+    applied in about two handler times; handed back, they would come back after a pause
+    (a second or more), the latency the healthy tenants paid while another database was
+    down. The black-holed database's messages are handed back and applied once after."""
+    import pika
+
+    channel, queue = rabbit
+    port = urlsplit(services.POSTGRES_TENANTS[HOLED]).port
+    proxy = Proxy(("127.0.0.1", port or 5452))
+    urls = [tenant_databases.url(i) for i in range(3)]
+    urls[HOLED] = urls[HOLED].replace(f":{port}/", f":{proxy.port}/")
+    map_path = tmp_path / "busy.json"
+    write_map(map_path, urls)
+    proxy.blackhole()
+    worker = FastStreamWorker(
+        "tests.apps.tenants_faststream:app",
+        {
+            "INBOX_TEST_MAP": str(map_path),
+            "INBOX_TEST_BROKER_URL": services.RABBITMQ,
+            "INBOX_TEST_SOURCE": queue,
+            "INBOX_TEST_PREFETCH": "64",
+            "INBOX_TEST_SLEEP": "0.2",
+            "INBOX_TEST_BACKOFF": "0.2,1.0",
+        },
+        tmp_path / "worker.log",
+    )
+    engines = [tenant_databases.engine(i) for i in range(3)]
+
+    def count(index: int) -> int:
+        with engines[index].connect() as conn:
+            return int(conn.scalar(text("SELECT count(*) FROM ledger")) or 0)
+
+    def send(tenant: str, k: int) -> None:
+        channel.basic_publish(  # type: ignore[attr-defined]
+            "",
+            queue,
+            json.dumps({"account": account(tenant, k), "delta": 1}).encode(),
+            pika.BasicProperties(
+                content_type="application/json",
+                delivery_mode=2,
+                headers={
+                    "x-inbox-producer": "orders",
+                    "x-inbox-message-id": f"{tenant}-{k}",
+                    "x-inbox-tenant": tenant,
+                },
+            ),
+        )
+
+    try:
+        wait_for(worker.ready, timeout=60, what="the FastStream worker")
+        holed = [t for t in TENANTS if tenant_database(t) == f"db{HOLED}"]
+        healthy = {0: [t for t in TENANTS if tenant_database(t) == "db0"], 1: []}
+        healthy[1] = [t for t in TENANTS if tenant_database(t) == "db1"]
+        for k in range(4):
+            for tenant in holed:
+                send(tenant, k)  # 12: the black-holed database's places, and more
+        time.sleep(1)
+        # a warm-up message for each healthy database (their pools connected)
+        send(healthy[0][0], 99)
+        send(healthy[1][0], 99)
+        wait_for(lambda: count(0) == 1 and count(1) == 1, timeout=30, what="the warm-up")
+        pool = 4  # the app's pool_size: FastStreamInbox's default
+        burst = [(tenant, k) for k in range(2 * pool) for tenant in (healthy[0][0], healthy[1][0])]
+        began = time.monotonic()
+        for tenant, k in burst:
+            send(tenant, k)
+        wait_for(
+            lambda: count(0) == count(1) == 1 + 2 * pool,
+            timeout=30,
+            interval=0.02,
+            what="the healthy databases' burst",
+        )
+        took = time.monotonic() - began
+        # two rounds of the handler's 0.2 s, and the broker's and the claims' time; a
+        # delivery handed back for a pause (1 s or more) would take 1.2 s at least
+        assert took < 1.0, took
+        proxy.unblackhole()
+        wait_for(
+            lambda: count(HOLED) == 4 * len(holed),
+            timeout=90,
+            interval=0.5,
+            what="the black-holed database's messages once it answers again",
+        )
+        time.sleep(2)
+        assert [count(i) for i in range(3)] == [1 + 2 * pool, 1 + 2 * pool, 4 * len(holed)]
+    finally:
+        worker.kill()
+        proxy.close()
+        for engine in engines:
+            engine.dispose()
+
+
 def test_tenant_isolation__a_database_down_is_paused_longer_while_it_stays_down(
     tenant_databases: TenantDatabases,
 ) -> None:

@@ -47,6 +47,13 @@ def test_backoff__a_database_found_down_holds_its_hand_backs_for_its_pause() -> 
     busy = RouteUnavailable("db2 holds 4 deliveries already")
     busy.retry_after = 1.0
     assert 1.0 <= HandedBack(busy, counted=False).wait(7, lambda: 0.2) < 2.0
+    # refused late in a long pause: spread over the whole pause after it, not over what
+    # is left of it (all of them just after the pause: a wave through the shared queue)
+    late = DatabaseUnavailable("db2 did not answer")
+    late.retry_after, late.retry_spread = 0.5, 10.0
+    waits = {key: HandedBack(late, counted=False).wait(key, lambda: 0.2) for key in range(50)}
+    assert all(0.5 <= wait < 10.5 for wait in waits.values())
+    assert max(waits.values()) - min(waits.values()) > 5.0
     # a delay the handler asked for is kept as it is
     requested = HandBackRequested(delay=1.5)
     assert HandedBack(requested, counted=True, delay=1.5).wait(7, lambda: 0.2) == 1.5

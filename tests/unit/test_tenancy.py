@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from inbox_middleware import (
     ConfigurationError,
     DatabaseMap,
+    DatabaseUnavailable,
     MapFile,
     MessageIdentity,
     RouteUnavailable,
@@ -18,7 +22,7 @@ from inbox_middleware import (
     UnknownTenant,
     load_map,
 )
-from inbox_middleware._storage.routed import RoutedInbox, database_url
+from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox, database_url
 
 DATABASES = {"a": "postgresql://h/a", "b": "postgresql://h/b", "c": "postgresql://h/c"}
 
@@ -171,12 +175,171 @@ def test_tenancy__the_guides_set_ups_build_without_connecting():
 
 
 def test_tenancy__a_database_holds_at_most_its_pool_of_a_workers_deliveries():
-    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4)
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=2, connection_budget=4, busy_wait=0)
     with inbox._slot("a", "billing"), inbox._slot("a", "billing"):
-        # a third delivery to the same database is handed back, never waits for it
-        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+        # a third delivery to the same database is handed back (no wait allowed here)
+        with pytest.raises(RouteUnavailable) as refused, inbox._slot("a", "billing"):
             pass
+        assert refused.value.retry_after == inbox.down_pause
         with inbox._slot("b", "billing"):  # the other databases are not held up
             pass
     with inbox._slot("a", "billing"):  # released
         pass
+
+
+def test_tenancy__a_busy_database_is_waited_for_while_its_deliveries_are_young():
+    """All of a database's places taken by deliveries that began less than busy_wait ago
+    (a database that answers, busy for a moment): the next delivery waits for a place,
+    it is not handed back for a pause."""
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=2)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with inbox._slot("a", "billing"):
+            taken.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        taken.wait(5)
+        threading.Timer(0.2, release.set).start()
+        began = time.monotonic()
+        with inbox._slot("a", "billing"):  # waits for the holder, about 0.2 s
+            waited = time.monotonic() - began
+        assert 0.1 < waited < 1.5, waited
+    finally:
+        release.set()
+        holder.join(5)
+
+
+def test_tenancy__a_database_whose_deliveries_hang_is_not_waited_for():
+    """Its places held longer than busy_wait (a database that hangs): handed back at once;
+    a delivery waiting meanwhile is handed back once the oldest has run busy_wait."""
+    inbox = RoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=0.3)
+    with inbox._slot("a", "billing"):
+        began = time.monotonic()
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        assert 0.2 < time.monotonic() - began < 1.0  # waited busy_wait, then handed back
+        began = time.monotonic()
+        with pytest.raises(RouteUnavailable), inbox._slot("a", "billing"):
+            pass
+        assert time.monotonic() - began < 0.1  # the holder is old: not waited for
+        with inbox._slot("b", "billing"):
+            pass
+
+
+def test_tenancy__a_database_whose_deliveries_hang_is_paused_longer_while_they_hang():
+    """Its places held past busy_wait (queries that never answer): its deliveries come back
+    after a pause that grows while it hangs, as a database that does not answer, not after
+    the first pause again and again (a backlog cycling through the workers)."""
+    inbox = RoutedInbox(
+        DatabaseMap(DATABASES),
+        pool_size=1,
+        connection_budget=4,
+        busy_wait=0.1,
+        down_pause=0.5,
+        down_pause_limit=2.0,
+    )
+
+    def refused() -> float:
+        with pytest.raises(RouteUnavailable) as caught, inbox._slot("a", "billing"):
+            pass
+        assert caught.value.retry_after is not None
+        return caught.value.retry_after
+
+    with inbox._slot("a", "billing"):
+        time.sleep(0.15)
+        assert refused() == pytest.approx(0.5, abs=0.01)  # the first pause
+        assert 0.3 < refused() <= 0.5  # paused: what is left of it
+        time.sleep(0.55)
+        assert refused() == pytest.approx(1.0, abs=0.01)  # still hangs: twice as long
+        with pytest.raises(RouteUnavailable) as caught, inbox._slot("a", "billing"):
+            pass
+        # what is left of the pause, and its whole length to spread the hand-backs over
+        assert caught.value.retry_after is not None and caught.value.retry_after <= 1.0
+        assert caught.value.retry_spread == pytest.approx(1.0)
+        with inbox._slot("b", "billing"):  # the others are not held up
+            pass
+
+
+def test_tenancy__a_long_outages_hand_backs_are_spread_over_half_of_it():
+    """A database down longer than twice its pause: its hand-backs are spread over half
+    the time it has been down (its backlog, which grows with the outage, comes back at a
+    bounded rate), not over one pause; once it answers, from its pause again."""
+    inbox = RoutedInbox(
+        DatabaseMap(DATABASES), pool_size=1, connection_budget=4, down_pause=0.2,
+        down_pause_limit=0.2,
+    )  # fmt: skip
+
+    def refused() -> tuple[float, float]:
+        with pytest.raises(DatabaseUnavailable) as caught:
+            inbox._refuse_if_down("a", "billing")
+        assert caught.value.retry_after is not None and caught.value.retry_spread is not None
+        return caught.value.retry_after, caught.value.retry_spread
+
+    inbox._went_down("a")
+    assert refused()[1] == pytest.approx(0.2)  # down for less than two pauses: the pause
+    time.sleep(0.3)
+    inbox._went_down("a")  # still down at its next try
+    time.sleep(0.1)
+    after, spread = refused()
+    assert after <= 0.2 and spread == pytest.approx(0.2, abs=0.03)  # 0.4 s down: 0.2
+    time.sleep(0.4)
+    inbox._went_down("a")
+    _, spread = refused()
+    assert spread == pytest.approx(0.4, abs=0.05)  # 0.8 s down: half of it
+    inbox._answered("a")
+    inbox._went_down("a")
+    assert refused()[1] == pytest.approx(0.2)  # a new outage
+
+
+def test_tenancy__an_async_busy_database_is_awaited_without_blocking_the_loop():
+    inbox = AsyncRoutedInbox(DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=2)
+
+    async def scenario() -> tuple[float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+
+        async def hold() -> None:
+            async with inbox._aslot("a", "billing"):
+                await asyncio.sleep(0.3)
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0.05)
+        began = time.monotonic()
+        async with inbox._aslot("a", "billing"):  # waits for the holder
+            waited = time.monotonic() - began
+        await holder
+        async with inbox._aslot("b", "billing"):
+            pass
+        ticker.cancel()
+        return waited, ticks
+
+    waited, ticks = asyncio.run(scenario())
+    assert 0.1 < waited < 1.5, waited
+    assert ticks >= 10  # the loop ran meanwhile
+
+
+def test_tenancy__an_async_database_whose_deliveries_hang_is_not_awaited():
+    inbox = AsyncRoutedInbox(
+        DatabaseMap(DATABASES), pool_size=1, connection_budget=4, busy_wait=0.3
+    )
+
+    async def scenario() -> float:
+        async with inbox._aslot("a", "billing"):
+            began = time.monotonic()
+            with pytest.raises(RouteUnavailable):
+                async with inbox._aslot("a", "billing"):
+                    pass
+            return time.monotonic() - began
+
+    assert 0.2 < asyncio.run(scenario()) < 1.0

@@ -541,8 +541,14 @@ class HandedBack:
         wait = backoff()
         after = getattr(self.error, "retry_after", None)
         if isinstance(after, int | float) and after > 0:
+            # Spread over the database's whole pause, not over what is left of it: the
+            # deliveries refused late in a pause would otherwise all come back just after
+            # it, a wave through the shared queue ahead of the other databases' messages.
+            window = getattr(self.error, "retry_spread", None)
+            if not isinstance(window, int | float) or window <= 0:
+                window = after
             spread = zlib.crc32(repr(key).encode()) / 2**32
-            wait = max(wait, after * (1 + spread))
+            wait = max(wait, after + window * spread)
         return wait
 
 

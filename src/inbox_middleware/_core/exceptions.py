@@ -197,9 +197,12 @@ class DatabaseUnavailable(TransientError):
     """The database could not be reached, or the connection broke mid-transaction.
 
     ``retry_after``: seconds before this process tries the database again (a routed
-    inbox's database found down), or None; the hand-back waits at least that long."""
+    inbox's database found down), or None; the hand-back waits at least that long.
+    ``retry_spread``: seconds after that over which its hand-backs are spread (the whole
+    pause, however much of it is left), or None: ``retry_after`` itself."""
 
     retry_after: float | None = None
+    retry_spread: float | None = None
 
 
 class RouteUnavailable(TransientError):
@@ -209,3 +212,6 @@ class RouteUnavailable(TransientError):
     retry_after: float | None = None
     """Seconds the hand-back waits at least (its database holds all the deliveries of this
     worker it may: they may hang), or None."""
+    retry_spread: float | None = None
+    """Seconds after ``retry_after`` over which the hand-backs are spread, or None (see
+    `DatabaseUnavailable`)."""

@@ -136,7 +136,8 @@ _INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "inbox_database_routes",
         "Deliveries of a fleet over many databases, by database (the map's name, never the "
         "tenant) and outcome (routed; unavailable: the database did not answer, handed "
-        "back; busy: the database holds pool_size deliveries already, handed back; "
+        "back; busy: the database holds pool_size deliveries already, busy_wait or longer, "
+        "handed back; "
         "unknown_tenant: dead-lettered, database none; unresolved: handed back)",
         ("consumer", "database", "outcome"),
     ),

@@ -31,12 +31,13 @@ databases (no two-phase commit). Write to another tenant through the outbox.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Engine, create_engine
@@ -90,6 +91,12 @@ DEFAULT_DOWN_PAUSE_LIMIT = 10.0
 """The longest pause of a database that stays down: after it, one delivery tries the
 database again (one at a time, the others handed back at once)."""
 
+DEFAULT_BUSY_WAIT = 0.5
+"""Seconds a delivery waits for one of its database's ``pool_size`` places while they are
+all taken by deliveries that began less than that ago (a database that answers, only
+busy for a moment); once the oldest of them has run that long (a database that hangs),
+or the wait is spent, the delivery is handed back."""
+
 R = TypeVar("R")
 
 
@@ -127,6 +134,7 @@ class _Routes:
         engine_options: dict[str, Any] | None,
         down_pause: float,
         down_pause_limit: float,
+        busy_wait: float,
     ) -> None:
         if not isinstance(router, Router):
             raise ConfigurationError(
@@ -136,6 +144,8 @@ class _Routes:
             raise ConfigurationError("pool_size must be one connection or more")
         if connection_budget < pool_size:
             raise ConfigurationError("connection_budget must hold one database's pool")
+        if busy_wait < 0:
+            raise ConfigurationError("busy_wait must be zero seconds or more")
         self.router = router
         self.naming = naming or InboxSchema()
         self.pool_size = pool_size
@@ -153,9 +163,15 @@ class _Routes:
         self._checked: set[str] = set()
         self._down_until: dict[str, float] = {}
         self._downs: dict[str, int] = {}  # failed tries in a row, by database
-        self._in_flight: dict[str, int] = {}
+        self._pauses: dict[str, float] = {}  # the current pause's length, by database
+        self._down_since: dict[str, float] = {}  # its first failed try of this outage
+        # the deliveries holding a database's places: their token and when they began
+        self._holders: dict[str, dict[object, float]] = {}
+        self._freed = threading.Condition(self._lock)  # a place was given up
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
         self.down_pause = down_pause
         self.down_pause_limit = max(down_pause, down_pause_limit)
+        self.busy_wait = busy_wait
 
     routed = True
     """What the adapters read to mark their arrivals routed."""
@@ -228,35 +244,93 @@ class _Routes:
             return refused
         return RouteUnavailable(text)
 
+    def _take(self, database: str, token: object, arrived: float) -> float | None:
+        """Under the lock: take one of ``database``'s places for ``token`` (None), or answer
+        the seconds left to wait for one (0 or less: none, handed back)."""
+        holders = self._holders.setdefault(database, {})
+        now = time.monotonic()
+        if len(holders) < self.pool_size:
+            holders[token] = now
+            return None
+        # Its places are taken: wait while they are young (the database answers and
+        # they will be given up soon), not once the oldest has run busy_wait (it hangs).
+        return min(arrived, *holders.values()) + self.busy_wait - now
+
+    def _give_up(self, database: str, token: object) -> None:
+        with self._lock:
+            self._holders[database].pop(token, None)
+            self._freed.notify_all()
+            waiters = self._waiters.pop(database, [])
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                loop.call_soon_threadsafe(_wake, future)
+
+    def _busy_refusal(self, database: str, consumer: str) -> RouteUnavailable:
+        """Under the lock: the refusal of a delivery that found ``database``'s places
+        taken. Its oldest has run ``busy_wait`` or more: the database hangs (a query that
+        never answers on a connection it had), so it is paused as a database that does
+        not answer (`_went_down`: the pause grows while it stays so, and its first answer
+        ends it), and its deliveries come back after the pause, not at a fixed pace for as
+        long as it hangs. Else (busy, with young deliveries) after one first pause."""
+        metrics.route(consumer, database, "busy")
+        refused = RouteUnavailable(
+            f"database {database!r} holds {self.pool_size} deliveries of this worker "
+            f"already (its pool), busy for {self.busy_wait}s or more: handed back"
+        )
+        now = time.monotonic()
+        if now - min(self._holders[database].values()) < self.busy_wait:
+            refused.retry_after = self.down_pause
+            return refused
+        until = self._down_until.get(database, 0.0)
+        refused.retry_after = until - now if until > now else self._pause(database, now)
+        refused.retry_spread = self._spread(database, now)
+        return refused
+
     @contextlib.contextmanager
     def _slot(self, database: str, consumer: str) -> Iterator[None]:
-        """One of the database's ``pool_size`` places for a delivery of this worker; none
-        free: handed back at once (`RouteUnavailable`), never waited for. So a database
-        that hangs (packets dropped: a connect or a query that never answers) holds at
-        most ``pool_size`` of the worker's threads or tasks, and the others go on serving
-        the other databases."""
-        with self._lock:
-            taken = self._in_flight.get(database, 0)
-            if taken >= self.pool_size:
-                busy = True
-            else:
-                busy = False
-                self._in_flight[database] = taken + 1
-        if busy:
-            metrics.route(consumer, database, "busy")
-            refused = RouteUnavailable(
-                f"database {database!r} holds {self.pool_size} deliveries of this worker "
-                "already (its pool): handed back rather than wait"
-            )
-            # Its deliveries may hang (a black-holed server): come back no sooner than a
-            # pause, not at the backoff's pace for as long as they hang.
-            refused.retry_after = self.down_pause
-            raise refused
+        """One of the database's ``pool_size`` places for a delivery of this worker. None
+        free: the delivery waits for one while they are held by deliveries younger than
+        ``busy_wait`` (a database that answers, busy for a moment: a hand-back would cost
+        the delivery a pause), else it is handed back at once (`RouteUnavailable`). So a
+        database that hangs (packets dropped: a connect or a query that never answers)
+        holds at most ``pool_size`` of the worker's threads or tasks, and a few more for
+        ``busy_wait`` at most, and the others go on serving the other databases."""
+        token, arrived = object(), time.monotonic()
+        with self._freed:
+            while (left := self._take(database, token, arrived)) is not None:
+                if left <= 0:
+                    raise self._busy_refusal(database, consumer)
+                self._freed.wait(left)
         try:
             yield
         finally:
+            self._give_up(database, token)
+
+    @contextlib.asynccontextmanager
+    async def _aslot(self, database: str, consumer: str) -> AsyncIterator[None]:
+        """`_slot` for an event loop: the wait awaits, it never blocks the loop."""
+        token, arrived = object(), time.monotonic()
+        loop = asyncio.get_running_loop()
+        while True:
             with self._lock:
-                self._in_flight[database] -= 1
+                left = self._take(database, token, arrived)
+                if left is None:
+                    break
+                if left <= 0:
+                    raise self._busy_refusal(database, consumer)
+                freed: asyncio.Future[None] = loop.create_future()
+                self._waiters.setdefault(database, []).append((loop, freed))
+            try:
+                await asyncio.wait((freed,), timeout=left)
+            finally:
+                with self._lock:
+                    waiting = self._waiters.get(database, [])
+                    if (loop, freed) in waiting:
+                        waiting.remove((loop, freed))
+        try:
+            yield
+        finally:
+            self._give_up(database, token)
 
     def _went_down(self, database: str, consumer: str = "") -> float:
         """Remember that ``database`` does not answer: for a pause its deliveries are
@@ -266,12 +340,31 @@ class _Routes:
         ``down_pause`` and doubles while the database stays down, up to
         ``down_pause_limit``; answers the pause."""
         with self._lock:
-            downs = self._downs[database] = self._downs.get(database, 0) + 1
-            pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
-            self._down_until[database] = time.monotonic() + pause
+            pause = self._pause(database, time.monotonic())
         if consumer:
             metrics.route(consumer, database, "unavailable")
         return pause
+
+    def _pause(self, database: str, now: float) -> float:
+        """Under the lock: pause ``database`` from ``now``, for longer than its last pause
+        if it did not answer since; answers the pause."""
+        downs = self._downs[database] = self._downs.get(database, 0) + 1
+        pause = min(self.down_pause * 2.0 ** min(downs - 1, 32), self.down_pause_limit)
+        self._down_until[database] = now + pause
+        self._pauses[database] = pause
+        self._down_since.setdefault(database, now)
+        return pause
+
+    def _spread(self, database: str, now: float) -> float:
+        """Under the lock: the seconds after its pause over which a paused database's
+        hand-backs come back: the pause, or half the time it has been down if longer. Its
+        backlog grows with the outage; spread over a fixed pause, it would come back
+        through the workers ever faster (a 60 s outage's 900 messages every 10 s), ahead
+        of the other tenants' messages on a shared queue; spread over half the outage so
+        far, about four times its arrival rate, however long the outage. The price: once
+        it answers, its backlog comes back over up to that long."""
+        pause = self._pauses.get(database, self.down_pause)
+        return max(pause, (now - self._down_since.get(database, now)) / 2)
 
     def _answered(self, database: str) -> None:
         """``database`` answered: its pauses start again from ``down_pause``."""
@@ -279,6 +372,8 @@ class _Routes:
             with self._lock:
                 self._downs.pop(database, None)
                 self._down_until.pop(database, None)
+                self._pauses.pop(database, None)
+                self._down_since.pop(database, None)
 
     def _refuse_if_down(self, database: str, consumer: str) -> None:
         """Hand back at once while ``database`` is paused (the exception's ``retry_after``
@@ -297,11 +392,13 @@ class _Routes:
             if left <= 0:  # this delivery tries the database; the others wait for it
                 self._down_until[database] = now + self.connect_timeout + self.down_pause
                 return
+            spread = self._spread(database, now)
         metrics.route(consumer, database, "unavailable")
         refused = DatabaseUnavailable(
             f"database {database!r} did not answer; tried again in {left:.1f}s"
         )
         refused.retry_after = left
+        refused.retry_spread = spread
         raise refused
 
     def _failed(self, database: str, consumer: str, exc: DatabaseUnavailable) -> None:
@@ -317,7 +414,9 @@ class RoutedInbox(_Routes):
     connection attempt waits; ``engine_options``, more `create_engine` options;
     ``check_lazily``, whether a database is checked before its first claim;
     ``down_pause`` and ``down_pause_limit``, seconds a database that did not answer is
-    not tried again, the first time and at most (doubling in between)."""
+    not tried again, the first time and at most (doubling in between); ``busy_wait``,
+    seconds a delivery waits for a place among its database's ``pool_size`` while they
+    are taken by deliveries younger than that (see ``_slot``)."""
 
     def __init__(
         self,
@@ -333,6 +432,7 @@ class RoutedInbox(_Routes):
         check_lazily: bool = True,
         down_pause: float = DEFAULT_DOWN_PAUSE,
         down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
+        busy_wait: float = DEFAULT_BUSY_WAIT,
     ) -> None:
         super().__init__(
             router,
@@ -345,6 +445,7 @@ class RoutedInbox(_Routes):
             engine_options=engine_options,
             down_pause=down_pause,
             down_pause_limit=down_pause_limit,
+            busy_wait=busy_wait,
         )
         self.check_lazily = check_lazily
         self._inboxes: dict[str, Inbox] = {}
@@ -464,6 +565,7 @@ class AsyncRoutedInbox(_Routes):
         check_lazily: bool = True,
         down_pause: float = DEFAULT_DOWN_PAUSE,
         down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
+        busy_wait: float = DEFAULT_BUSY_WAIT,
     ) -> None:
         super().__init__(
             router,
@@ -476,6 +578,7 @@ class AsyncRoutedInbox(_Routes):
             engine_options=engine_options,
             down_pause=down_pause,
             down_pause_limit=down_pause_limit,
+            busy_wait=busy_wait,
         )
         self.check_lazily = check_lazily
         self._inboxes: dict[str, AsyncInbox] = {}
@@ -519,7 +622,7 @@ class AsyncRoutedInbox(_Routes):
         self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]], **kw: Any
     ) -> Any:
         database = self.route(delivery)
-        with self._slot(database, delivery.consumer):
+        async with self._aslot(database, delivery.consumer):
             try:
                 inbox = await self._use(delivery)  # refused at once while the database is down
                 result = await inbox.process(delivery, handler, **kw)
@@ -534,7 +637,7 @@ class AsyncRoutedInbox(_Routes):
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
-        with self._slot(self.route(first), first.consumer):
+        async with self._aslot(self.route(first), first.consumer):
             inbox = await self._use(first)
             return await inbox.process_batch(deliveries, handler, **kw)
 
@@ -546,7 +649,7 @@ class AsyncRoutedInbox(_Routes):
             raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
         if isinstance(op, CountHandBack) and op.unreachable:
             return await self.inbox(self.route(delivery)).bookkeep(op)
-        with self._slot(self.route(delivery), delivery.consumer):
+        async with self._aslot(self.route(delivery), delivery.consumer):
             return await (await self._use(delivery)).bookkeep(op)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
@@ -596,3 +699,8 @@ def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
             "cannot claim in several (no two-phase commit)"
         )
     return deliveries[0]
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
