@@ -49,6 +49,19 @@ def faststream_fleet(databases: DatabaseMap) -> Any:
     return inbox
 
 
+def patient_fleet(databases: DatabaseMap) -> tuple[Any, Any]:
+    # --8<-- [start:patience]
+    from inbox_middleware import DatabasePatience
+    from inbox_middleware.dramatiq import InboxMiddleware
+    from inbox_middleware.faststream import FastStreamInbox
+
+    patience = DatabasePatience(connect_timeout=2, down_pause=2, down_pause_limit=30)
+    middleware = InboxMiddleware(router=databases, patience=patience)
+    inbox = FastStreamInbox(router=databases, patience=patience)
+    # --8<-- [end:patience]
+    return middleware, inbox
+
+
 # --8<-- [start:resolver]
 SHARDS = ("eu-1", "eu-2", "us-1")
 

@@ -41,7 +41,7 @@ from ._core.exceptions import (
 from ._core.identity import MessageIdentity, PayloadHash
 from ._core.policy import ConsumerPolicy
 from ._core.protocol import Decision, Delivery, ReasonCode
-from ._core.tenancy import DatabaseMap, MapFile, Router, TenantRange, load_map
+from ._core.tenancy import DatabaseMap, DatabasePatience, MapFile, Router, TenantRange, load_map
 from ._storage import (
     LATEST_VERSION,
     ClaimSession,
@@ -74,6 +74,7 @@ __all__ = [
     "ConfigurationError",
     "ConsumerPolicy",
     "DatabaseMap",
+    "DatabasePatience",
     "DatabaseUnavailable",
     "Decision",
     "Delivery",

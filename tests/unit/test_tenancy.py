@@ -168,6 +168,9 @@ def test_tenancy__the_guides_set_ups_build_without_connecting():
     assert middleware.inbox.engines == {}  # nothing opened before a delivery
     inbox = snippet.faststream_fleet(databases)
     assert inbox.storage.engines == {}
+    middleware, inbox = snippet.patient_fleet(databases)
+    for routed in (middleware.inbox, middleware.async_inbox, inbox.storage):
+        assert (routed.connect_timeout, routed.down_pause, routed.down_pause_limit) == (2, 2, 30)
     assert snippet.resolved.route(ident("eu:acme")) in ("eu-1", "eu-2")
     assert snippet.resolved.route(ident("us:acme")) == "us-1"
     with pytest.raises(UnknownTenant):

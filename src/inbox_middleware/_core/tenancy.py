@@ -31,19 +31,82 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from .exceptions import ConfigurationError, RouteUnavailable, UnknownTenant
 from .identity import MAX_NAME_LENGTH, MessageIdentity
 
 __all__ = [
+    "DEFAULT_BUSY_WAIT",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_DOWN_PAUSE",
+    "DEFAULT_DOWN_PAUSE_LIMIT",
     "DatabaseMap",
+    "DatabasePatience",
     "MapFile",
     "Resolver",
     "Router",
     "TenantRange",
     "load_map",
 ]
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds a connection attempt to a database waits: a database whose packets are
+dropped must not hold a worker thread for the kernel's TCP timeout (minutes)."""
+
+DEFAULT_DOWN_PAUSE = 1.0
+"""Seconds a database that did not answer is not tried again (its deliveries are handed
+back at once meanwhile): the first pause, doubled each time it still does not answer."""
+
+DEFAULT_DOWN_PAUSE_LIMIT = 10.0
+"""The longest pause of a database that stays down: after it, one delivery tries the
+database again (one at a time, the others handed back at once)."""
+
+DEFAULT_BUSY_WAIT = 0.5
+"""Seconds a delivery waits for one of its database's ``pool_size`` places while they are
+all taken by deliveries that began less than that ago (a database that answers, only
+busy for a moment); once the oldest of them has run that long (a database that hangs),
+or the wait is spent, the delivery is handed back."""
+
+
+class PatienceOptions(TypedDict):
+    """`DatabasePatience` as keyword arguments of the routed inboxes."""
+
+    connect_timeout: float
+    down_pause: float
+    down_pause_limit: float
+    busy_wait: float
+
+
+@dataclass(frozen=True, slots=True)
+class DatabasePatience:
+    """How a worker over many databases treats one that is slow or down, for the
+    adapters' ``patience`` (docs/how-to/many-databases.md): ``connect_timeout``,
+    ``down_pause``, ``down_pause_limit`` and ``busy_wait``, seconds, as described by
+    their defaults above."""
+
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    down_pause: float = DEFAULT_DOWN_PAUSE
+    down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT
+    busy_wait: float = DEFAULT_BUSY_WAIT
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "down_pause", "down_pause_limit", "busy_wait"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"{name} must be a number of seconds >= 0: {value!r}")
+        if self.connect_timeout <= 0:
+            raise ConfigurationError("connect_timeout must be more than 0 seconds")
+
+    def options(self) -> PatienceOptions:
+        """As keyword arguments of `RoutedInbox` and `AsyncRoutedInbox`."""
+        return {
+            "connect_timeout": self.connect_timeout,
+            "down_pause": self.down_pause,
+            "down_pause_limit": self.down_pause_limit,
+            "busy_wait": self.busy_wait,
+        }
+
 
 Resolver = Callable[[MessageIdentity], str | None]
 """A user function: the name of the database that holds this identity's data, or None

@@ -53,7 +53,13 @@ from .._core.exceptions import (
 )
 from .._core.outputs import Output
 from .._core.protocol import Delivery
-from .._core.tenancy import Router
+from .._core.tenancy import (
+    DEFAULT_BUSY_WAIT,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DOWN_PAUSE,
+    DEFAULT_DOWN_PAUSE_LIMIT,
+    Router,
+)
 from .._observe.instruments import metrics
 from .engines import pooler_connect_args
 from .errors import Failure, classify
@@ -79,24 +85,6 @@ DEFAULT_POOL_SIZE = 4
 """Connections per open database."""
 DEFAULT_CONNECTION_BUDGET = 64
 """Connections a worker process holds at most over all its databases."""
-DEFAULT_CONNECT_TIMEOUT = 5.0
-"""Seconds a connection attempt to a database waits: a database whose packets are
-dropped must not hold a worker thread for the kernel's TCP timeout (minutes)."""
-
-DEFAULT_DOWN_PAUSE = 1.0
-"""Seconds a database that did not answer is not tried again (its deliveries are handed
-back at once meanwhile): the first pause, doubled each time it still does not answer."""
-
-DEFAULT_DOWN_PAUSE_LIMIT = 10.0
-"""The longest pause of a database that stays down: after it, one delivery tries the
-database again (one at a time, the others handed back at once)."""
-
-DEFAULT_BUSY_WAIT = 0.5
-"""Seconds a delivery waits for one of its database's ``pool_size`` places while they are
-all taken by deliveries that began less than that ago (a database that answers, only
-busy for a moment); once the oldest of them has run that long (a database that hangs),
-or the wait is spent, the delivery is handed back."""
-
 R = TypeVar("R")
 
 

@@ -66,7 +66,7 @@ from .._core.exceptions import (
 from .._core.identity import MAX_NAME_LENGTH, validate_name
 from .._core.outputs import Output
 from .._core.policy import SETTINGS, ConsumerPolicy, MissingIdentityPolicy, PolicySettings
-from .._core.tenancy import Router
+from .._core.tenancy import DatabasePatience, Router
 from .._observe.tracing import tracing_for
 from .._operate.reporting import report
 from .._operate.tally import (
@@ -183,7 +183,8 @@ class InboxMiddleware(dramatiq.Middleware):
       router: instead of an engine, a `DatabaseMap` (or `MapFile`): each delivery is
         claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
         ``pool_size`` connections per open database, ``connection_budget`` over all of them
-        (`inbox_middleware._storage.routed`).
+        (`inbox_middleware._storage.routed`), and ``patience`` (`DatabasePatience`: the
+        connect timeout, the pauses of a database that is down, the wait for a busy one).
 
     Actor options: ``inbox_consumer`` (the consumer name; required to opt in),
     ``inbox_handler_version``, ``inbox_canonical_form``, ``inbox_quarantine_queue``, and
@@ -219,8 +220,11 @@ class InboxMiddleware(dramatiq.Middleware):
         router: Router | None = None,
         pool_size: int = DEFAULT_POOL_SIZE,
         connection_budget: int = DEFAULT_CONNECTION_BUDGET,
+        patience: DatabasePatience | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
+        if patience is not None and router is None:
+            raise ConfigurationError("patience is for a router (a DatabaseMap): give one")
         if engine is not None and not isinstance(engine, Engine):  # an AsyncEngine
             if async_engine is not None:
                 raise ConfigurationError("pass the AsyncEngine once")
@@ -245,6 +249,7 @@ class InboxMiddleware(dramatiq.Middleware):
             budget: dict[str, Any] = {
                 "pool_size": pool_size,
                 "connection_budget": connection_budget,
+                **(patience or DatabasePatience()).options(),
             }
             self.inbox = RoutedInbox(router, **storage, **budget)
             self.async_inbox = AsyncRoutedInbox(router, **storage, **budget)

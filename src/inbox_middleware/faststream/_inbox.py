@@ -26,7 +26,7 @@ from .._core.consumption import HandBackDelays
 from .._core.exceptions import ConfigurationError, DatabaseUnavailable
 from .._core.identity import MAX_NAME_LENGTH, validate_name
 from .._core.policy import SETTINGS, ConsumerPolicy, PolicySettings
-from .._core.tenancy import Router
+from .._core.tenancy import DatabasePatience, Router
 from .._observe.tracing import tracing_for
 from .._operate.tally import (
     DEFAULT_COUNT_INTERVAL,
@@ -97,7 +97,8 @@ class FastStreamInbox:
       router: instead of ``engine``, a `DatabaseMap` (or `MapFile`): each delivery is
         claimed and handled in the database of its tenant (docs/how-to/many-databases.md);
         ``pool_size`` connections per open database, ``connection_budget`` over all of them
-        (`inbox_middleware._storage.routed`).
+        (`inbox_middleware._storage.routed`), and ``patience`` (`DatabasePatience`: the
+        connect timeout, the pauses of a database that is down, the wait for a busy one).
 
     The consumer name and handler version come from ``inbox.consumer(...)``, which also
     overrides any consumer setting for its subscriber.
@@ -121,12 +122,15 @@ class FastStreamInbox:
         router: Router | None = None,
         pool_size: int = DEFAULT_POOL_SIZE,
         connection_budget: int = DEFAULT_CONNECTION_BUDGET,
+        patience: DatabasePatience | None = None,
         **settings: Unpack[PolicySettings],
     ) -> None:
         from .._storage.aio import AsyncInbox  # SQLAlchemy's asyncio extra, on demand
 
         if (engine is None) == (router is None):
             raise ConfigurationError("give FastStreamInbox an AsyncEngine or a router")
+        if patience is not None and router is None:
+            raise ConfigurationError("patience is for a router (a DatabaseMap): give one")
         self.storage: AsyncInbox | AsyncRoutedInbox
         if router is not None:
             self.storage = AsyncRoutedInbox(
@@ -136,6 +140,7 @@ class FastStreamInbox:
                 serialization_retries=serialization_retries,
                 pool_size=pool_size,
                 connection_budget=connection_budget,
+                **(patience or DatabasePatience()).options(),
             )
         else:
             assert engine is not None
