@@ -412,3 +412,39 @@ def test_declaration__errors_reach_the_declaring_code(broker, queue, inbox, add_
 
         @dramatiq.actor(queue_name=queue, inbox_consumer="")
         def nameless(x: int) -> None: ...
+
+
+@dataclass
+class DeadlineAtSkip(Middleware):
+    """Added last, so Dramatiq calls it first after a skip: the thread's TimeLimit
+    deadline as Dramatiq's handling of the SkipMessage begins (None: no limit running)."""
+
+    time_limit: Any
+    seen: list[float | None] = field(default_factory=list)
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        self.seen.append(self.time_limit.manager.deadlines.get(threading.get_ident()))
+
+
+def test_dramatiq__a_skipped_message_has_no_time_limit_left_once_the_inbox_has_settled_it(
+    broker, queue, pg_engine, add_credit
+):
+    # Given Dramatiq's TimeLimit, which raises its exception into the worker thread from
+    # another thread: in Dramatiq's handling of a SkipMessage (no try around it), that
+    # kills the worker thread (Dramatiq issue 445; the explorer's seed 800039: a worker
+    # process whose only thread died, its messages held until it stopped)
+    (time_limit,) = [m for m in broker.middleware if isinstance(m, dramatiq.middleware.TimeLimit)]
+    probe = DeadlineAtSkip(time_limit)
+    broker.add_middleware(probe)
+    with running_worker(broker) as worker:
+        # When a message is applied, then its copy skipped as a duplicate
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+        send(add_credit, 7, 10)
+        drain(broker, queue, worker)
+
+    # Then the inbox ended the copy's time limit in the actor call, before raising
+    # SkipMessage: a limit running out there is an exception of the actor call
+    assert probe.seen == [None]
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), balance(conn, 7)) == (1, 10)

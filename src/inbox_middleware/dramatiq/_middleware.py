@@ -39,7 +39,7 @@ from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from dramatiq.errors import BrokerConnectionError
-from dramatiq.middleware import MiddlewareError, Retries, SkipMessage
+from dramatiq.middleware import MiddlewareError, Retries, SkipMessage, TimeLimit
 from dramatiq.worker import ConsumerThread
 from sqlalchemy import Engine
 
@@ -483,7 +483,9 @@ class InboxMiddleware(dramatiq.Middleware):
         match settlement:
             case Processed(result=result) if result is SKIPPED:
                 self._quiet.mark(message)
-                raise SkipMessage(f"the actor of {bound.consumer} skipped it after committing")
+                raise self._skip(
+                    bound, f"the actor of {bound.consumer} skipped it after committing"
+                )
             case Processed(result=Output() as output) | Duplicate(output=Output() as output):
                 # Its pipeline step and on_success callback are sent already (the outputs).
                 assert delivery is not None
@@ -497,19 +499,22 @@ class InboxMiddleware(dramatiq.Middleware):
                 return result
             case Duplicate():
                 self._quiet.mark(message)
-                raise SkipMessage(f"duplicate delivery for {bound.consumer}: already processed")
+                raise self._skip(
+                    bound, f"duplicate delivery for {bound.consumer}: already processed"
+                )
             case Quarantined():
                 self._quiet.mark(message)
-                raise SkipMessage(
+                raise self._skip(
+                    bound,
                     f"identity conflict for {bound.consumer}: quarantined to "
-                    f"{bound.quarantine_queue}"
+                    f"{bound.quarantine_queue}",
                 )
             case DeadLettered(reason=reason) | Poisoned(reason=reason):
                 if isinstance(settlement, Poisoned):  # Retries and Callbacks see no failure
                     bound.notify_failure(message, settlement)
                 message.fail()
                 self._quiet.mark(message)
-                raise SkipMessage(f"dead-lettered for {bound.consumer}: {reason}")
+                raise self._skip(bound, f"dead-lettered for {bound.consumer}: {reason}")
             case HandedBack(error=error, counted=True):
                 cause = error.cause if isinstance(error, HandBackRequested) else None
                 self._expect_requeue(message, self.backoffs[message.actor_name].first)
@@ -523,7 +528,21 @@ class InboxMiddleware(dramatiq.Middleware):
                     self._expect_requeue(message, delay)
                     raise error from None  # not re-enqueued: Retries takes it (counted)
                 self._quiet.mark(message)
-                raise SkipMessage(f"handed back for {bound.consumer}: {type(error).__name__}")
+                raise self._skip(bound, f"handed back for {bound.consumer}: {type(error).__name__}")
+
+    def _skip(self, bound: InboxActor, reason: str) -> SkipMessage:
+        """The SkipMessage that tells Dramatiq a message is settled (acked, not retried),
+        once the thread's time limit is over. Dramatiq's TimeLimit raises its exception
+        into the worker thread from another thread, wherever the thread is: landing in
+        Dramatiq's handling of a SkipMessage, which no try covers, it kills the worker
+        thread, and the process goes on with its messages and no thread to run them
+        (Dramatiq issue 445). Ended here, in the actor call, a limit that runs out now
+        lands in this call, whose exceptions Dramatiq handles (Retries)."""
+        for middleware in self.broker_of(bound).middleware:
+            if isinstance(middleware, TimeLimit):
+                manager: Any = middleware.manager  # Dramatiq's, untyped
+                manager.remove_timeout(threading.get_ident())
+        return SkipMessage(reason)
 
     def _enqueue_again(self, bound: InboxActor, message: MessageProxy, delay: float) -> None:
         """Enqueue the handed-back message again, waiting out a broker outage for up to
