@@ -286,7 +286,7 @@ class Dispatcher(_Stoppable):
                 if burst and count == 0:
                     # A burst drains what is due or about to be: a retry a moment away
                     # (the first backoff) is waited for, one due later stays pending.
-                    wait = await asyncio.to_thread(self._next_due)
+                    wait = await self._storage("looking for the next due effect", self._next_due)
                     if wait is None or wait > _BURST_HORIZON:
                         break
                     await self._idle(max(wait, 0.01))
@@ -390,7 +390,7 @@ class Dispatcher(_Stoppable):
         """Lease one batch of due effects, deliver it, record the outcomes; return its size."""
         started = time.monotonic()  # before the lease: the local deadline errs early
         token = uuid.uuid4().hex
-        effects = await asyncio.to_thread(self._lease, token)
+        effects = await self._storage("leasing", self._lease, token)
         if not effects:
             return 0
         self.stats.batches += 1
@@ -411,7 +411,7 @@ class Dispatcher(_Stoppable):
                 result if isinstance(result, dict) else _released(effect)
                 for effect, result in zip(effects, results, strict=True)
             ]
-            await asyncio.shield(asyncio.to_thread(self._settle, token, outcomes))
+            await asyncio.shield(self._storage("recording outcomes", self._settle, token, outcomes))
         return len(effects)
 
     async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]]) -> None:
@@ -498,6 +498,32 @@ class Dispatcher(_Stoppable):
         return _outcome(effect, FAILED, error=error, result=_json(result))
 
     # -- storage (in a worker thread) -----------------------------------------------------
+
+    async def _storage(self, what: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` in a worker thread, awaited; each lease's length it goes without
+        an answer, a warning says so.
+
+        The server bounds what it runs (`OutboxStatements.bounds`), but not what never
+        reaches it or never comes back: a connection lost without a reset (a half-open
+        TCP connection) or a statement a pooler holds while the server is down. Then the
+        dispatcher leases nothing, and would otherwise say nothing.
+        """
+        work = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        began = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=self.lease)
+                if done:
+                    return work.result()
+                logger.warning(
+                    "outbox dispatcher: %s has had no answer from the database for %.0fs "
+                    "(a connection lost without a reset, or a pooler holding the statement "
+                    "while the server is down?); still waiting",
+                    what,
+                    time.monotonic() - began,
+                )
+        finally:
+            work.cancel()  # when cancelled: the thread runs on, its result dropped
 
     def _next_due(self) -> float | None:
         with self.engine.connect() as conn:
