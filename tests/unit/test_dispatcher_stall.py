@@ -64,3 +64,64 @@ def test_dispatcher__a_lease_without_an_answer_is_logged_while_it_waits_and_the_
             dispatcher.stop()
             thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+class Stubborn:
+    """A destination that does not end when cancelled, until released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    async def deliver(self, effect: Effect, timeout: float) -> str:
+        import asyncio
+
+        while not self.released.is_set():
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                continue
+        return "done"
+
+
+def test_dispatcher__a_delivery_still_running_after_its_lease_is_logged_while_the_batch_waits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stubborn = Stubborn()
+    engine = create_engine("postgresql+psycopg://u@127.0.0.1:1/nowhere")
+    dispatcher = Dispatcher(
+        engine, {"remote": stubborn}, lease=1.0, delivery_timeout=0.5, poll_interval=0.05
+    )
+    leased: list[float] = []
+    settled: list[list[dict[str, object]]] = []
+
+    def lease(token: str) -> list[Effect]:
+        leased.append(time.monotonic())
+        return [Effect("fx-1", "remote", {})] if len(leased) == 1 else []
+
+    dispatcher._lease = lease  # type: ignore[method-assign]
+    dispatcher._settle = lambda token, outcomes: settled.append(outcomes)  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, "inbox_middleware.outbox"):
+        thread = dispatcher.start()
+        try:
+            # When its delivery does not end when cancelled, past the lease
+            deadline = time.monotonic() + 10
+            while "still running" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Then it says so, once the lease has run out, and leases nothing meanwhile
+            stalled = [r for r in caplog.records if "still running" in r.getMessage()]
+            assert stalled, caplog.text
+            assert "fx-1" in stalled[0].getMessage()
+            assert stalled[0].created - leased[0] >= 0.9
+            assert (len(leased), settled) == (1, [])
+            # And once the delivery ends, its outcome is settled and it polls again
+            stubborn.released.set()
+            deadline = time.monotonic() + 10
+            while len(leased) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(settled) == 1
+            assert len(leased) >= 3
+        finally:
+            stubborn.released.set()
+            dispatcher.stop()
+            thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -398,9 +398,12 @@ class Dispatcher(_Stoppable):
         if self.on_leased is not None:
             self.on_leased(effects)
         deadline = started + self.lease * (1 - _LEASE_SPARE)
-        tasks = [asyncio.create_task(self._deliver(effect, deadline)) for effect in effects]
+        tasks = [
+            asyncio.create_task(self._deliver(effect, deadline), name=effect.effect_id)
+            for effect in effects
+        ]
         try:
-            await self._wait_for(tasks)
+            await self._wait_for(tasks, started + self.lease)
         finally:
             # Also when this coroutine is cancelled: whatever is still running is
             # cancelled, and every lease is settled or released before returning.
@@ -414,16 +417,37 @@ class Dispatcher(_Stoppable):
             await asyncio.shield(self._storage("recording outcomes", self._settle, token, outcomes))
         return len(effects)
 
-    async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]]) -> None:
-        """Until the deliveries end; after `stop`, for ``shutdown_grace`` at most."""
+    async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]], lease_end: float) -> None:
+        """Until the deliveries end; after `stop`, for ``shutdown_grace`` at most.
+
+        Each delivery is cancelled at its timeout, within the lease; one still running
+        when the lease has run out does not end when cancelled (a destination that
+        catches `CancelledError` and goes on). The batch waits for it, and the dispatcher
+        leases nothing meanwhile: a warning says so, again at each further lease's length.
+        """
         assert self._stopping is not None
         assert self._aborting is not None
         pending: set[asyncio.Future[Any]] = set(tasks)
         stopping = asyncio.ensure_future(self._stopping.wait())
+        warn_at = lease_end
         try:
             while pending and not stopping.done():
+                left = warn_at - time.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "outbox dispatcher: deliveries still running %.0fs into a %.3gs "
+                        "lease, not ended by cancellation (%s); the dispatcher leases nothing "
+                        "until they end",
+                        time.monotonic() - lease_end + self.lease,
+                        self.lease,
+                        ", ".join(
+                            sorted(t.get_name() for t in pending if isinstance(t, asyncio.Task))
+                        ),
+                    )
+                    warn_at += self.lease
+                    continue
                 done, _ = await asyncio.wait(
-                    [*pending, stopping], return_when=asyncio.FIRST_COMPLETED
+                    [*pending, stopping], timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
                 pending -= done
         finally:
