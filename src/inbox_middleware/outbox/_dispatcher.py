@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import URL, Engine, make_url
+from sqlalchemy import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
 from .._core.consumption import backoff_delay
@@ -549,8 +549,14 @@ class Dispatcher(_Stoppable):
         finally:
             work.cancel()  # when cancelled: the thread runs on, its result dropped
 
+    def _bound(self, conn: Connection) -> None:
+        """Bound the transaction on the server: its statements, and its waits for this
+        client, to a lease's length (beyond it, a lease obtained has already run out)."""
+        conn.execute(self._statements.bounds, {"ms": str(max(1, round(self.lease * 1000)))})
+
     def _next_due(self) -> float | None:
         with self.engine.connect() as conn:
+            self._bound(conn)
             seconds = conn.execute(
                 self._statements.next_due, {"destinations": list(self.destinations)}
             ).scalar()
@@ -558,6 +564,7 @@ class Dispatcher(_Stoppable):
 
     def _lease(self, token: str) -> list[Effect]:
         with self.engine.begin() as conn:
+            self._bound(conn)
             rows = conn.execute(
                 self._statements.lease,
                 {
@@ -582,6 +589,7 @@ class Dispatcher(_Stoppable):
     def _settle(self, token: str, outcomes: list[dict[str, Any]]) -> None:
         params = OutboxStatements.settle_params(token, outcomes)
         with self.engine.begin() as conn:
+            self._bound(conn)
             recorded = set(conn.scalars(self._statements.settle, params))
         stats = self.stats
         for outcome in outcomes:
