@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select, text, update
+from sqlalchemy import Engine, event, select, text, update
 from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
@@ -490,6 +490,51 @@ def test_dispatcher__outlives_a_database_outage(pg_url, pg_engine, remote, caplo
     finally:
         engine.dispose()
         proxy.close()
+
+
+def test_dispatcher__a_lease_cut_off_before_its_commit_holds_its_effects_no_longer_than_the_lease(
+    pg_url, pg_engine, remote, caplog
+):
+    # Given a dispatcher whose connection turns into a black hole right after its lease
+    # statement ran: the server has the effect's row locked in a transaction whose COMMIT
+    # never arrives (a connection lost without a reset; the server waits for its client)
+    proxy = Proxy(services.postgres_address())
+    cut_off = sync_engine(services.via_port(pg_url, proxy.port))
+
+    @event.listens_for(cut_off, "after_cursor_execute")
+    def hole(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "SKIP LOCKED" in statement:
+            proxy.blackhole()
+
+    (effect_id,) = record(pg_engine, 1, prefix="held")
+    other_engine = sync_engine(pg_url)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, "inbox_middleware.outbox"),
+            running(dispatcher(cut_off, remote)) as stalled,
+        ):
+            try:
+                wait_for(lambda: proxy._holed, timeout=10, what="the lease into the black hole")
+                # When another dispatcher runs (SKIP LOCKED passes over the locked row)
+                with running(dispatcher(other_engine, remote)) as other:
+                    # Then it delivers the effect once the server has ended the cut-off
+                    # transaction, a lease's length (2 s) after it went idle
+                    began = time.monotonic()
+                    wait_for(lambda: dispatched(pg_engine) == 1, timeout=15, what="the delivery")
+                    waited = time.monotonic() - began
+            finally:
+                proxy.unblackhole()
+            wait_for(lambda: "unavailable" in caplog.text, timeout=15, what="the cut-off's error")
+        # It was delivered once, by the other, as its first attempt (the cut-off lease
+        # rolled back, its attempt with it)
+        assert waited < 10
+        assert list(remote.applied) == [effect_id]
+        assert (other.stats.dispatched, stalled.stats.dispatched) == (1, 0)
+        assert row(pg_engine, effect_id)["attempts"] == 1
+    finally:
+        proxy.close()
+        cut_off.dispose()
+        other_engine.dispose()
 
 
 def test_dispatcher__a_burst_waits_for_a_retry_due_within_a_second(pg_engine):

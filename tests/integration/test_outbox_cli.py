@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from datetime import datetime
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from inbox_middleware import outbox
 from inbox_middleware._storage import InboxSchema
+from inbox_middleware.cli._outbox import dispatcher_engine
 from inbox_middleware.outbox import Dispatcher, Effect, PermanentDeliveryError
 
 from ..support.http_remote import Remote
@@ -154,3 +156,37 @@ def test_cli_outbox_run__refuses_sqlite_and_a_bad_target_with_one_line(sqlite_en
     bad = cli("run", "--database-url", pg_url, "--destinations", "tests.apps.outbox_app")
     assert bad.returncode == 2
     assert "is not MODULE:ATTRIBUTE" in bad.stderr
+
+
+def test_outbox_run__its_connections_give_up_on_a_server_that_stopped_answering(pg_url):
+    # Given the engine `outbox run` leases through
+    engine = dispatcher_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+            try:
+                # Then its TCP connection probes a silent peer after 30 s idle and drops it
+                # about 30 s later, or after 60 s of unacknowledged data: a half-open
+                # connection ends in a minute or so, not the system's two hours and more
+                options = {
+                    name: sock.getsockopt(level, option)
+                    for name, level, option in (
+                        ("keepalive", socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        ("idle", socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                        ("interval", socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                        ("count", socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                        ("user_timeout_ms", socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                    )
+                }
+            finally:
+                sock.close()
+        assert options == {
+            "keepalive": 1,
+            "idle": 30,
+            "interval": 10,
+            "count": 3,
+            "user_timeout_ms": 60000,
+        }
+    finally:
+        engine.dispose()

@@ -11,11 +11,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from .._core import logs
 from .._core.exceptions import ConfigurationError
 from .._core.tenancy import MapFile
+from .._storage.engines import parse_url, postgresql_driver, sync_engine
 from .._storage.migrate import check_schema
 from ..outbox._destination import Destination
 from ..outbox._dispatcher import Backoff, Dispatcher, DispatcherStats, require_postgresql
@@ -185,7 +186,7 @@ def run_command(
         )
         return
     assert database_url is not None
-    engine = connect(database_url)
+    engine = dispatcher_engine(database_url)
     try:
         require_postgresql(engine)
         if engine.dialect.is_async:
@@ -204,6 +205,30 @@ def run_command(
     finally:
         engine.dispose()
     _summary(dispatcher.stats)
+
+
+_LIBPQ_LIVENESS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
+"""A connection attempt ends after 10 s; a connection whose peer stopped answering (a
+network fault, a host lost: no reset ever comes) ends after about a minute, not the
+system's two hours of keepalive (or a quarter of an hour of retransmissions)."""
+
+
+def dispatcher_engine(database_url: str) -> Engine:
+    """The engine of ``outbox run``: `connect`'s, whose libpq connections (psycopg,
+    psycopg2) also give up on a peer that stopped answering (`_LIBPQ_LIVENESS`): its
+    statements run in worker threads, and one that waits forever would leave the
+    dispatcher leasing nothing."""
+    url = parse_url(database_url)
+    if url.get_backend_name() == "postgresql" and postgresql_driver(url) in ("psycopg", "psycopg2"):
+        return sync_engine(url, connect_args=dict(_LIBPQ_LIVENESS))
+    return connect(database_url)
 
 
 def _run_over_map(

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import URL, Engine, make_url
+from sqlalchemy import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
 from .._core.consumption import backoff_delay
@@ -286,7 +286,7 @@ class Dispatcher(_Stoppable):
                 if burst and count == 0:
                     # A burst drains what is due or about to be: a retry a moment away
                     # (the first backoff) is waited for, one due later stays pending.
-                    wait = await asyncio.to_thread(self._next_due)
+                    wait = await self._storage("looking for the next due effect", self._next_due)
                     if wait is None or wait > _BURST_HORIZON:
                         break
                     await self._idle(max(wait, 0.01))
@@ -390,7 +390,7 @@ class Dispatcher(_Stoppable):
         """Lease one batch of due effects, deliver it, record the outcomes; return its size."""
         started = time.monotonic()  # before the lease: the local deadline errs early
         token = uuid.uuid4().hex
-        effects = await asyncio.to_thread(self._lease, token)
+        effects = await self._storage("leasing", self._lease, token)
         if not effects:
             return 0
         self.stats.batches += 1
@@ -398,9 +398,12 @@ class Dispatcher(_Stoppable):
         if self.on_leased is not None:
             self.on_leased(effects)
         deadline = started + self.lease * (1 - _LEASE_SPARE)
-        tasks = [asyncio.create_task(self._deliver(effect, deadline)) for effect in effects]
+        tasks = [
+            asyncio.create_task(self._deliver(effect, deadline), name=effect.effect_id)
+            for effect in effects
+        ]
         try:
-            await self._wait_for(tasks)
+            await self._wait_for(tasks, started + self.lease)
         finally:
             # Also when this coroutine is cancelled: whatever is still running is
             # cancelled, and every lease is settled or released before returning.
@@ -411,19 +414,40 @@ class Dispatcher(_Stoppable):
                 result if isinstance(result, dict) else _released(effect)
                 for effect, result in zip(effects, results, strict=True)
             ]
-            await asyncio.shield(asyncio.to_thread(self._settle, token, outcomes))
+            await asyncio.shield(self._storage("recording outcomes", self._settle, token, outcomes))
         return len(effects)
 
-    async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]]) -> None:
-        """Until the deliveries end; after `stop`, for ``shutdown_grace`` at most."""
+    async def _wait_for(self, tasks: list[asyncio.Task[dict[str, Any]]], lease_end: float) -> None:
+        """Until the deliveries end; after `stop`, for ``shutdown_grace`` at most.
+
+        Each delivery is cancelled at its timeout, within the lease; one still running
+        when the lease has run out does not end when cancelled (a destination that
+        catches `CancelledError` and goes on). The batch waits for it, and the dispatcher
+        leases nothing meanwhile: a warning says so, again at each further lease's length.
+        """
         assert self._stopping is not None
         assert self._aborting is not None
         pending: set[asyncio.Future[Any]] = set(tasks)
         stopping = asyncio.ensure_future(self._stopping.wait())
+        warn_at = lease_end
         try:
             while pending and not stopping.done():
+                left = warn_at - time.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "outbox dispatcher: deliveries still running %.0fs into a %.3gs "
+                        "lease, not ended by cancellation (%s); the dispatcher leases nothing "
+                        "until they end",
+                        time.monotonic() - lease_end + self.lease,
+                        self.lease,
+                        ", ".join(
+                            sorted(t.get_name() for t in pending if isinstance(t, asyncio.Task))
+                        ),
+                    )
+                    warn_at += self.lease
+                    continue
                 done, _ = await asyncio.wait(
-                    [*pending, stopping], return_when=asyncio.FIRST_COMPLETED
+                    [*pending, stopping], timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
                 pending -= done
         finally:
@@ -499,8 +523,40 @@ class Dispatcher(_Stoppable):
 
     # -- storage (in a worker thread) -----------------------------------------------------
 
+    async def _storage(self, what: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` in a worker thread, awaited; each lease's length it goes without
+        an answer, a warning says so.
+
+        The server bounds what it runs (`OutboxStatements.bounds`), but not what never
+        reaches it or never comes back: a connection lost without a reset (a half-open
+        TCP connection) or a statement a pooler holds while the server is down. Then the
+        dispatcher leases nothing, and would otherwise say nothing.
+        """
+        work = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        began = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=self.lease)
+                if done:
+                    return work.result()
+                logger.warning(
+                    "outbox dispatcher: %s has had no answer from the database for %.0fs "
+                    "(a connection lost without a reset, or a pooler holding the statement "
+                    "while the server is down?); still waiting",
+                    what,
+                    time.monotonic() - began,
+                )
+        finally:
+            work.cancel()  # when cancelled: the thread runs on, its result dropped
+
+    def _bound(self, conn: Connection) -> None:
+        """Bound the transaction on the server: its statements, and its waits for this
+        client, to a lease's length (beyond it, a lease obtained has already run out)."""
+        conn.execute(self._statements.bounds, {"ms": str(max(1, round(self.lease * 1000)))})
+
     def _next_due(self) -> float | None:
         with self.engine.connect() as conn:
+            self._bound(conn)
             seconds = conn.execute(
                 self._statements.next_due, {"destinations": list(self.destinations)}
             ).scalar()
@@ -508,6 +564,7 @@ class Dispatcher(_Stoppable):
 
     def _lease(self, token: str) -> list[Effect]:
         with self.engine.begin() as conn:
+            self._bound(conn)
             rows = conn.execute(
                 self._statements.lease,
                 {
@@ -532,6 +589,7 @@ class Dispatcher(_Stoppable):
     def _settle(self, token: str, outcomes: list[dict[str, Any]]) -> None:
         params = OutboxStatements.settle_params(token, outcomes)
         with self.engine.begin() as conn:
+            self._bound(conn)
             recorded = set(conn.scalars(self._statements.settle, params))
         stats = self.stats
         for outcome in outcomes:

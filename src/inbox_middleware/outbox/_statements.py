@@ -29,6 +29,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -118,6 +119,18 @@ class OutboxStatements:
         )
 
         if dialect == "postgresql":
+            # -- bounds: each dispatcher transaction ends on the server within a lease ----
+            # Its statements are cancelled after ``ms``, and the server ends the session
+            # when the transaction waits that long for its client (a COMMIT lost with the
+            # connection): the rows it leased would stay locked otherwise, and every
+            # other dispatcher's SKIP LOCKED would pass over them without a word.
+            # Transaction-local, so safe behind a transaction pooler.
+            self.bounds: Executable = select(
+                func.set_config("statement_timeout", bindparam("ms", type_=Text), true()),
+                func.set_config(
+                    "idle_in_transaction_session_timeout", bindparam("ms", type_=Text), true()
+                ),
+            )
             self.lease = self._lease()
             self.settle = self._settle()
             self.next_due = self._next_due()
