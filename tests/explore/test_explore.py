@@ -17,10 +17,9 @@ import pytest
 from .__main__ import report
 from .explorer import explore, select
 
-BUDGET = float(os.environ.get("INBOX_TEST_EXPLORE_SECONDS", "150"))
-"""Seconds after which no new schedule starts (one takes 15 to 45 s): about three minutes
-in all, run beside the tests that share no server state (``scripts/test``) so that the
-suite stays within 30 minutes; `python -m tests.explore --seeds N` for long runs."""
+BUDGET = float(os.environ.get("INBOX_TEST_EXPLORE_SECONDS", "60"))
+"""Seconds after which no new schedule starts (one takes 15 to 45 s): under two minutes in
+all, for the suite's time budget; `python -m tests.explore --seeds N` for long runs."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 

@@ -1,10 +1,11 @@
-"""Which tests run where. ``scripts/test`` runs the suite in three streams:
+"""Which tests run where. ``scripts/test`` runs the suite in three parts:
 
 - everything that shares no server state, in two processes (pytest-xdist; each process
   has its own database and queue names, a module kept on one process);
-- at the same time, in one more process, the tests that stop, restart or kill a server
-  only they use (``OWN_SERVERS``: the tenant servers, the outage server, the failover
-  pair, the persistent Redis, the explorer's servers), one after the other;
+- then the tests that stop, restart or kill a server only they use (``OWN_SERVERS``: the
+  tenant servers, the outage server, the failover pair, the persistent Redis, the
+  explorer's servers), one after the other; none of them disturbs the first part, so a
+  machine with more cores can run the two at once (``scripts/test-beside``);
 - then, alone, the tests that stop, restart or kill a server the others use (``SERIAL``:
   PostgreSQL on 5432, RabbitMQ on 5672), as the fault and chaos runs do.
 
