@@ -35,6 +35,7 @@ answers without applying it twice.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -115,7 +116,7 @@ class DispatcherStats:
     """Outcomes not recorded because another dispatcher had taken the lease over."""
 
 
-class _Stoppable:
+class _Stoppable(abc.ABC):
     """What both dispatchers share: `stop` from any thread, `start` in a thread of its own.
     A subclass sets ``_loop``, ``_stopping`` and ``_aborting`` while it runs."""
 
@@ -125,8 +126,9 @@ class _Stoppable:
     _stopping: asyncio.Event | None
     _aborting: asyncio.Event | None
 
+    @abc.abstractmethod
     async def run(self, *, burst: bool = False) -> None:
-        raise NotImplementedError
+        """Dispatch until stopped (``burst``: until nothing is due)."""
 
     def stop(self, *, now: bool = False) -> None:
         """Stop after the in-flight deliveries (``now``: cancel and release them at once).
