@@ -4,13 +4,19 @@ is there to find in histories written by hand."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
+import time
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from .check import check
 from .run import History
 from .schedule import Fault, Intent, Schedule, draw
 from .space import ISSUE_27, ROWS, WORKLOAD_AXES, Config, uncovered_pairs, valid
-from .workload import OPERATOR
+from .workload import OPERATOR, Extras
 
 
 def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
@@ -448,3 +454,32 @@ def test_check__a_batch_poisoned_beside_its_copy_applied_in_another_batch_is_two
     # messages, in other batches, may be applied
     history.schedule.faults = [Fault(1.0, "worker_kill", worker=0)]
     assert check(history) == []
+
+
+def test_extras__the_faults_end_after_the_operator_decision_under_way(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Seed 800045: a `quarantine accept` begun before the end of the faults ended after
+    # the workers had stopped, so nothing applied what it sent. The settling begins once
+    # the decision under way has ended.
+    schedule = draw(1)
+    schedule = replace(schedule, config=replace(schedule.config, operator="repair", outbox="off"))
+    env = {"EXPLORE_BROKER_URL": "redis://unused", "EXPLORE_QUEUE": "unused"}
+    extras = Extras(schedule, "postgresql://unused", env, tmp_path, {"repair"}, None)
+    deciding = threading.Event()
+    rows = [[{"id": 7, "consumer_name": "explore", "message_id": "m7"}]]
+    monkeypatch.setattr(
+        extras, "_pending", lambda kind: rows.pop() if rows and kind == "quarantine" else []
+    )
+
+    def accept(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        deciding.set()
+        time.sleep(1.5)  # a CLI command starting on a loaded machine
+        return subprocess.CompletedProcess(list(args), 0, "", "")
+
+    monkeypatch.setattr(extras, "_cli", accept)
+    extras.start(time.monotonic())
+    assert deciding.wait(10)
+    extras.end_of_faults()
+    assert [d[0] for d in extras.decisions] == ["quarantine"]
+    extras.stop()

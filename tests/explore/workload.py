@@ -194,6 +194,8 @@ class Extras:
         self.stopping = threading.Event()
         self.closed = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.deciding: threading.Thread | None = None
+        """The operator's thread (repair), joined at the end of the faults."""
         self.started = 0.0
 
     # -- running ------------------------------------------------------------------------------
@@ -216,6 +218,8 @@ class Extras:
             thread = threading.Thread(target=self._guarded(target), daemon=True)
             thread.start()
             self.threads.append(thread)
+            if target == self._repair:
+                self.deciding = thread
 
     def _guarded(self, target: Any) -> Any:
         def run() -> None:
@@ -329,8 +333,15 @@ class Extras:
 
     def end_of_faults(self) -> None:
         """The sends and faults are done: no more dispatcher faults nor decisions (a
-        purge goes on while the run settles)."""
+        purge goes on while the run settles). A decision under way (a CLI command takes
+        seconds to start on a loaded machine) ends first: the settling then sees what it
+        did, and the workers still run to apply what it sent (seed 800045: an accept that
+        ended after the workers had stopped, its message applied by nobody)."""
         self.stopping.set()
+        if self.deciding is not None:
+            self.deciding.join(timeout=90)
+            if self.deciding.is_alive():
+                raise RuntimeError("the operator's decision did not end within 90s")
 
     def unsettled(self, admin: Admin) -> int:
         """Outbox effects not dispatched yet, outputs not applied downstream yet (what
