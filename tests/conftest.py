@@ -4,6 +4,7 @@ brokers with per-test queues, and SQLite for the embedded variant."""
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from inbox_middleware._storage import migrate
 from .apps import domain
 from .support import database, services
 from .support.engines import async_engine, sync_engine
-from .support.serial import is_own_servers, is_serial
+from .support.serial import group, is_own_servers, is_serial
 
 pytest_plugins = [
     "pytester",  # the plugin's own tests run users' suites
@@ -36,6 +37,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.serial)
         elif is_own_servers(relative):
             item.add_marker(pytest.mark.own_servers)
+        item.add_marker(pytest.mark.xdist_group(group(relative)))
+    if os.environ.get("INBOX_TEST_SUBSET") == "1":
+        # scripts/test's representative subset of the fault matrices (tests/support/serial.py)
+        beyond = [item for item in items if item.get_closest_marker("beyond_subset")]
+        if beyond:
+            config.hook.pytest_deselected(items=beyond)
+            items[:] = [item for item in items if item not in beyond]
 
 
 @pytest.fixture(scope="session")

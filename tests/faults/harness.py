@@ -24,6 +24,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from sqlalchemy.engine import make_url
 from ..chaos.plan import Intent, Send
 from ..chaos.run import Admin, _reset
 from ..chaos.targets import Target, Worker, _persist, make_target
-from ..support import servers
 from .hook import Fault, read_fired, read_reached, write_plan
 from .matrix import ROWS, Cell, Row, Setup, not_applicable
 
@@ -81,6 +81,8 @@ class Run:
     admin: Admin
     env: dict[str, str]
     log: Any
+    restart: Callable[[], float]
+    """Restarts the run's PostgreSQL; the seconds it took."""
     messages: list[Message] = field(default_factory=list)
     workers: dict[str, Worker] = field(default_factory=dict)
     generations: int = 0
@@ -124,7 +126,7 @@ class Run:
             for r in sorted((self.folder / "restart").glob("*.request"))
             if not r.with_suffix(".done").exists()
         ]
-        seconds = servers.restart_postgres()
+        seconds = self.restart()
         self.restarts += 1
         self.log(f"    PostgreSQL restarted in {seconds:.1f}s for {[r.stem for r in waiting]}")
         for request in waiting:
@@ -221,11 +223,13 @@ def run_group(
     folder: Path,
     log: Any = print,
     *,
+    restart: Callable[[], float],
     only: set[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> list[Cell]:
-    """Run every row of ``setup`` x ``fault`` in one worker run; a cell per row (``only``:
-    these rows; ``env``: more variables for the worker)."""
+    """Run every row of ``setup`` x ``fault`` in one worker run against the database at
+    ``database_url``, whose server ``restart`` restarts; a cell per row (``only``: these
+    rows; ``env``: more variables for the worker)."""
     started = time.monotonic()
     rng = random.Random(f"{setup.name}-{fault}")
     cells: list[Cell] = []
@@ -252,7 +256,7 @@ def run_group(
     (folder / "stats").mkdir(parents=True, exist_ok=True)
     (folder / "restart").mkdir(exist_ok=True)
     admin = Admin(admin_url)
-    run = Run(setup, fault, folder, target, admin, {}, log)
+    run = Run(setup, fault, folder, target, admin, {}, log, restart)
 
     # A message per row, and the row's fault (plus a handler failure for "retry").
     tag = uuid.uuid4().hex[:6]
@@ -321,7 +325,6 @@ def run_group(
         try:
             target.close()
         finally:
-            servers.ensure_postgres()
             admin.close()
 
     fired = read_fired(folder)

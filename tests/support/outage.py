@@ -1,12 +1,14 @@
-"""The outage PostgreSQL: a cluster of the outage tests alone (``scripts/services
-postgres-outage``, port 5446), which they stop and start to start a worker while its
-database is down. The shared PostgreSQL is never stopped. Run these tests under the
-fault lock, as every test that stops a server."""
+"""The outage PostgreSQL: a cluster of the outage tests and the fault matrix alone
+(``scripts/services postgres-outage``, port 5446), which they stop and start (to start a
+worker while its database is down) or restart at a point of a delivery. The shared
+PostgreSQL is never stopped. The modules that use it run one after the other
+(``tests/support/serial.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +88,22 @@ class OutagePostgres:
         if not answering(_port()):
             _ctl("start")
         _wait(_answers, 60, "the outage PostgreSQL")
+
+    def restart(self) -> float:
+        """A fast restart (every session ended), after a checkpoint as an operator would
+        make before a planned one; the seconds it took."""
+        import psycopg
+
+        with contextlib.suppress(psycopg.Error):
+            url = services.POSTGRES_OUTAGE.replace("postgresql+psycopg", "postgresql")
+            with psycopg.connect(url, connect_timeout=5, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")
+        started = time.monotonic()
+        try:
+            _ctl("restart", "-m", "fast")
+        finally:
+            self.start()
+        return time.monotonic() - started
 
 
 @pytest.fixture

@@ -1,43 +1,49 @@
 """Which tests run where. ``scripts/test`` runs the suite in three parts:
 
-- everything that shares no server state, in two processes (pytest-xdist; each process
-  has its own database and queue names, a module kept on one process);
-- then the tests that stop, restart or kill a server only they use (``OWN_SERVERS``: the
-  tenant servers, the outage server, the failover pair, the persistent Redis, the
-  explorer's servers), one after the other; none of them disturbs the first part, so a
-  machine with more cores can run the two at once (``scripts/test-beside``);
+- everything but the ``SERIAL`` list, in two processes (pytest-xdist, ``--dist
+  loadgroup``; each process has its own database and queue names). A module is kept on
+  one process, and so are all the modules that stop the same server of their own
+  (``OWN_SERVERS``: the tenant servers, the outage server, the failover pair, the
+  persistent Redis, the explorer's servers): ``group`` names the unit;
+- then a part of the suite through PgBouncer (``scripts/test-pgbouncer``);
 - then, alone, the tests that stop, restart or kill a server the others use (``SERIAL``:
   PostgreSQL on 5432, RabbitMQ on 5672), as the fault and chaos runs do.
 
 The crash tests kill only worker processes of their own, and run with the rest.
-``tests/conftest.py`` marks these lists ``serial`` and ``own_servers``;
-``tests/unit/test_serial.py`` holds them to what the test modules call."""
+``tests/conftest.py`` marks these lists ``serial`` and ``own_servers`` and gives every
+test its group; ``tests/unit/test_serial.py`` holds the lists to what the test modules
+call.
+
+``scripts/test`` runs a representative subset of two matrices (``INBOX_TEST_SUBSET=1``,
+tests marked ``beyond_subset`` deselected): see ``tests/faults/matrix.py`` and
+``tests/faults/test_paths.py``. ``INBOX_TEST_FULL=1 scripts/test`` runs all of them."""
 
 from __future__ import annotations
 
 SERIAL = (
-    "tests/faults/test_faults.py",  # restarts and stops PostgreSQL
-    "tests/faults/test_paths.py",  # restarts PostgreSQL during a worker's start-up
     "tests/chaos/",  # restarts PostgreSQL and RabbitMQ
     "tests/integration/test_broker_destinations.py",  # restarts RabbitMQ
 )
 """Folders (ending in ``/``) and modules, relative to the project's root."""
 
-OWN_SERVERS = (
-    "tests/crash/test_many_databases.py",  # stops a tenant server
-    "tests/crash/test_outbox_many_databases.py",  # stops a tenant server
-    "tests/acceptance/test_demo.py",  # the failover pair
-    "tests/explore/",  # the explorer's PostgreSQL, Redis, RabbitMQ and PgBouncer
-    "tests/integration/test_cli_many_databases.py",  # the tenant servers
-    "tests/integration/test_dramatiq_broker_outage.py",  # kills the persistent Redis
-    "tests/integration/test_move_tenant.py",  # the tenant servers
-    "tests/integration/test_outage_redeliveries.py",  # stops the outage server
-    "tests/integration/test_outbox_many_databases.py",  # the tenant servers
-    "tests/integration/test_replication.py",  # the failover pair
-    "tests/integration/test_startup_outage.py",  # stops the outage server
-    "tests/integration/test_tenant_isolation.py",  # the tenant servers
-)
-"""Modules that stop only servers no test outside these lists uses."""
+OWN_SERVERS = {
+    "tests/crash/test_many_databases.py": "tenants",  # stops a tenant server
+    "tests/crash/test_outbox_many_databases.py": "tenants",  # stops a tenant server
+    "tests/integration/test_cli_many_databases.py": "tenants",
+    "tests/integration/test_move_tenant.py": "tenants",
+    "tests/integration/test_outbox_many_databases.py": "tenants",
+    "tests/integration/test_tenant_isolation.py": "tenants",
+    "tests/acceptance/test_demo.py": "failover",  # the failover pair
+    "tests/integration/test_replication.py": "failover",
+    "tests/integration/test_outage_redeliveries.py": "outage",  # stops the outage server
+    "tests/integration/test_startup_outage.py": "outage",
+    "tests/faults/test_faults.py": "outage",  # restarts it at a delivery's points
+    "tests/faults/test_paths.py": "outage",  # stops it during a worker's start-up
+    "tests/integration/test_dramatiq_broker_outage.py": "redis-aof",  # kills it
+    "tests/explore/": "explorer",  # the explorer's PostgreSQL, Redis, RabbitMQ, PgBouncer
+}
+"""Modules that stop only servers no test outside these lists uses, with the name of
+those servers: the modules of one name run one after the other, in one process."""
 
 SHARED_FAULTS = ("restart_postgres", "restart_rabbitmq", "pg_ctl")
 """What a test module calls to stop or restart a server every test uses."""
@@ -61,4 +67,13 @@ def is_serial(relative: str) -> bool:
 
 
 def is_own_servers(relative: str) -> bool:
-    return _listed(relative, OWN_SERVERS)
+    return _listed(relative, tuple(OWN_SERVERS))
+
+
+def group(relative: str) -> str:
+    """The pytest-xdist group of a test module: its servers' name for the modules of
+    ``OWN_SERVERS``, else the module itself (a module is kept on one process)."""
+    for entry, servers in OWN_SERVERS.items():
+        if _listed(relative, (entry,)):
+            return f"servers:{servers}"
+    return relative

@@ -10,6 +10,7 @@ from tests.support.serial import (
     OWN_SERVERS,
     SERIAL,
     SHARED_FAULTS,
+    group,
     is_own_servers,
     is_serial,
 )
@@ -51,5 +52,22 @@ def test_serial__the_two_lists_do_not_overlap() -> None:
 
 
 def test_serial__every_entry_names_a_test_folder_or_module() -> None:
-    missing = [entry for entry in SERIAL + OWN_SERVERS if not (ROOT / entry).exists()]
+    missing = [entry for entry in SERIAL + tuple(OWN_SERVERS) if not (ROOT / entry).exists()]
     assert missing == []
+
+
+def test_subset__half_the_fault_matrix_each_day_and_all_of_it_in_two_days() -> None:
+    from tests.faults.matrix import FAULTS, SETUPS, in_subset
+
+    for offset in range(4):
+        cells = {(s, f) for s in SETUPS for f in FAULTS if in_subset(s, f, offset)}
+        assert all(sum((s, f) in cells for f in FAULTS) == 2 for s in SETUPS)
+        assert all(sum((s, f) in cells for s in SETUPS) >= 4 for f in FAULTS)
+    walked = {(s, f) for o in range(2) for s in SETUPS for f in FAULTS if in_subset(s, f, o)}
+    assert len(walked) == len(SETUPS) * len(FAULTS)
+
+
+def test_groups__the_modules_of_one_server_share_a_process_the_others_have_their_own() -> None:
+    assert group("tests/faults/test_faults.py") == group("tests/integration/test_startup_outage.py")
+    assert group("tests/explore/test_checker.py") == group("tests/explore/test_explore.py")
+    assert group("tests/unit/test_serial.py") == "tests/unit/test_serial.py"
