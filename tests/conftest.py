@@ -20,13 +20,24 @@ from inbox_middleware._storage import migrate
 from .apps import domain
 from .support import database, services
 from .support.engines import async_engine, sync_engine
-from .support.serial import group, is_own_servers, is_serial
+from .support.serial import is_own_servers, is_serial
 
 pytest_plugins = [
     "pytester",  # the plugin's own tests run users' suites
     "tests.support.outage",  # the outage PostgreSQL fixture
     "tests.support.tenants",  # the three tenant databases
 ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the modules that stop one server of their own share a process
+    (tests/support/scheduling.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from .support.scheduling import ServerGroupScheduling
+
+    return ServerGroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,7 +48,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.serial)
         elif is_own_servers(relative):
             item.add_marker(pytest.mark.own_servers)
-        item.add_marker(pytest.mark.xdist_group(group(relative)))
     if os.environ.get("INBOX_TEST_SUBSET") == "1":
         # scripts/test's representative subset of the fault matrices (tests/support/serial.py)
         beyond = [item for item in items if item.get_closest_marker("beyond_subset")]

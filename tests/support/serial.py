@@ -1,22 +1,22 @@
 """Which tests run where. ``scripts/test`` runs the suite in three parts:
 
 - everything but the ``SERIAL`` list, in two processes (pytest-xdist, ``--dist
-  loadgroup``; each process has its own database and queue names). A module is kept on
-  one process, and so are all the modules that stop the same server of their own
-  (``OWN_SERVERS``: the tenant servers, the outage server, the failover pair, the
-  persistent Redis, the explorer's servers): ``group`` names the unit;
+  loadgroup`` with the scheduler of ``tests/support/scheduling.py``; each process has its
+  own database and queue names). A module is kept on one process, and so are all the
+  modules that stop the same server of their own (``OWN_SERVERS``: the tenant servers,
+  the outage server, the failover pair, the persistent Redis, the explorer's servers):
+  ``group`` names the unit;
 - then a part of the suite through PgBouncer (``scripts/test-pgbouncer``);
 - then, alone, the tests that stop, restart or kill a server the others use (``SERIAL``:
   PostgreSQL on 5432, RabbitMQ on 5672), as the fault and chaos runs do.
 
 The crash tests kill only worker processes of their own, and run with the rest.
-``tests/conftest.py`` marks these lists ``serial`` and ``own_servers`` and gives every
-test its group; ``tests/unit/test_serial.py`` holds the lists to what the test modules
-call.
+``tests/conftest.py`` marks these lists ``serial`` and ``own_servers``;
+``tests/unit/test_serial.py`` holds the lists to what the test modules call.
 
-``scripts/test`` runs a representative subset of two matrices (``INBOX_TEST_SUBSET=1``,
-tests marked ``beyond_subset`` deselected): see ``tests/faults/matrix.py`` and
-``tests/faults/test_paths.py``. ``INBOX_TEST_FULL=1 scripts/test`` runs all of them."""
+``scripts/test`` runs a representative subset of the fault matrix (``INBOX_TEST_SUBSET=1``,
+the tests marked ``beyond_subset`` deselected; ``tests/faults/matrix.py`` says which);
+``INBOX_TEST_FULL=1 scripts/test`` runs all of it."""
 
 from __future__ import annotations
 

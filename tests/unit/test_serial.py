@@ -71,3 +71,13 @@ def test_groups__the_modules_of_one_server_share_a_process_the_others_have_their
     assert group("tests/faults/test_faults.py") == group("tests/integration/test_startup_outage.py")
     assert group("tests/explore/test_checker.py") == group("tests/explore/test_explore.py")
     assert group("tests/unit/test_serial.py") == "tests/unit/test_serial.py"
+
+
+def test_groups__the_first_parts_scheduler_keeps_a_group_on_one_process() -> None:
+    from tests.support.scheduling import ServerGroupScheduling
+
+    split = ServerGroupScheduling._split_scope
+    faults = "tests/faults/test_faults.py::test_faults__every_point[dq-redis-kill]"
+    outage = "tests/integration/test_startup_outage.py::test_startup__x"
+    assert split(None, faults) == split(None, outage) == "servers:outage"  # type: ignore[arg-type]
+    assert split(None, "tests/unit/test_serial.py::test_x") == "tests/unit/test_serial.py"  # type: ignore[arg-type]
