@@ -40,6 +40,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ServerGroupScheduling(config, log)
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if os.environ.get("INBOX_TEST_SUBSET") != "1":
+        return None
+    offset = os.environ.get("INBOX_TEST_MATRIX_OFFSET", "0")
+    return (
+        f"fault matrix: the representative subset, offset {offset} (tests/faults/matrix.py"
+        " in_subset); INBOX_TEST_FULL=1 runs every cell"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     for item in items:
