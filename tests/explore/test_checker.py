@@ -153,6 +153,26 @@ def test_check__after_sigterms_a_redelivery_limit_is_explained_by_copies_times_s
     assert _kinds(history) == ["poison-reason", "refused-unrecorded"]
 
 
+def test_check__with_processes_an_outage_counts_like_a_stop_once_per_copy() -> None:
+    # limits.md, "What counts as a worker dying": a hand-back made while the database was
+    # away from its worker is remembered by that worker only; another worker's redelivery
+    # takes the delivery for a death, once per copy in flight and per outage (seed 910028)
+    history = _history(redelivery_limit=1, processes=3)
+    history.effects = [("a", "a", 1)]
+    history.claims = ["a"]
+    history.poison = [("b", "explore_refused", "pending"), ("c", "redelivery_limit", "pending")]
+    history.schedule.faults.append(Fault(7.7, "net_cut"))
+    # c sent once, one outage: at most one, within the limit
+    assert _kinds(history) == ["poison-reason"]
+    history.schedule.faults.append(Fault(9.0, "pg_fast", seconds=1.5))
+    assert check(history) == []
+    # one process: its own memory knows the hand-back, whatever the outages
+    history.schedule = replace(
+        history.schedule, config=replace(history.schedule.config, processes=1)
+    )
+    assert _kinds(history) == ["poison-reason"]
+
+
 def test_check__a_refused_intent_may_meet_the_redelivery_limit_only_after_a_kill() -> None:
     history = _history(redelivery_limit=1)
     history.effects = [("a", "a", 1), ("c", "c", 3)]
