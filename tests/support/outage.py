@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from . import database, services
-from .servers import _wait, answering
+from .servers import _wait, answering, checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "inbox_outage"
@@ -92,12 +92,7 @@ class OutagePostgres:
     def restart(self) -> float:
         """A fast restart (every session ended), after a checkpoint as an operator would
         make before a planned one; the seconds it took."""
-        import psycopg
-
-        with contextlib.suppress(psycopg.Error):
-            url = services.POSTGRES_OUTAGE.replace("postgresql+psycopg", "postgresql")
-            with psycopg.connect(url, connect_timeout=5, autocommit=True) as conn:
-                conn.execute("CHECKPOINT")
+        checkpoint(services.POSTGRES_OUTAGE)
         started = time.monotonic()
         try:
             _ctl("restart", "-m", "fast")

@@ -35,6 +35,7 @@ from . import services
 
 __all__ = [
     "OwnedNats",
+    "checkpoint",
     "ensure_postgres",
     "ensure_rabbitmq",
     "failover_pair_locked",
@@ -117,18 +118,24 @@ def ensure_postgres(timeout: float = 60) -> None:
     _wait(postgres_answers, timeout, "PostgreSQL")
 
 
+def checkpoint(url: str) -> None:
+    """A CHECKPOINT on the server of ``url``, as an operator makes before a planned restart:
+    the shutdown's own checkpoint then has little left to write. Best effort."""
+    import psycopg
+
+    with contextlib.suppress(psycopg.Error):
+        libpq = url.replace("postgresql+psycopg", "postgresql").rsplit("/", 1)[0] + "/postgres"
+        with psycopg.connect(libpq, connect_timeout=5, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")
+
+
 def restart_postgres(timeout: float = 60) -> float:
     """Restart the server (a fast shutdown: every session is ended); seconds it took.
 
     A checkpoint first, as an operator would before a planned restart: the shutdown's own
     checkpoint then has little left to write, which keeps the outage short.
     """
-    import psycopg
-
-    with contextlib.suppress(psycopg.Error):
-        url = services.POSTGRES_SERVER.replace("postgresql+psycopg", "postgresql")
-        with psycopg.connect(url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as conn:
-            conn.execute("CHECKPOINT")
+    checkpoint(services.POSTGRES_SERVER)
     started = time.monotonic()
     command = os.environ.get("INBOX_TEST_POSTGRES_RESTART") or _pg_ctl("restart -m fast")
     try:
