@@ -19,6 +19,7 @@ from ._core.consumption import Settlement, settle_steps
 from ._core.exceptions import (
     ClaimInProgress,
     ClaimNotCommitted,
+    CommitUnanswered,
     ConfigurationError,
     DatabaseUnavailable,
     DirectPublishRefused,
@@ -70,6 +71,7 @@ __all__ = [
     "ClaimInProgress",
     "ClaimNotCommitted",
     "ClaimSession",
+    "CommitUnanswered",
     "Committed",
     "ConfigurationError",
     "ConsumerPolicy",

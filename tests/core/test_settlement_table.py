@@ -49,6 +49,7 @@ from inbox_middleware._core.consumption import (
 )
 from inbox_middleware._core.exceptions import (
     ClaimNotCommitted,
+    CommitUnanswered,
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -88,6 +89,13 @@ class Timeout(BaseException):
 
 class Shutdown(BaseException):
     """Stands for a worker shutting down: no fault of the message."""
+
+
+def unanswered(interruption: BaseException) -> CommitUnanswered:
+    """What storage raises when ``interruption`` landed while the COMMIT ran."""
+    error = CommitUnanswered("interrupted while the COMMIT ran")
+    error.__cause__ = interruption
+    return error
 
 
 @dataclass(frozen=True)
@@ -602,6 +610,21 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": True},
     ),
+    "a time limit that lands in the COMMIT on the last attempt: handed back, uncounted": Row(
+        {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 0)},
+        {Process: [unanswered(Timeout())], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        policy={"max_attempts": 1},
+        expect={"counted": False},
+    ),
+    "a shutdown that lands in the COMMIT: handed back, uncounted": Row(
+        {"shutdowns": (Shutdown,)},
+        {Process: [unanswered(Shutdown())], CountHandBack: [None]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
     "the failure cannot be counted: handed back, uncounted": Row(
         {},
         {Process: [Boom()], CountFailure: [DatabaseUnavailable()], CountHandBack: [None]},
@@ -758,6 +781,15 @@ def test_core__the_process_is_going_down_the_core_lets_it() -> None:
                 script,
                 ConsumerPolicy(missing_identity="process"),
             )
+
+
+def test_core__the_process_going_down_while_the_commit_ran_is_let_through() -> None:
+    # Whether it committed is unknown; the process is going down: nothing is settled.
+    for exc in (KeyboardInterrupt(), SystemExit()):
+        script = Script({Process: [unanswered(exc)]})
+        with pytest.raises(type(exc)):
+            run(arrival(interrupts=(Timeout,)), script)
+        assert [type(op).__name__ for op in script.performed] == ["Process"]
 
 
 def test_core__the_process_op_carries_the_repair_marker_and_outputs_flag() -> None:

@@ -6,13 +6,15 @@ messages before the consumption core, with a real worker on Redis and RabbitMQ.
 5. hand-backs (the database down) spend none of Retries' budget: 25 of them, then
    success, and no dead letter;
 6. a message that exceeds its time limit on every attempt is kept as poison when Retries
-   gives up, not dead-lettered without a record;
+   gives up, not dead-lettered without a record; but a time limit that runs out while the
+   COMMIT runs fails nothing: whether it committed is for the redelivery to find out;
 7. a redriven poison message starts its attempts (and Dramatiq's retries) again.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import dramatiq
 from sqlalchemy import create_engine, select, text
@@ -184,6 +186,63 @@ def test_settlement__time_limit_on_every_attempt_is_kept_as_poison(broker, queue
     wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
     with pg_engine.connect() as conn:
         assert effects(conn) == 0
+
+
+# -- 6b. a time limit that runs out while the COMMIT runs ----------------------------------------
+
+
+def test_settlement__a_time_limit_in_the_commit_of_the_last_attempt_is_no_failure(
+    broker, queue, pg_engine
+):
+    # Given an actor with no retry left whose COMMIT outlasts its time limit (a deferred
+    # trigger sleeps in it), and an on_success callback
+    table = f"slow_commit_{uuid.uuid4().hex[:8]}"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {table} (id int)"))
+        conn.execute(
+            text(
+                f"CREATE FUNCTION {table}() RETURNS trigger LANGUAGE plpgsql "
+                "AS $$ BEGIN PERFORM pg_sleep(2.5); RETURN NULL; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                f"CREATE CONSTRAINT TRIGGER {table} AFTER INSERT ON {table} "
+                f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {table}()"
+            )
+        )
+    broker.add_middleware(InboxMiddleware(pg_engine))
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0, time_limit=200)
+    def add_credit(account_id: int, delta: int) -> int:
+        session = current_session()
+        apply_credit(session, "billing", account_id, delta)
+        session.execute(text(f"INSERT INTO {table} VALUES (1)"))
+        return delta
+
+    @dramatiq.actor(queue_name=queue, inbox_consumer="audit")
+    def audited(message: dict, result: int) -> None:
+        apply_credit(current_session(), "audit", 99, result)
+
+    try:
+        with running_worker(broker) as worker:
+            # When the time limit lands while the COMMIT runs
+            add_credit.send_with_options(
+                args=(7, 10), on_success="audited", **identity(producer="orders", message_id="t-1")
+            )
+            drain(broker, queue, worker)
+            wait_for(lambda: _effects(pg_engine) >= 2, timeout=30, what="the callback's effect")
+            drain(broker, queue, worker)
+    finally:
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {table}"))
+            conn.execute(text(f"DROP FUNCTION {table}()"))
+    # Then what committed is applied once, its callback once, and no poison row or dead
+    # letter says it failed
+    assert poison_rows(pg_engine) == []
+    assert dead_letters(broker, queue) == 0
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 7), effects(conn, 99)) == (1, 1)
 
 
 # -- 7. a redrive starts again --------------------------------------------------------------------

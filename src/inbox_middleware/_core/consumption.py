@@ -51,6 +51,7 @@ from typing import Any, Protocol, TypeVar
 
 from .exceptions import (
     ClaimNotCommitted,
+    CommitUnanswered,
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
@@ -900,11 +901,16 @@ def _limit_redeliveries(
 def _failed(
     arrival: Arrival, delivery: Delivery, rules: ConsumerPolicy, exc: BaseException
 ) -> Generator[Op, Any, Settlement]:
-    """The attempt rolled back with ``exc``: hand back, or count, or keep as poison."""
-    if not isinstance(exc, Exception) and not isinstance(
-        exc, arrival.interrupts + arrival.shutdowns
+    """The attempt rolled back with ``exc``: hand back, or count, or keep as poison.
+
+    An attempt interrupted while its COMMIT ran (`CommitUnanswered`) may have committed:
+    it is never counted, so never the last; handed back, its redelivery finds the claim
+    (a duplicate) or runs again."""
+    interruption = _interruption(exc)
+    if not isinstance(interruption, Exception) and not isinstance(
+        interruption, arrival.interrupts + arrival.shutdowns
     ):
-        raise exc  # the process is going down (KeyboardInterrupt, cancellation): unacked
+        raise interruption  # the process is going down (KeyboardInterrupt, cancellation)
     if isinstance(exc, Unfit):
         details = rejection_details(exc, delivery.consumer, delivery.source)
         return (yield from _reject(DeadLettered("unfit", exc), details))
@@ -931,6 +937,13 @@ def _failed(
     failure = None if isinstance(exc, RejectRequested) else exc
     poisoned = Poisoned(code, record, error, failure, exhausted)
     return (yield from _dead_letter(poisoned, delivery))
+
+
+def _interruption(exc: BaseException) -> BaseException:
+    """What ended the attempt: the interruption itself when it landed in the COMMIT."""
+    if isinstance(exc, CommitUnanswered) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc
 
 
 def _last(
@@ -1106,8 +1119,9 @@ def settle_batch_steps(
                 return (yield from _batch_hand_back(exc, batch.deliveries))
             claims = [(index, claim) for index, claim in claims if index not in refused.items]
         except BaseException as exc:
-            if not isinstance(exc, Exception):
-                raise
+            interruption = _interruption(exc)
+            if not isinstance(exc, Exception) or not isinstance(interruption, Exception):
+                raise interruption from None  # the worker going down (a task's cancellation)
             failed = yield from _batch_failed(claims, rules, exc)
             if isinstance(failed, HandedBack):
                 return failed

@@ -19,7 +19,8 @@ InboxError
     ├── ClaimInProgress           another delivery of the message holds the claim (lock_timeout)
     ├── TransactionConflict       serialization failure or deadlock, after the in-process retries
     ├── DatabaseUnavailable       the database could not be reached or dropped the connection
-    └── RouteUnavailable          the tenant's database cannot be chosen now (resolver, map)
+    ├── RouteUnavailable          the tenant's database cannot be chosen now (resolver, map)
+    └── CommitUnanswered          interrupted while the COMMIT ran: whether it committed is unknown
 ```
 
 Driver errors become these types in exactly one place, `inbox_middleware._storage.errors`:
@@ -34,6 +35,7 @@ import re
 __all__ = [
     "ClaimInProgress",
     "ClaimNotCommitted",
+    "CommitUnanswered",
     "ConfigurationError",
     "DatabaseUnavailable",
     "DirectPublishRefused",
@@ -215,3 +217,12 @@ class RouteUnavailable(TransientError):
     retry_spread: float | None = None
     """Seconds after ``retry_after`` over which the hand-backs are spread, or None (see
     `DatabaseUnavailable`)."""
+
+
+class CommitUnanswered(TransientError):
+    """An interruption (a time limit, a worker's shutdown) landed while the COMMIT of the
+    claim's transaction was being sent or answered: whether it committed is unknown, the
+    server may still be committing it. Never counted as a failed attempt, so never the
+    last one: the message is handed back, and its redelivery finds the claim (a duplicate,
+    whose stored outputs are sent again) or runs again. The interruption is its
+    ``__cause__``."""

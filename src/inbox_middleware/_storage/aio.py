@@ -36,6 +36,7 @@ from .base import (
     leave_handler,
     log_event,
     track_aborts,
+    unanswered,
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
@@ -162,6 +163,7 @@ class AsyncInbox(Executor):
             attempts.start()
             session = AsyncSession(**self._session_options)
             closed = False
+            committing = [False]
             try:
                 verdict = await session.run_sync(self._claim, attempts)
                 attempts.in_handler = True
@@ -169,7 +171,7 @@ class AsyncInbox(Executor):
                 attempts.in_handler = False
                 attempts.clock = perf_counter()
                 with tracing.phase("inbox.commit"):
-                    await session.run_sync(self._commit_and_close, attempts.delivery)
+                    await session.run_sync(self._commit_and_close, attempts.delivery, committing)
                 closed = True
                 attempts.committed(verdict)
                 faults.at("after_commit", attempts.delivery.identity.message_id)
@@ -180,14 +182,19 @@ class AsyncInbox(Executor):
                     raise
             except BaseException as exc:
                 await _abandon_async(session, exc, attempts.delivery)
+                if committing[0]:
+                    raise unanswered(attempts.delivery) from exc
                 raise
             finally:
                 leave_handler(session.sync_session)
                 if not closed:
                     await session.run_sync(Session.close)
 
-    def _commit_and_close(self, session: Session, delivery: Delivery | None) -> None:
+    def _commit_and_close(
+        self, session: Session, delivery: Delivery | None, committing: list[bool]
+    ) -> None:
         self._before_commit(session, delivery)
+        committing[0] = True  # from here on, an interruption leaves the outcome unknown
         self._commit(session)
         Session.close(session)
 
@@ -218,7 +225,7 @@ class AsyncInbox(Executor):
             conn = await session.connection(execution_options=self._connection_options)
             conn.info.pop(ABORTED, None)
             result = await handler(session)
-            await session.run_sync(self._commit_and_close, None)
+            await session.run_sync(self._commit_and_close, None, [False])
             closed = True
             return result
         except BaseException as exc:

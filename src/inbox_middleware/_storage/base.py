@@ -39,6 +39,7 @@ from .._core.consumption import (
 )
 from .._core.exceptions import (
     ClaimInProgress,
+    CommitUnanswered,
     ConfigurationError,
     HandlerTransactionError,
     PrerequisiteError,
@@ -88,6 +89,7 @@ __all__ = [
     "log_event",
     "shadow_verdict",
     "track_aborts",
+    "unanswered",
 ]
 
 R = TypeVar("R")
@@ -532,6 +534,20 @@ def enter_handler(session: Session, conn: Connection) -> None:
     info = conn.info
     info[IN_HANDLER] = True
     session.info[IN_HANDLER] = info
+
+
+def unanswered(delivery: Delivery) -> CommitUnanswered:
+    """The error of an attempt interrupted once its COMMIT was on its way (its ``cause``
+    is the interruption): reported to the core as it is, since whether the claim committed
+    is unknown (`CommitUnanswered`)."""
+    identity = delivery.identity
+    return CommitUnanswered(
+        f"interrupted while the COMMIT of the claim of {identity.message_id!r} ran: "
+        "whether it committed is unknown",
+        consumer=delivery.consumer,
+        producer=identity.producer,
+        message_id=identity.message_id,
+    )
 
 
 def leave_handler(session: Session) -> None:

@@ -61,6 +61,7 @@ from .base import (
     log_event,
     shadow_verdict,
     track_aborts,
+    unanswered,
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
@@ -195,6 +196,7 @@ class Inbox(Executor):
         while True:
             attempts.start()
             session = self._sessions()
+            committing = False
             try:
                 verdict = self._claim(session, attempts)
                 attempts.in_handler = True
@@ -202,6 +204,7 @@ class Inbox(Executor):
                 attempts.in_handler = False
                 self._before_commit(session, attempts.delivery)
                 attempts.clock = perf_counter()
+                committing = True
                 with tracing.phase("inbox.commit"):
                     self._commit(session)
                 attempts.committed(verdict)
@@ -213,6 +216,8 @@ class Inbox(Executor):
                     raise
             except BaseException as exc:
                 _abandon(session, exc, attempts.delivery)
+                if committing:
+                    raise unanswered(attempts.delivery) from exc
                 raise
             finally:
                 leave_handler(session)
