@@ -101,10 +101,9 @@ KIND = ENV["EXPLORE_BROKER"]
 if BATCH:
 
     async def explore_batch(bodies: list[dict[str, Any]], session: InboxSession) -> None:
-        # A batch's delivery names no one message: the outbox effect's id is the key's.
         for body in bodies:
             await domain.apply_async(
-                session, body, engine, outbox_on=OUTBOX, effect_id=f"explore-{body['key']}"
+                session, body, engine, outbox_on=OUTBOX, effect_id=domain.batch_effect_id(body)
             )
 
     handler: Any = explore_batch

@@ -100,6 +100,13 @@ def _output(payload: dict[str, Any]) -> dict[str, Any]:
     return {"key": payload["key"], "n": payload["n"]}
 
 
+def batch_effect_id(payload: dict[str, Any]) -> str:
+    """The outbox effect id of a body in a batch, whose delivery names no one message: the
+    key's and the payload's own, so that a conflict the operator accepted (the same key,
+    another payload) records an effect of its own, and a redelivery the same one."""
+    return f"explore-{payload['key']}-{payload['n']}"
+
+
 def _record_outbox(payload: dict[str, Any], effect_id: str | None) -> tuple[Any, dict[str, Any]]:
     from inbox_middleware import outbox
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from .check import check
+from .domain import batch_effect_id
 from .run import History
 from .schedule import Fault, Intent, Schedule, draw
 from .space import ISSUE_27, ROWS, WORKLOAD_AXES, Config, uncovered_pairs, valid
@@ -503,3 +504,12 @@ def test_extras__the_faults_end_after_the_operator_decision_under_way(
     extras.end_of_faults()
     assert [d[0] for d in extras.decisions] == ["quarantine"]
     extras.stop()
+
+
+def test_harness__an_accepted_conflict_in_a_batch_records_an_outbox_effect_of_its_own() -> None:
+    # Seed 223125: the batch's effect id was the key's alone, so the accepted conflict's
+    # effect (the same key, another payload) was taken for the first one's and dropped.
+    first = {"key": "s1-0027", "n": 27, "do": "ok"}
+    accepted = {**first, "n": 1027}
+    assert batch_effect_id(first) != batch_effect_id(accepted)
+    assert batch_effect_id(first) == batch_effect_id(dict(first))
