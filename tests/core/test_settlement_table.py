@@ -53,6 +53,7 @@ from inbox_middleware._core.exceptions import (
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
+    InboxInterrupted,
     InvalidIdentity,
     MissingIdentity,
     PayloadNotHashable,
@@ -94,6 +95,13 @@ class Shutdown(BaseException):
 def unanswered(interruption: BaseException) -> CommitUnanswered:
     """What storage raises when ``interruption`` landed while the COMMIT ran."""
     error = CommitUnanswered("interrupted while the COMMIT ran")
+    error.__cause__ = interruption
+    return error
+
+
+def interrupted(interruption: BaseException) -> InboxInterrupted:
+    """What storage raises when ``interruption`` landed in the claim, before the handler."""
+    error = InboxInterrupted("interrupted while claiming")
     error.__cause__ = interruption
     return error
 
@@ -610,18 +618,51 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": True},
     ),
-    "a time limit that lands in the COMMIT on the last attempt: handed back, uncounted": Row(
+    "a time limit in the claim (waiting for the database): handed back, uncounted": Row(
         {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 0)},
-        {Process: [unanswered(Timeout())], CountHandBack: [None]},
+        {Process: [interrupted(Timeout())], CountHandBack: [None]},
         ["Process", "CountHandBack"],
         HandedBack,
         policy={"max_attempts": 1},
         expect={"counted": False},
     ),
-    "a shutdown that lands in the COMMIT: handed back, uncounted": Row(
+    "a time limit in the COMMIT, which committed after all: a duplicate, outputs sent": Row(
+        {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 0), "keeps_outputs": True},
+        {Process: [unanswered(Timeout())], LookUpClaim: [STORED], LoadOutputs: [OUTPUT]},
+        ["Process", "LookUpClaim", "LoadOutputs"],
+        Duplicate,
+        policy={"max_attempts": 1},
+        expect={"output": OUTPUT},
+    ),
+    "a time limit in the COMMIT, which did not commit: the last attempt failed, poisoned": Row(
+        {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 0)},
+        {
+            Process: [unanswered(Timeout())],
+            LookUpClaim: [None],
+            CountFailure: [1],
+            RecordPoison: [POISON],
+            Publish: [None],
+        },
+        ["Process", "LookUpClaim", "CountFailure", "RecordPoison", "Publish"],
+        Poisoned,
+        policy={"max_attempts": 1},
+        expect={"reason": RETRIES_EXHAUSTED},
+    ),
+    "a time limit in the COMMIT, whose outcome cannot be read: handed back, uncounted": Row(
+        {"interrupts": (Timeout,)},
+        {
+            Process: [unanswered(Timeout())],
+            LookUpClaim: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["Process", "LookUpClaim", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a shutdown in the COMMIT, which did not commit: handed back, uncounted": Row(
         {"shutdowns": (Shutdown,)},
-        {Process: [unanswered(Shutdown())], CountHandBack: [None]},
-        ["Process", "CountHandBack"],
+        {Process: [unanswered(Shutdown())], LookUpClaim: [None], CountHandBack: [None]},
+        ["Process", "LookUpClaim", "CountHandBack"],
         HandedBack,
         expect={"counted": False},
     ),
@@ -786,10 +827,11 @@ def test_core__the_process_is_going_down_the_core_lets_it() -> None:
 def test_core__the_process_going_down_while_the_commit_ran_is_let_through() -> None:
     # Whether it committed is unknown; the process is going down: nothing is settled.
     for exc in (KeyboardInterrupt(), SystemExit()):
-        script = Script({Process: [unanswered(exc)]})
-        with pytest.raises(type(exc)):
-            run(arrival(interrupts=(Timeout,)), script)
-        assert [type(op).__name__ for op in script.performed] == ["Process"]
+        for landed in (unanswered(exc), interrupted(exc)):
+            script = Script({Process: [landed]})
+            with pytest.raises(type(exc)):
+                run(arrival(interrupts=(Timeout,)), script)
+            assert [type(op).__name__ for op in script.performed] == ["Process"]
 
 
 def test_core__the_process_op_carries_the_repair_marker_and_outputs_flag() -> None:
@@ -979,3 +1021,11 @@ def test_core__outputs_sent_before_the_ack(name: str) -> None:
     _check(row, script, run(arrival(**row.arrival), script, _settings(row)))
     sent = [op for op in script.performed if isinstance(op, SendOutputs)]
     assert all(op.output == OUTPUT and op.delivery == delivery() for op in sent)
+
+
+def test_core__the_commit_s_outcome_is_read_once_the_transaction_holding_the_key_ended() -> None:
+    script = Script({Process: [unanswered(Timeout())], LookUpClaim: [None], CountFailure: [1]})
+    run(arrival(interrupts=(Timeout,)), script)
+    look_up = script.performed[1]
+    assert isinstance(look_up, LookUpClaim)
+    assert look_up.settled is True

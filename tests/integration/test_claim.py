@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from inbox_middleware._core.consumption import LookUpClaim
 from inbox_middleware._core.exceptions import (
     ClaimInProgress,
     DatabaseUnavailable,
@@ -21,7 +22,7 @@ from inbox_middleware._core.exceptions import (
     PrerequisiteError,
 )
 from inbox_middleware._core.identity import MessageIdentity, hash_json
-from inbox_middleware._core.protocol import Claim, Decision, Delivery
+from inbox_middleware._core.protocol import Claim, Decision, Delivery, StoredClaim
 from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, driver
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
@@ -255,6 +256,55 @@ def test_claim__concurrent_duplicate_waits_for_first_transaction(pg_engine, firs
             assert b.result().decision is Decision.FIRST
     with pg_engine.connect() as conn:
         assert effects(conn) == 1
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback", "none"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_claim__the_settled_look_up_waits_for_a_transaction_holding_the_key(
+    pg_engine, pg_async_url, first_outcome, kind
+):
+    # Given delivery A holding an uncommitted claim (or none at all)
+    inbox = Inbox(pg_engine, lock_timeout=30)
+    holding, release = threading.Event(), threading.Event()
+
+    def held(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        holding.set()
+        release.wait(30)
+        if first_outcome == "rollback":
+            raise RuntimeError("A fails")
+
+    op = LookUpClaim(delivery(), settled=True)
+
+    async def look_up_async() -> StoredClaim | None:
+        engine = async_engine(pg_async_url)
+        try:
+            return await AsyncInbox(engine).bookkeep(op)
+        finally:
+            await engine.dispose()
+
+    def look_up() -> StoredClaim | None:
+        if kind == "async":
+            return asyncio.run(look_up_async())
+        return Inbox(pg_engine).bookkeep(op)
+
+    with ThreadPoolExecutor(2) as pool:
+        a = None
+        if first_outcome != "none":
+            a = pool.submit(inbox.process, delivery(), held)
+            assert holding.wait(10)
+        # When the claim is read settled: it waits for A (a plain read would see nothing)
+        read = pool.submit(look_up)
+        time.sleep(0.5)
+        assert read.done() == (first_outcome == "none")
+        release.set()
+        stored = read.result(timeout=20)
+        if a is not None and first_outcome == "commit":
+            a.result()
+    # Then it reads A's outcome: its claim after a commit, none after a rollback; and the
+    # read itself claims nothing
+    assert (stored is not None) == (first_outcome == "commit")
+    assert inbox_rows(pg_engine) == (1 if first_outcome == "commit" else 0)
 
 
 def test_claim__sixteen_concurrent_deliveries_have_one_effect(pg_engine):

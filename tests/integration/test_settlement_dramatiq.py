@@ -7,16 +7,21 @@ messages before the consumption core, with a real worker on Redis and RabbitMQ.
    success, and no dead letter;
 6. a message that exceeds its time limit on every attempt is kept as poison when Retries
    gives up, not dead-lettered without a record; but a time limit that runs out while the
-   COMMIT runs fails nothing: whether it committed is for the redelivery to find out;
+   claim waits or the COMMIT runs fails nothing (whether it committed is for the
+   redelivery to find out), in a sync actor and an async one;
 7. a redriven poison message starts its attempts (and Dramatiq's retries) again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import dramatiq
+import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import IntegrityError
 
@@ -188,16 +193,15 @@ def test_settlement__time_limit_on_every_attempt_is_kept_as_poison(broker, queue
         assert effects(conn) == 0
 
 
-# -- 6b. a time limit that runs out while the COMMIT runs ----------------------------------------
+# -- 6b. a time limit that runs out in the inbox's work, not the handler's ----------------------
 
 
-def test_settlement__a_time_limit_in_the_commit_of_the_last_attempt_is_no_failure(
-    broker, queue, pg_engine
-):
-    # Given an actor with no retry left whose COMMIT outlasts its time limit (a deferred
-    # trigger sleeps in it), and an on_success callback
+@contextlib.contextmanager
+def slow_commit(engine) -> Iterator[str]:
+    """A table whose rows make the COMMIT that writes them take 2.5 s (a deferred
+    trigger sleeps in it): its name."""
     table = f"slow_commit_{uuid.uuid4().hex[:8]}"
-    with pg_engine.begin() as conn:
+    with engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {table} (id int)"))
         conn.execute(
             text(
@@ -211,34 +215,104 @@ def test_settlement__a_time_limit_in_the_commit_of_the_last_attempt_is_no_failur
                 f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {table}()"
             )
         )
-    broker.add_middleware(InboxMiddleware(pg_engine))
-
-    @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0, time_limit=200)
-    def add_credit(account_id: int, delta: int) -> int:
-        session = current_session()
-        apply_credit(session, "billing", account_id, delta)
-        session.execute(text(f"INSERT INTO {table} VALUES (1)"))
-        return delta
-
-    @dramatiq.actor(queue_name=queue, inbox_consumer="audit")
-    def audited(message: dict, result: int) -> None:
-        apply_credit(current_session(), "audit", 99, result)
-
     try:
-        with running_worker(broker) as worker:
-            # When the time limit lands while the COMMIT runs
+        yield table
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {table}"))
+            conn.execute(text(f"DROP FUNCTION {table}()"))
+
+
+@contextlib.contextmanager
+def claims_held(engine, seconds: float) -> Iterator[None]:
+    """Claims wait ``seconds`` from now: another transaction locks the claims' table."""
+    locked = threading.Event()
+
+    def hold() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("LOCK TABLE consumer_inbox IN SHARE ROW EXCLUSIVE MODE"))
+            locked.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    locked.wait(10)
+    try:
+        yield
+    finally:
+        holder.join()
+
+
+@pytest.mark.parametrize("where", ["claim", "commit"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_settlement__a_time_limit_in_the_claim_or_the_commit_of_the_last_attempt_fails_nothing(
+    broker, queue, pg_engine, pg_async_engine, where, kind
+):
+    # Given an actor with no retry left and an on_success callback, whose claim waits for
+    # a lock, or whose COMMIT outlasts its time limit (a deferred trigger sleeps in it)
+    broker.add_middleware(InboxMiddleware(pg_async_engine if kind == "async" else pg_engine))
+    stack = contextlib.ExitStack()
+    table = stack.enter_context(slow_commit(pg_engine)) if where == "commit" else None
+    slow = text(f"INSERT INTO {table} VALUES (1)") if table else None
+
+    if kind == "async":
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0, time_limit=200)
+        async def add_credit(account_id: int, delta: int) -> int:
+            session = current_async_session()
+            await apply_credit_async(session, "billing", account_id, delta)
+            if slow is not None:
+                await session.execute(slow)
+            return delta
+
+    else:
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="billing", max_retries=0, time_limit=200)
+        def add_credit(account_id: int, delta: int) -> int:
+            session = current_session()
+            apply_credit(session, "billing", account_id, delta)
+            if slow is not None:
+                session.execute(slow)
+            return delta
+
+    if kind == "async":
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="audit")
+        async def audited(message: dict, result: int) -> None:
+            await apply_credit_async(current_async_session(), "audit", 99, result)
+
+    else:
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="audit")
+        def audited(message: dict, result: int) -> None:
+            apply_credit(current_session(), "audit", 99, result)
+
+    # asyncpg cancels the COMMIT with the coroutine Dramatiq cancels: it never commits
+    cancelled = kind == "async" and where == "commit"
+    with stack, running_worker(broker) as worker:
+        # When the time limit runs out there, not in the actor's own code
+        held = claims_held(pg_engine, 2.5) if where == "claim" else contextlib.nullcontext()
+        with held:
             add_credit.send_with_options(
                 args=(7, 10), on_success="audited", **identity(producer="orders", message_id="t-1")
             )
-            drain(broker, queue, worker)
+            time.sleep(0.5)  # received, and waiting
+        drain(broker, queue, worker)
+        if not cancelled:
             wait_for(lambda: _effects(pg_engine) >= 2, timeout=30, what="the callback's effect")
             drain(broker, queue, worker)
-    finally:
-        with pg_engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE {table}"))
-            conn.execute(text(f"DROP FUNCTION {table}()"))
-    # Then what committed is applied once, its callback once, and no poison row or dead
-    # letter says it failed
+    if cancelled:
+        # Then, read once the COMMIT had ended, the last attempt failed: kept as poison
+        [row] = poison_rows(pg_engine)
+        assert (row["reason_code"], row["attempts"]) == ("retries_exhausted", 1)
+        assert "TimeLimitExceeded" in row["error"]
+        wait_for(lambda: dead_letters(broker, queue) == 1, timeout=10, what="the dead letter")
+        assert claims(pg_engine) == 0
+        with pg_engine.connect() as conn:
+            assert effects(conn) == 0
+        return
+    # Then it is applied once and its callback once; no poison row or dead letter says
+    # it failed (whether the COMMIT committed was read once it had ended)
     assert poison_rows(pg_engine) == []
     assert dead_letters(broker, queue) == 0
     with pg_engine.connect() as conn:

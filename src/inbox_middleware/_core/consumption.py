@@ -55,6 +55,7 @@ from .exceptions import (
     DatabaseUnavailable,
     HandlerTransactionError,
     InboxError,
+    InboxInterrupted,
     MissingIdentity,
     PayloadNotHashable,
     PermanentError,
@@ -342,9 +343,12 @@ class LoadOutputs:
 @dataclass(frozen=True, slots=True)
 class LookUpClaim:
     """Read the claim of ``delivery``'s key, without claiming; answer the `StoredClaim`,
-    or None when there is none."""
+    or None when there is none. With ``settled``, once any transaction still holding the
+    key has ended, as a claim waits for it (within the ``lock_timeout``), so that a COMMIT
+    still running on the server is seen."""
 
     delivery: Delivery
+    settled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -903,14 +907,23 @@ def _failed(
 ) -> Generator[Op, Any, Settlement]:
     """The attempt rolled back with ``exc``: hand back, or count, or keep as poison.
 
-    An attempt interrupted while its COMMIT ran (`CommitUnanswered`) may have committed:
-    it is never counted, so never the last; handed back, its redelivery finds the claim
-    (a duplicate) or runs again."""
+    An interruption that landed in the inbox's work, not the handler's (`InboxInterrupted`:
+    waiting for the database or a concurrent claim, or the COMMIT, which may even have
+    committed) is no fault of the message: never counted, so never the last attempt;
+    handed back, its redelivery finds the claim (a duplicate) or runs again."""
     interruption = _interruption(exc)
     if not isinstance(interruption, Exception) and not isinstance(
         interruption, arrival.interrupts + arrival.shutdowns
     ):
         raise interruption  # the process is going down (KeyboardInterrupt, cancellation)
+    if isinstance(exc, CommitUnanswered):
+        try:
+            committed = yield from _committed_after_all(arrival, rules, delivery)
+        except Exception as trouble:  # still unknown: the redelivery's claim decides
+            return (yield from _hand_back(trouble, delivery))
+        if committed is not None:
+            return committed
+        exc = interruption  # it did not commit: a failed attempt, failed by the interruption
     if isinstance(exc, Unfit):
         details = rejection_details(exc, delivery.consumer, delivery.source)
         return (yield from _reject(DeadLettered("unfit", exc), details))
@@ -939,9 +952,31 @@ def _failed(
     return (yield from _dead_letter(poisoned, delivery))
 
 
+def _committed_after_all(
+    arrival: Arrival, rules: ConsumerPolicy, delivery: Delivery
+) -> Generator[Op, Any, Settlement | None]:
+    """An attempt interrupted while its COMMIT ran: whether it committed, read once any
+    transaction still holding the key has ended. Committed (this payload's claim): settled
+    as the duplicate it now is, its stored outputs sent; not committed: None. Another
+    payload's claim (a conflict committed meanwhile): handed back, for the redelivery to
+    quarantine. Raises when it cannot be told (the database, the lock_timeout)."""
+    stored: StoredClaim | None = yield LookUpClaim(delivery, settled=True)
+    if stored is None:
+        return None
+    decision, verified = compare(stored, delivery)
+    if decision is not Decision.DUPLICATE:
+        return (yield from _hand_back(InboxError("another payload's claim committed"), delivery))
+    verdict = Verdict(Decision.DUPLICATE, stored, verified)
+    if not arrival.keeps_outputs:
+        return Duplicate(verdict)
+    output = yield LoadOutputs(delivery)
+    return (yield from _send_outputs(arrival, rules, Duplicate(verdict, output), output))
+
+
 def _interruption(exc: BaseException) -> BaseException:
-    """What ended the attempt: the interruption itself when it landed in the COMMIT."""
-    if isinstance(exc, CommitUnanswered) and exc.__cause__ is not None:
+    """What ended the attempt: the interruption itself when it landed in the inbox's work
+    (`InboxInterrupted`: the claim, the COMMIT), where storage reports it."""
+    if isinstance(exc, InboxInterrupted) and exc.__cause__ is not None:
         return exc.__cause__
     return exc
 

@@ -20,7 +20,8 @@ InboxError
     ├── TransactionConflict       serialization failure or deadlock, after the in-process retries
     ├── DatabaseUnavailable       the database could not be reached or dropped the connection
     ├── RouteUnavailable          the tenant's database cannot be chosen now (resolver, map)
-    └── CommitUnanswered          interrupted while the COMMIT ran: whether it committed is unknown
+    └── InboxInterrupted          a time limit or shutdown landed outside the handler
+        └── CommitUnanswered      ... while the COMMIT ran: whether it committed is unknown
 ```
 
 Driver errors become these types in exactly one place, `inbox_middleware._storage.errors`:
@@ -43,6 +44,7 @@ __all__ = [
     "HandlerTransactionError",
     "IdentityError",
     "InboxError",
+    "InboxInterrupted",
     "InvalidIdentity",
     "MissingIdentity",
     "PayloadNotHashable",
@@ -219,10 +221,17 @@ class RouteUnavailable(TransientError):
     `DatabaseUnavailable`)."""
 
 
-class CommitUnanswered(TransientError):
-    """An interruption (a time limit, a worker's shutdown) landed while the COMMIT of the
-    claim's transaction was being sent or answered: whether it committed is unknown, the
-    server may still be committing it. Never counted as a failed attempt, so never the
-    last one: the message is handed back, and its redelivery finds the claim (a duplicate,
-    whose stored outputs are sent again) or runs again. The interruption is its
-    ``__cause__``."""
+class InboxInterrupted(TransientError):
+    """An interruption (a time limit, a worker's shutdown) landed while the inbox, not the
+    handler, was at work on the message: claiming it (waiting for the database, or for a
+    concurrent delivery's claim) or writing what goes with the COMMIT. No fault of the
+    message: the transaction is rolled back and the message handed back, never counted as
+    a failed attempt. The interruption is its ``__cause__``."""
+
+
+class CommitUnanswered(InboxInterrupted):
+    """An interruption landed while the COMMIT of the claim's transaction was being sent or
+    answered: whether it committed is unknown, the server may still be committing it.
+    Never counted as a failed attempt, so never the last one: the message is handed back,
+    and its redelivery finds the claim (a duplicate, whose stored outputs are sent again)
+    or runs again."""

@@ -33,10 +33,10 @@ from .base import (
     any_first_seen,
     database_settings,
     guard_transaction,
+    interrupted,
     leave_handler,
     log_event,
     track_aborts,
-    unanswered,
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
@@ -182,8 +182,8 @@ class AsyncInbox(Executor):
                     raise
             except BaseException as exc:
                 await _abandon_async(session, exc, attempts.delivery)
-                if committing[0]:
-                    raise unanswered(attempts.delivery) from exc
+                if committing[0] or not attempts.in_handler:
+                    raise interrupted(attempts.delivery, committing=committing[0]) from exc
                 raise
             finally:
                 leave_handler(session.sync_session)

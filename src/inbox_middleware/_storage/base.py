@@ -42,6 +42,7 @@ from .._core.exceptions import (
     CommitUnanswered,
     ConfigurationError,
     HandlerTransactionError,
+    InboxInterrupted,
     PrerequisiteError,
 )
 from .._core.outputs import Output
@@ -85,11 +86,11 @@ __all__ = [
     "database_settings",
     "enter_handler",
     "guard_transaction",
+    "interrupted",
     "leave_handler",
     "log_event",
     "shadow_verdict",
     "track_aborts",
-    "unanswered",
 ]
 
 R = TypeVar("R")
@@ -212,6 +213,8 @@ class Executor:
             case CountHandBack(delivery=delivery):
                 self.recorder.count_hand_back(conn, delivery, "handed back")
                 return None
+            case LookUpClaim(delivery=delivery, settled=True):
+                return self.statements.settled_claim(conn, delivery)
             case LookUpClaim(delivery=delivery):
                 return self.statements.stored_claim(conn, delivery)
             case LoadOutputs(delivery=delivery):
@@ -536,14 +539,17 @@ def enter_handler(session: Session, conn: Connection) -> None:
     session.info[IN_HANDLER] = info
 
 
-def unanswered(delivery: Delivery) -> CommitUnanswered:
-    """The error of an attempt interrupted once its COMMIT was on its way (its ``cause``
-    is the interruption): reported to the core as it is, since whether the claim committed
-    is unknown (`CommitUnanswered`)."""
+def interrupted(delivery: Delivery, *, committing: bool) -> InboxInterrupted:
+    """The error of an attempt interrupted outside its handler (its ``cause`` is the
+    interruption), reported to the core as what it is: once the COMMIT was on its way,
+    `CommitUnanswered` (whether the claim committed is unknown); before, `InboxInterrupted`
+    (rolled back: the connection is invalidated)."""
     identity = delivery.identity
-    return CommitUnanswered(
-        f"interrupted while the COMMIT of the claim of {identity.message_id!r} ran: "
-        "whether it committed is unknown",
+    where = "the COMMIT of the claim" if committing else "the inbox's work on the claim"
+    error = CommitUnanswered if committing else InboxInterrupted
+    return error(
+        f"interrupted during {where} of {identity.message_id!r}"
+        + (": whether it committed is unknown" if committing else ""),
         consumer=delivery.consumer,
         producer=identity.producer,
         message_id=identity.message_id,

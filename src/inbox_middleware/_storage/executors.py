@@ -57,11 +57,11 @@ from .base import (
     current_delivery,
     database_settings,
     guard_transaction,
+    interrupted,
     leave_handler,
     log_event,
     shadow_verdict,
     track_aborts,
-    unanswered,
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
@@ -216,8 +216,8 @@ class Inbox(Executor):
                     raise
             except BaseException as exc:
                 _abandon(session, exc, attempts.delivery)
-                if committing:
-                    raise unanswered(attempts.delivery) from exc
+                if committing or not attempts.in_handler:
+                    raise interrupted(attempts.delivery, committing=committing) from exc
                 raise
             finally:
                 leave_handler(session)

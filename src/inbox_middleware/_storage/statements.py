@@ -27,6 +27,7 @@ from sqlalchemy import (
     func,
     literal_column,
     select,
+    text,
     true,
     tuple_,
     union_all,
@@ -70,6 +71,7 @@ TRANSACTION_PROBE = "SELECT 1"
 # the transaction: once that transaction ends, by a COMMIT or a ROLLBACK wherever it was
 # sent, it is gone, and any transaction begun since has none.
 _MARK = "inbox_middleware.claim_xid"
+_SET_LOCK_TIMEOUT = text("SELECT pg_catalog.set_config('lock_timeout', :lock_timeout, true)")
 _MARKED = f"pg_catalog.set_config('{_MARK}', 'xid:' || coalesce({{xid}}::text, ''), true)"
 CLAIM_ENDED = "inbox_middleware.claim_transaction_ended"
 """The name in the error the checked COMMIT raises when the transaction is not the claim's."""
@@ -146,6 +148,13 @@ class ClaimStatements:
         values += [self._timestamp("produced_at"), self._timestamp("received_at")]
         rows = select(*values)
         self._columns = [column.name for column in columns]
+        # A claim attempt that only waits: rolled back (`settled_claim`), marks nothing.
+        self.probe: Executable = (
+            insert(inbox)
+            .from_select(self._columns, rows)
+            .on_conflict_do_nothing()
+            .returning(literal_column("1"))
+        )
         self._lock_timeout: str | None = None
         if dialect == "postgresql" and lock_timeout is not None:
             # Set lock_timeout for this transaction inside the claim statement itself: the
@@ -414,6 +423,20 @@ class ClaimStatements:
             "produced_at": delivery.identity.produced_at,
             "received_at": delivery.received_at,
         }
+
+    def settled_claim(self, conn: Connection, delivery: Delivery) -> StoredClaim | None:
+        """The claim held for ``delivery``'s key once any transaction still holding the key
+        has ended (a COMMIT still running on the server): a claim attempt, rolled back to
+        a savepoint, waits for that transaction as a claim does, within the lock_timeout
+        (`LockNotAvailable` after it); then the claim is read, or None when there is none."""
+        probe = conn.begin_nested()
+        try:
+            if self._lock_timeout is not None:
+                conn.execute(_SET_LOCK_TIMEOUT, {"lock_timeout": self._lock_timeout})
+            owned = conn.execute(self.probe, self._claim_row(delivery)).first() is not None
+        finally:
+            probe.rollback()
+        return None if owned else self.stored_claim(conn, delivery)
 
     def stored_claim(self, conn: Connection, delivery: Delivery) -> StoredClaim | None:
         """The claim held for ``delivery``'s key, read without claiming, or None."""

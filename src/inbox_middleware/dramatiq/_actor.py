@@ -23,7 +23,7 @@ import dramatiq
 from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
-from dramatiq.middleware import SkipMessage
+from dramatiq.middleware import Interrupt, SkipMessage
 from dramatiq.middleware.shutdown import Shutdown
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.results import Results
@@ -50,6 +50,7 @@ from .._core.consumption import (
 from .._core.exceptions import (
     ConfigurationError,
     IdentityError,
+    InboxInterrupted,
     MissingIdentity,
     PayloadNotHashable,
 )
@@ -507,7 +508,24 @@ class InboxActor:
             raise ConfigurationError(
                 f"actor {self.actor.actor_name!r} is async: add dramatiq's AsyncIO middleware"
             )
-        return loop_thread.run_coroutine(work)
+        landed: list[BaseException] = []
+
+        async def watched() -> R:
+            try:
+                return await work
+            except BaseException as exc:
+                landed.append(exc)
+                raise
+
+        try:
+            return loop_thread.run_coroutine(watched())
+        except Interrupt as interruption:
+            # Dramatiq cancelled the coroutine where the interruption found it; where the
+            # cancellation landed in the inbox's work (the claim, the COMMIT), storage
+            # reported it, and that report, caused by this interruption, is what happened.
+            if landed and isinstance(landed[0], InboxInterrupted):
+                raise landed[0] from interruption
+            raise
 
 
 class _Result:
