@@ -250,6 +250,21 @@ def test_check__a_stalled_delivery_redelivered_in_flight_counts_as_two_copies() 
     assert "poisoned-and-applied" in _kinds(history)
 
 
+def test_check__a_broker_restart_requeues_what_is_in_flight_two_copies() -> None:
+    # Seed 930033: RabbitMQ restarted requeues the deliveries a worker still processes; a
+    # requeued copy kept as poison (its row recovered) while the other applies is two
+    # copies in flight, not one message ending in two places.
+    history = _history(target="dramatiq-rabbitmq", queues="quorum")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending"), ("a", "redelivery_limit", "recovered")]
+    history.schedule.config = replace(history.schedule.config, redelivery_limit=1)
+    history.schedule.faults = [Fault(1.0, "worker_kill")]
+    assert "poisoned-and-applied" in _kinds(history)
+    history.schedule.faults.append(Fault(2.0, "broker_restart"))
+    assert "poisoned-and-applied" not in _kinds(history)
+
+
 # -- the workload axes -----------------------------------------------------------------------
 
 
