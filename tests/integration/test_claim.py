@@ -222,18 +222,26 @@ def _blocked_on_lock(engine) -> bool:
         )
 
 
-@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
-def test_claim__concurrent_duplicate_waits_for_first_transaction(pg_engine, first_outcome):
-    # Given delivery A holding an uncommitted claim
-    inbox = Inbox(pg_engine, lock_timeout=30)
-    holding, release = threading.Event(), threading.Event()
+def holder(holding: threading.Event, release: threading.Event, outcome: str):
+    """A handler that applies, says so, then holds its transaction open until released,
+    and ends it with ``outcome`` (commit or rollback)."""
 
     def held(session: Session) -> None:
         apply_credit(session, "billing", 1, 10)
         holding.set()
         release.wait(30)
-        if first_outcome == "rollback":
+        if outcome == "rollback":
             raise RuntimeError("A fails")
+
+    return held
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_claim__concurrent_duplicate_waits_for_first_transaction(pg_engine, first_outcome):
+    # Given delivery A holding an uncommitted claim
+    inbox = Inbox(pg_engine, lock_timeout=30)
+    holding, release = threading.Event(), threading.Event()
+    held = holder(holding, release, first_outcome)
 
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(inbox.process, delivery(), held)
@@ -266,13 +274,7 @@ def test_claim__the_settled_look_up_waits_for_a_transaction_holding_the_key(
     # Given delivery A holding an uncommitted claim (or none at all)
     inbox = Inbox(pg_engine, lock_timeout=30)
     holding, release = threading.Event(), threading.Event()
-
-    def held(session: Session) -> None:
-        apply_credit(session, "billing", 1, 10)
-        holding.set()
-        release.wait(30)
-        if first_outcome == "rollback":
-            raise RuntimeError("A fails")
+    held = holder(holding, release, first_outcome)
 
     op = LookUpClaim(delivery(), settled=True)
 
