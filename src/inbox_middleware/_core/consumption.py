@@ -716,13 +716,10 @@ def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, 
         processed = Processed(outcome.result, verdict, recovered, outcome.attempts, old)
         return (yield from _send_outputs(arrival, rules, processed, outcome.result))
     if verdict.decision is Decision.DUPLICATE:
-        if not arrival.keeps_outputs:
-            return Duplicate(verdict)
         try:
-            output = yield LoadOutputs(delivery)
-        except Exception as exc:
+            return (yield from _duplicate(arrival, rules, delivery, verdict))
+        except Exception as exc:  # its outputs could not be loaded
             return (yield from _hand_back(exc, delivery))
-        return (yield from _send_outputs(arrival, rules, Duplicate(verdict, output), output))
     assert verdict.quarantine is not None
     details = conflict_details(delivery, verdict)
     try:
@@ -966,7 +963,18 @@ def _committed_after_all(
     decision, verified = compare(stored, delivery)
     if decision is not Decision.DUPLICATE:
         return (yield from _hand_back(InboxError("another payload's claim committed"), delivery))
-    verdict = Verdict(Decision.DUPLICATE, stored, verified)
+    return (
+        yield from _duplicate(
+            arrival, rules, delivery, Verdict(Decision.DUPLICATE, stored, verified)
+        )
+    )
+
+
+def _duplicate(
+    arrival: Arrival, rules: ConsumerPolicy, delivery: Delivery, verdict: Verdict
+) -> Generator[Op, Any, Settlement]:
+    """A duplicate: its stored outputs loaded and sent where the adapter keeps them.
+    Raises when they cannot be loaded."""
     if not arrival.keeps_outputs:
         return Duplicate(verdict)
     output = yield LoadOutputs(delivery)
