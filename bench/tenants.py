@@ -19,8 +19,10 @@ proxy, which then takes bytes and answers nothing), then served again.
 
 For the healthy tenants (the first two databases), over the outage window of each run:
 throughput (their messages sent in the window and applied, a second) and p99 latency
-(applied - sent), outage run against baseline run, as ratios; and for every run, lost
-(sent, never applied) and twice (applied more than once). The servers are stopped and
+(applied - sent), outage run against baseline run, as ratios a pair and over all the
+pairs (the outage runs' mean over the baselines' mean, beside how far apart the baselines'
+own p99 lie); and for every run, lost (sent, never applied) and twice (applied more than
+once). The servers are stopped and
 started: run it under the fault lock (``flock /tmp/inbox-fault.lock python -m
 bench.tenants``).
 """
@@ -458,6 +460,12 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
 
 
+def _mean_ratio(broken: list[Run], baseline: list[Run], name: str) -> float:
+    return statistics.mean(getattr(r, name) for r in broken) / statistics.mean(
+        getattr(r, name) for r in baseline
+    )
+
+
 def summary(
     framework: str, runs: list[Run], rate: float, outage: float, pairs: int
 ) -> dict[str, Any]:
@@ -474,6 +482,12 @@ def summary(
         "p99_ratio": [
             o.healthy_p99_ms / b.healthy_p99_ms for b, o in zip(baseline, broken, strict=True)
         ],
+        # Over the runs: the mean of the outage runs' figure over the baselines'. A single
+        # pair's ratio also carries the baseline's own run-to-run spread.
+        "throughput_ratio_over_runs": _mean_ratio(broken, baseline, "healthy_per_s"),
+        "p99_ratio_over_runs": _mean_ratio(broken, baseline, "healthy_p99_ms"),
+        "baseline_p99_spread": max(r.healthy_p99_ms for r in baseline)
+        / min(r.healthy_p99_ms for r in baseline),
         "lost": sum(r.lost for r in runs),
         "twice": sum(r.twice for r in runs),
     }
