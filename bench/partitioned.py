@@ -1,0 +1,229 @@
+"""A time-partitioned claims table: the layout proven here before the library offers it.
+
+The claims table partitioned by day of arrival (``processed_at``, the claim
+transaction's start) keeps the index a claim writes to one day's rows however long the
+retention window, and makes the purge a `DETACH PARTITION ... CONCURRENTLY` and a `DROP
+TABLE` of the oldest day instead of a DELETE and the VACUUM after it. Its danger is the
+one the design names: a unique key on a partitioned table must contain the partition
+column, so each day's partition is unique on the identity only within that day, and a
+redelivery that arrives on the next day (or races the first delivery across midnight)
+lands in another partition.
+
+The claim here closes that gap for every kind of message id, time-ordered or not: one
+statement, a call of a function the layout installs (`claim_function`), which
+
+1. takes a transaction-scoped advisory lock on the identity (every claim of the
+   identity waits here for the one before it to commit or roll back);
+2. looks for the identity in every partition, with a snapshot taken *after* the lock
+   (a VOLATILE PL/pgSQL function takes a fresh snapshot for each statement in READ
+   COMMITTED), so a claim that committed while this one waited is seen;
+3. inserts into the partition of the day (its own unique index catches what the lock
+   could not: an insert made without the function).
+
+`claim_in_one_statement` is the same lock and look-up written as a single INSERT: its
+snapshot is taken before the lock is granted, so it misses a claim that committed while
+it waited. It is kept to show that the boundary test can fail (and does, for it and for
+the plain insert, `claim_without_lock`).
+
+Used by ``python -m bench.growth --layouts plain,partitioned`` and by
+``tests/integration/test_partition_boundary.py``; the SQL a configured schema would need
+(quoted names, the library's migrations, the rolling change from today's table) is the
+work that remains before the library offers the layout.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
+
+import psycopg
+
+TABLE = "consumer_inbox"
+KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+COLUMNS = (
+    *KEY,
+    "payload_sha256",
+    "hash_scheme",
+    "handler_version",
+    "trace_id",
+    "produced_at",
+    "received_at",
+)
+
+CREATE_TABLE = f"""CREATE TABLE {TABLE} (
+    consumer_name   text        NOT NULL,
+    producer_name   text        NOT NULL,
+    tenant          text        NOT NULL DEFAULT '',
+    message_id      text        NOT NULL,
+    payload_sha256  text        NOT NULL,
+    hash_scheme     text        NOT NULL,
+    handler_version text        NOT NULL DEFAULT '',
+    produced_at     timestamptz,
+    received_at     timestamptz NOT NULL DEFAULT now(),
+    processed_at    timestamptz NOT NULL DEFAULT now(),
+    trace_id        text
+) PARTITION BY RANGE (processed_at)"""
+
+# The advisory lock's two keys: the table's (so that the lock space is the layout's own,
+# apart from a user's one-key advisory locks) and the identity's 32-bit hash. Two
+# identities that share a hash only wait for each other.
+_LOCK = f"""pg_catalog.pg_advisory_xact_lock(
+        pg_catalog.hashtext('{TABLE}'),
+        pg_catalog.hashtext(c || chr(31) || p || chr(31) || t || chr(31) || m))"""
+_SEEN = f"""EXISTS (SELECT 1 FROM {TABLE}
+        WHERE consumer_name = c AND producer_name = p AND tenant = t AND message_id = m)"""
+_VALUES = "c, p, t, m, sha, scheme, version, trace, produced, received"
+
+CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
+    c text, p text, t text, m text, sha text, scheme text, version text, trace text,
+    produced timestamptz, received timestamptz, timeout text) RETURNS xid8
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
+    PERFORM {_LOCK};
+    IF {_SEEN} THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO {TABLE} ({", ".join(COLUMNS)}) VALUES ({_VALUES})
+        ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN pg_catalog.pg_current_xact_id();
+END $$"""
+
+_ARGUMENTS = ", ".join(f"%({name})s" for name in (*COLUMNS, "lock_timeout"))
+CLAIM = f"SELECT {TABLE}_claim({_ARGUMENTS})"
+"""The claim: one round trip; answers the transaction id when claimed, NULL when the
+identity is stored already."""
+
+_PARAMETERS = """SELECT %(consumer_name)s::text AS c, %(producer_name)s::text AS p,
+        %(tenant)s::text AS t, %(message_id)s::text AS m, %(payload_sha256)s::text AS sha,
+        %(hash_scheme)s::text AS scheme, %(handler_version)s::text AS version,
+        %(trace_id)s::text AS trace, %(produced_at)s::timestamptz AS produced,
+        %(received_at)s::timestamptz AS received"""
+CLAIM_IN_ONE_STATEMENT = f"""WITH given AS MATERIALIZED ({_PARAMETERS}),
+    locked AS MATERIALIZED (SELECT given.*, {_LOCK} FROM given)
+INSERT INTO {TABLE} ({", ".join(COLUMNS)})
+SELECT {_VALUES} FROM locked WHERE NOT {_SEEN}
+ON CONFLICT DO NOTHING RETURNING pg_catalog.pg_current_xact_id()"""
+"""Wrong on purpose: the lock and the look-up in one statement, whose snapshot predates
+the lock."""
+
+CLAIM_WITHOUT_LOCK = f"""INSERT INTO {TABLE} ({", ".join(COLUMNS)})
+SELECT {_VALUES} FROM ({_PARAMETERS}) AS given
+ON CONFLICT DO NOTHING RETURNING pg_catalog.pg_current_xact_id()"""
+"""Wrong on purpose: each day's unique index alone."""
+
+CLAIMS = {
+    "function": CLAIM,
+    "one_statement": CLAIM_IN_ONE_STATEMENT,
+    "without_lock": CLAIM_WITHOUT_LOCK,
+}
+
+# -- the compact row ---------------------------------------------------------------------------
+
+DIGEST_SQL = """pg_catalog.encode(pg_catalog.substr(pg_catalog.sha256(pg_catalog.convert_to(
+        {c} || chr(31) || {p} || chr(31) || {t} || chr(31) || {m}, 'UTF8')), 1, 16),
+        'hex')::uuid"""
+"""The identity's digest: the first 16 bytes of SHA-256 over its four parts (the unit
+separator between them), as a ``uuid`` (16 bytes, no length header)."""
+
+CREATE_COMPACT_TABLE = f"""CREATE TABLE {TABLE} (
+    processed_at    timestamptz NOT NULL DEFAULT now(),
+    identity        uuid        NOT NULL,
+    payload_digest  uuid        NOT NULL,
+    hash_scheme     smallint    NOT NULL
+) PARTITION BY RANGE (processed_at)"""
+"""The same partitions with the fewest bytes a row: the identity's digest instead of its
+four texts, the payload's SHA-256 cut to 16 bytes instead of 64 hex characters, the hash
+scheme as a small number, the claim's time; no handler version, producer time, receipt
+time or trace. Columns in order of alignment: a row is 24 bytes of header and 42 of
+data."""
+
+COMPACT_CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
+    c text, p text, t text, m text, sha text, scheme text, version text, trace text,
+    produced timestamptz, received timestamptz, timeout text) RETURNS xid8
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    key uuid := {DIGEST_SQL.format(c="c", p="p", t="t", m="m")};
+BEGIN
+    PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
+    PERFORM {_LOCK};
+    IF EXISTS (SELECT 1 FROM {TABLE} WHERE identity = key) THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO {TABLE} (identity, payload_digest, hash_scheme)
+        VALUES (key, pg_catalog.left(sha, 32)::uuid, 1)
+        ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN pg_catalog.pg_current_xact_id();
+END $$"""
+
+_IDENTITY = DIGEST_SQL.format(
+    c="%(consumer_name)s::text",
+    p="%(producer_name)s::text",
+    t="%(tenant)s::text",
+    m="%(message_id)s::text",
+)
+COMPACT_LOOK_UP = f"""SELECT payload_digest, hash_scheme, processed_at FROM {TABLE}
+    WHERE identity = {_IDENTITY}"""
+"""The stored claim of an identity, for a duplicate, in the compact row."""
+
+
+def create(conn: psycopg.Connection[Any], first: date, days: int, *, compact: bool = False) -> None:
+    """Replace the claims table by the partitioned one (``compact``: its compact row),
+    with a partition a day from ``first`` for ``days`` days, and install the claim
+    function."""
+    conn.execute(f"DROP TABLE IF EXISTS {TABLE} CASCADE")
+    conn.execute(CREATE_COMPACT_TABLE if compact else CREATE_TABLE)
+    for n in range(days):
+        day = first + timedelta(days=n)
+        add_partition(conn, _midnight(day), _midnight(day + timedelta(days=1)), compact=compact)
+    conn.execute(COMPACT_CLAIM_FUNCTION if compact else CLAIM_FUNCTION)
+
+
+def add_partition(
+    conn: psycopg.Connection[Any], lower: datetime, upper: datetime, *, compact: bool = False
+) -> str:
+    """A partition for claims whose transaction started in [lower, upper), with its own
+    unique index on the identity."""
+    name = f"{TABLE}_{lower.astimezone(UTC):%Y%m%d_%H%M%S_%f}"
+    bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
+    conn.execute(f"CREATE TABLE {name} PARTITION OF {TABLE} FOR VALUES {bounds}")
+    key = "identity" if compact else ", ".join(KEY)
+    conn.execute(f"CREATE UNIQUE INDEX {name}_key ON {name} ({key})")
+    return name
+
+
+def partitions(conn: psycopg.Connection[Any]) -> list[str]:
+    """The partitions, oldest first."""
+    rows = conn.execute(
+        """SELECT c.relname FROM pg_catalog.pg_inherits i
+           JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+           WHERE i.inhparent = %s::regclass ORDER BY c.relname""",
+        (TABLE,),
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
+def drop_oldest(conn: psycopg.Connection[Any]) -> tuple[str, int]:
+    """The purge of this layout: the oldest partition detached without blocking the claims
+    (``CONCURRENTLY``; ``conn`` must be in autocommit) and dropped. Answers its name and
+    the rows it held."""
+    oldest = partitions(conn)[0]
+    counted = conn.execute(f"SELECT count(*) FROM {oldest}").fetchone()
+    rows = int(counted[0]) if counted else 0
+    conn.execute(f"ALTER TABLE {TABLE} DETACH PARTITION {oldest} CONCURRENTLY")
+    conn.execute(f"DROP TABLE {oldest}")
+    return oldest, rows
+
+
+def _midnight(day: date) -> datetime:
+    return datetime.combine(day, time(), tzinfo=UTC)
+
+
+def _literal(at: datetime) -> str:
+    return f"'{at.astimezone(UTC).isoformat()}'"
