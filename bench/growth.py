@@ -3,6 +3,7 @@
     python -m bench.growth --quick                      # empty and 10^6 rows, ~2 minutes
     python -m bench.growth --sizes 0,1e6,1e7,5e7        # a full run (disk: ~290 B a row)
     python -m bench.growth --shapes random --seconds 20 --threads 8
+    python -m bench.growth --layouts plain,partitioned,compact  # beside a partition a day
 
 For each key shape (``random``: UUIDv4-like message ids, every claim lands on a random
 primary-key page; ``ordered``: time-ordered ids, every claim lands on the rightmost
@@ -20,6 +21,11 @@ costs. Then, at the largest size: bytes per remembered message (table, primary k
 other indexes), the library's `purge` of the oldest tenth alone (rows a second, WAL) and
 the VACUUM it leaves, and a second tenth purged while claims run at half of their
 measured rate (their p99 during the purge against the same rate without it).
+
+With ``--layouts plain,partitioned,compact`` each shape runs again on `bench.partitioned`'s
+claims table (a partition a day of arrival, the claim under an advisory lock on the
+identity, looked for in every partition), whose purge drops the oldest day; ``compact``
+is the same with its compact row (a 16-byte digest of the identity for a key).
 
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
@@ -45,6 +51,7 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
+from bench import partitioned
 from bench.common import PG, ROOT, percentile
 from inbox_middleware._operate.retention import DEFAULT_PURGE_RATE, purge
 from inbox_middleware._storage import InboxSchema, migrate
@@ -110,7 +117,25 @@ _ID_SQL = {
 _HASH = hashlib.sha256(b"payload").hexdigest()
 
 
-def _fill(conn: psycopg.Connection[Any], shape: str, start: int, stop: int, top: int) -> None:
+def _compact_fill(shape: str) -> str:
+    identity = partitioned.DIGEST_SQL.format(
+        c="%(consumer)s::text", p="%(producer)s::text", t="''", m=_ID_SQL[shape]
+    )
+    return f"""INSERT INTO consumer_inbox (processed_at, identity, payload_digest, hash_scheme)
+        SELECT t, {identity}, left(%(hash)s, 32)::uuid, 1
+        FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n,
+            LATERAL (SELECT %(oldest)s::timestamptz
+                + make_interval(secs => n * %(step)s::float8)) AS at(t)"""
+
+
+def _fill(
+    conn: psycopg.Connection[Any],
+    shape: str,
+    start: int,
+    stop: int,
+    top: int,
+    layout: str = "plain",
+) -> None:
     """Insert messages ``start`` to ``stop - 1``; processed_at rises with n over `WINDOW`,
     ``top`` (the largest size of the run) being now."""
     oldest = datetime.now(UTC) - WINDOW
@@ -118,7 +143,9 @@ def _fill(conn: psycopg.Connection[Any], shape: str, start: int, stop: int, top:
     for low in range(start, stop, FILL_CHUNK):
         high = min(stop, low + FILL_CHUNK)
         conn.execute(
-            f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
+            _compact_fill(shape)
+            if layout == "compact"
+            else f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
                     payload_sha256, hash_scheme, handler_version, produced_at, received_at,
                     processed_at)
                 SELECT %(consumer)s, %(producer)s, '', {_ID_SQL[shape]}, %(hash)s, %(scheme)s,
@@ -168,6 +195,7 @@ class Load:
     shape: str
     rows: int
     seconds: float
+    layout: str = "plain"
     transactions: int = 0
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     wal_bytes: int = 0
@@ -182,6 +210,7 @@ class Load:
         return {
             "mode": self.mode,
             "shape": self.shape,
+            "layout": self.layout,
             "rows": self.rows,
             "tps": round(self.rate, 1),
             "p50_ms": round(percentile(self.latencies_ms, 0.5), 3),
@@ -204,8 +233,18 @@ class Counter:
             return self._next
 
 
-def _transaction(mode: str, shape: str, stored: int, fresh: Counter) -> Callable[..., None]:
+def _transaction(
+    mode: str, shape: str, stored: int, fresh: Counter, layout: str = "plain"
+) -> Callable[..., None]:
     import random
+
+    claim_sql = CLAIM_SQL if layout == "plain" else partitioned.CLAIM
+    look_up_sql = LOOK_UP_SQL if layout != "compact" else partitioned.COMPACT_LOOK_UP
+
+    def claimed(conn: psycopg.Connection[Any], params: dict[str, Any]) -> bool:
+        # The plain claim answers no row for a stored identity, the layout's function NULL.
+        row = conn.execute(claim_sql, params).fetchone()
+        return row is not None and row[0] is not None
 
     def update(conn: psycopg.Connection[Any]) -> None:
         with conn.transaction():
@@ -213,15 +252,14 @@ def _transaction(mode: str, shape: str, stored: int, fresh: Counter) -> Callable
 
     def claim(conn: psycopg.Connection[Any]) -> None:
         with conn.transaction():
-            claimed = conn.execute(CLAIM_SQL, _claim_params(shape, fresh())).fetchone()
-            assert claimed is not None, "a new identity was not claimed"
+            assert claimed(conn, _claim_params(shape, fresh())), "a new identity, not claimed"
             conn.execute(UPDATE_SQL, {"account": random.randint(1, ACCOUNTS)})
 
     def duplicate(conn: psycopg.Connection[Any]) -> None:
         params = _claim_params(shape, random.randrange(max(stored, 1)))
         with conn.transaction():
-            assert conn.execute(CLAIM_SQL, params).fetchone() is None, "not a duplicate"
-            assert conn.execute(LOOK_UP_SQL, params).fetchone() is not None
+            assert not claimed(conn, params), "not a duplicate"
+            assert conn.execute(look_up_sql, params).fetchone() is not None
 
     return {"update": update, "claim": claim, "duplicate": duplicate}[mode]
 
@@ -247,11 +285,12 @@ def run_load(
     seconds: float,
     rate: float | None = None,
     during: Callable[[], None] | None = None,
+    layout: str = "plain",
 ) -> Load:
     """Run ``threads`` connections doing ``mode`` for ``seconds`` (at most ``rate``
     transactions a second in all, when given); with ``during``, until it returns."""
-    load = Load(mode, shape, stored, seconds)
-    work = _transaction(mode, shape, stored, fresh)
+    load = Load(mode, shape, stored, seconds, layout)
+    work = _transaction(mode, shape, stored, fresh, layout)
     stop = threading.Event()
     lock = threading.Lock()
     interval = threads / rate if rate else 0.0
@@ -297,7 +336,10 @@ def run_load(
 # -- the run ------------------------------------------------------------------------------------
 
 
-def _reset() -> None:
+def _reset(layout: str = "plain") -> None:
+    """A new database with the library's tables; with ``layout`` partitioned or compact,
+    the claims table replaced by `bench.partitioned`'s, a partition a day over `WINDOW`
+    and two days ahead."""
     with psycopg.connect(_url("postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{DATABASE}"')
@@ -305,6 +347,9 @@ def _reset() -> None:
     migrate(engine)
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        if layout != "plain":
+            first = (datetime.now(UTC) - WINDOW).date()
+            partitioned.create(conn, first, WINDOW.days + 3, compact=layout == "compact")
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
         conn.execute(
@@ -317,12 +362,22 @@ def _settle(conn: psycopg.Connection[Any]) -> None:
     conn.execute("CHECKPOINT")
 
 
+LEAVES = """(SELECT relid FROM pg_partition_tree('consumer_inbox') WHERE isleaf
+    UNION ALL SELECT 'consumer_inbox'::regclass
+    WHERE (SELECT relkind FROM pg_class WHERE oid = 'consumer_inbox'::regclass) = 'r')"""
+"""The claims table's relations that hold rows: its partitions, or the table itself."""
+
+
 def sizes_of(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    # Over the partition tree: the table itself when it is not partitioned. The key is
+    # its unique index (the primary key, or each partition's).
     row = conn.execute(
-        """SELECT pg_table_size('consumer_inbox'),
-                  pg_relation_size('consumer_inbox_pkey'),
-                  pg_indexes_size('consumer_inbox'),
-                  (SELECT count(*) FROM consumer_inbox)"""
+        f"""SELECT sum(pg_table_size(t.relid)),
+                  (SELECT coalesce(sum(pg_relation_size(i.indexrelid)), 0) FROM pg_index i
+                   WHERE i.indisunique AND i.indrelid IN {LEAVES}),
+                  sum(pg_indexes_size(t.relid)),
+                  (SELECT count(*) FROM consumer_inbox)
+           FROM {LEAVES} AS t(relid)"""
     ).fetchone()
     assert row is not None
     table, key, indexes, count = (int(value) for value in row)
@@ -346,11 +401,13 @@ OLD_PURGE_SQL = """DELETE FROM consumer_inbox WHERE ctid = ANY(ARRAY(
     WHERE processed_at < now() - make_interval(secs => %(seconds)s::float8)
     LIMIT %(limit)s FOR UPDATE SKIP LOCKED))"""
 SHORT = {
+    "drop": "a day's partition dropped",
     "old": "old: a seq scan per batch",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
 }
 PURGES = {
+    "drop": "the partitioned layout's: the oldest day detached concurrently and dropped",
     "old": "the old purge: a sequential scan per batch, unpaced",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, paced at {DEFAULT_PURGE_RATE:,.0f} rows a second (the default)",
@@ -375,6 +432,10 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
     began = time.monotonic()
+    if how == "drop":
+        with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+            _, rows = partitioned.drop_oldest(conn)
+        return rows, time.monotonic() - began
     if how == "old":
         return _old_purge(older_than), time.monotonic() - began
     engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
@@ -389,7 +450,7 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
 def _dead_tuples(conn: psycopg.Connection[Any]) -> int:
     conn.execute("SELECT pg_stat_force_next_flush()")
     row = conn.execute(
-        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'consumer_inbox'"
+        f"SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relid IN {LEAVES}"
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -419,8 +480,9 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
     """The heap's free space over its size, from the free space map (bloat left behind)."""
     row = conn.execute(
-        """SELECT sum(avail)::float8 / nullif(pg_relation_size('consumer_inbox'), 0)
-           FROM pg_freespace('consumer_inbox')"""
+        f"""SELECT (SELECT sum(f.avail) FROM {LEAVES} AS t(relid),
+                       LATERAL pg_freespace(t.relid) f)::float8
+                  / nullif((SELECT sum(pg_relation_size(t.relid)) FROM {LEAVES} AS t(relid)), 0)"""
     ).fetchone()
     return round(float(row[0]), 3) if row and row[0] is not None else None
 
@@ -442,27 +504,41 @@ def _one_purge(tenth: int, how: str) -> dict[str, Any]:
     return result
 
 
-def measure_purge(shape: str, top: int, claim_rate: float, threads: int) -> dict[str, Any]:
+def measure_purge(
+    shape: str, top: int, claim_rate: float, threads: int, layout: str = "plain"
+) -> dict[str, Any]:
     """Each purge (`PURGES`) removes one tenth of the rows, oldest first, alone; then each
-    the next tenth while claims run at half their measured rate."""
+    the next tenth while claims run at half their measured rate. The partitioned layout's
+    drops the oldest day instead (a fourteenth of the rows, the first one partly filled)."""
     result: dict[str, Any] = {"alone": {}, "under_load": {}}
     tenth = 0
-    for how in ("old", "new"):
+    alone, loaded = PLAIN_PURGES if layout == "plain" else (("drop",), ("drop",))
+    for how in alone:
         result["alone"][how] = _one_purge(tenth, how)
         tenth += 1
     fresh = Counter(top * 2)
     half = claim_rate / 2
-    baseline = run_load("claim", shape, top, fresh, threads=threads, seconds=5, rate=half)
+    baseline = run_load(
+        "claim", shape, top, fresh, threads=threads, seconds=5, rate=half, layout=layout
+    )
     base_p50 = percentile(baseline.latencies_ms, 0.5)
     base_p99 = percentile(baseline.latencies_ms, 0.99)
-    for how in ("old", "new", "paced"):
+    for how in loaded:
         purged: dict[str, Any] = {}
 
         def purge_now(tenth: int = tenth, how: str = how, purged: dict[str, Any] = purged) -> None:
             purged.update(_one_purge(tenth, how))
 
         during = run_load(
-            "claim", shape, top, fresh, threads=threads, seconds=0, rate=half, during=purge_now
+            "claim",
+            shape,
+            top,
+            fresh,
+            threads=threads,
+            seconds=0,
+            rate=half,
+            during=purge_now,
+            layout=layout,
         )
         tenth += 1
         p50, p99 = percentile(during.latencies_ms, 0.5), percentile(during.latencies_ms, 0.99)
@@ -482,36 +558,55 @@ def measure_purge(shape: str, top: int, claim_rate: float, threads: int) -> dict
     return result
 
 
-def run(shapes: list[str], sizes: list[int], seconds: float, threads: int) -> dict[str, Any]:
+PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
+LAYOUTS = ("plain", "partitioned", "compact")
+
+
+def series(shape: str, layout: str) -> str:
+    """A shape and layout's name in the report: the shape alone for the library's layout."""
+    return shape if layout == "plain" else f"{shape}, {layout}"
+
+
+def run(
+    shapes: list[str],
+    sizes: list[int],
+    seconds: float,
+    threads: int,
+    layouts: tuple[str, ...] = ("plain",),
+) -> dict[str, Any]:
     report: dict[str, Any] = {"loads": [], "sizes": {}, "purge": {}, "ratios": []}
     top = max(sizes)
     with psycopg.connect(_url("postgres"), autocommit=True) as conn:
         report["server"] = {name: _setting(conn, name) for name in SETTINGS}
         report["server"]["address"] = SERVER.rsplit("@", 1)[-1]
-    for shape in shapes:
-        _reset()
+    for layout, shape in [(layout, shape) for layout in layouts for shape in shapes]:
+        name = series(shape, layout)
+        _reset(layout)
         stored = 0
         claim_rate = 0.0
         for size in sorted(sizes):
             with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
                 began = time.monotonic()
-                _fill(conn, shape, stored, size, top)
+                _fill(conn, shape, stored, size, top, layout)
                 stored = size
                 _settle(conn)
                 filled = time.monotonic() - began
-                report["sizes"][f"{shape}/{size}"] = sizes_of(conn) | {"fill_seconds": filled}
+                report["sizes"][f"{name}/{size}"] = sizes_of(conn) | {"fill_seconds": filled}
             fresh = Counter(top * 4 + size)  # above every stored and purge-time number
             loads = {}
             for mode in ("update", "claim", "duplicate"):
                 if mode == "duplicate" and not size:
                     continue
-                loads[mode] = run_load(mode, shape, stored, fresh, threads=threads, seconds=seconds)
+                loads[mode] = run_load(
+                    mode, shape, stored, fresh, threads=threads, seconds=seconds, layout=layout
+                )
                 report["loads"].append(loads[mode].summary())
                 print(json.dumps(loads[mode].summary()), flush=True)
             claim_rate = loads["claim"].rate
             report["ratios"].append(
                 {
                     "shape": shape,
+                    "layout": layout,
                     "rows": size,
                     "claim_over_update": round(claim_rate / loads["update"].rate, 3),
                 }
@@ -520,8 +615,8 @@ def run(shapes: list[str], sizes: list[int], seconds: float, threads: int) -> di
             with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
                 _settle(conn)
         if top:
-            report["purge"][shape] = measure_purge(shape, top, claim_rate, threads)
-            print(json.dumps({shape: report["purge"][shape]}), flush=True)
+            report["purge"][name] = measure_purge(shape, top, claim_rate, threads, layout)
+            print(json.dumps({name: report["purge"][name]}), flush=True)
     return report
 
 
@@ -541,9 +636,12 @@ def table(report: dict[str, Any]) -> Iterator[str]:
         "| WAL bytes a claim tx | blocks read a claim tx | duplicate tps |"
     )
     yield "|---|---|---|---|---|---|---|---|---|"
-    loads = {(x["shape"], x["rows"], x["mode"]): x for x in report["loads"]}
+    loads = {
+        (series(x["shape"], x.get("layout", "plain")), x["rows"], x["mode"]): x
+        for x in report["loads"]
+    }
     for ratio in report["ratios"]:
-        key = (ratio["shape"], ratio["rows"])
+        key = (series(ratio["shape"], ratio.get("layout", "plain")), ratio["rows"])
         update, claim = loads[(*key, "update")], loads[(*key, "claim")]
         duplicate = loads.get((*key, "duplicate"), {}).get("tps", "-")
         yield (
@@ -556,7 +654,12 @@ def table(report: dict[str, Any]) -> Iterator[str]:
 def purge_table(report: dict[str, Any]) -> Iterator[str]:
     """The purges, side by side, as Markdown tables: their speed, the claims beside them,
     what they leave behind."""
-    brief = {"old": "old", "new": "ranges", "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s"}
+    brief = {
+        "drop": "a day dropped",
+        "old": "old",
+        "new": "ranges",
+        "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
+    }
     purges = report["purge"]
     yield "| ids, purge | rows/s | vacuum: s, WAL MB | with the vacuum, rows/s | ÷ claims/s |"
     yield "|---|---|---|---|---|"
@@ -612,7 +715,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
     if not rows:
         return written
     labels = [label for label, _ in rows]
-    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.8))
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 2.6))
     ratios = [x["purge_and_vacuum_over_ingest"] or 0 for _, x in rows]
     ax.barh(range(len(rows)), ratios, color="#2f6db3", height=0.6)
     for index, ratio in enumerate(ratios):
@@ -627,12 +730,11 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
         "Does the purge outrun ingest?\n(claims held at half their saturation rate)", fontsize=11
     )
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
     written.append(out / "purge-rate.png")
-    fig.savefig(written[-1], dpi=110)
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.8))
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 2.6))
     for index, (_, x) in enumerate(rows):
         before, during = x["claim_p99_ms_without"], x["claim_p99_ms_during"]
         ax.plot([before, during], [index, index], color="#9aa9b8", zorder=1)
@@ -648,9 +750,8 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
     )
     ax.legend(fontsize=8, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
     written.append(out / "purge-p99.png")
-    fig.savefig(written[-1], dpi=110)
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
     return written
 
@@ -662,6 +763,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="random,ordered")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument(
+        "--layouts",
+        default="plain",
+        help="plain (the library's claims table), partitioned (bench.partitioned: a "
+        "partition a day, the purge a dropped day), compact (the same with the compact "
+        "row), or several: plain,partitioned,compact",
+    )
     parser.add_argument(
         "--server",
         default=None,
@@ -676,12 +784,21 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         if shape not in _ID_SQL:
             parser.error(f"unknown shape {shape!r}: random or ordered")
+    layouts = tuple(layout for layout in args.layouts.split(",") if layout)
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            parser.error(f"unknown layout {layout!r}: plain, partitioned or compact")
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")
     began = time.monotonic()
-    report = run(shapes, sizes, seconds, args.threads)
-    report["settings"] = {"sizes": sizes, "seconds": seconds, "threads": args.threads}
+    report = run(shapes, sizes, seconds, args.threads, layouts)
+    report["settings"] = {
+        "sizes": sizes,
+        "seconds": seconds,
+        "threads": args.threads,
+        "layouts": layouts,
+    }
     report["elapsed_seconds"] = round(time.monotonic() - began, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "growth.json").write_text(json.dumps(report, indent=2, default=str))

@@ -61,3 +61,57 @@ def test_growth__measures_claims_duplicates_and_the_purge_on_a_filled_table(
     assert row is not None
     assert row[0] > 20000 - 5 * 2001
     assert list(growth.table(report))[2].startswith("| random | 0 |")
+
+
+@pytest.mark.parametrize("layout", ["partitioned", "compact"])
+def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
+    database: str, tmp_path: Path, layout: str
+) -> None:
+    growth.main(
+        [
+            "--sizes",
+            "0,20000",
+            "--seconds",
+            "0.5",
+            "--threads",
+            "2",
+            "--shapes",
+            "random",
+            "--layouts",
+            layout,
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    report = json.loads((tmp_path / "growth.json").read_text())
+
+    name = f"random, {layout}"
+    assert {load["layout"] for load in report["loads"]} == {layout}
+    assert {(load["rows"], load["mode"]) for load in report["loads"]} == {
+        (0, "update"),
+        (0, "claim"),
+        (20000, "update"),
+        (20000, "claim"),
+        (20000, "duplicate"),
+    }
+    sizes = report["sizes"][f"{name}/20000"]
+    assert sizes["rows"] > 20000
+    assert 0 < sizes["primary_key_bytes"] < sizes["index_bytes"] + 1
+    assert 60 < sizes["bytes_per_row"] < 2000
+    # Each dropped day's partition held the generated rows of its part of the 14 days
+    purges = report["purge"][name]
+    assert set(purges["alone"]) == set(purges["under_load"]) == {"drop"}
+    dropped = [purges["alone"]["drop"]["rows"], purges["under_load"]["drop"]["rows"]]
+    # (the first, a part of a day, the second, a whole one.)
+    assert 0 <= dropped[0] <= 20000 / 14 + 1 and 0 < dropped[1] <= 20000 / 14 + 1, dropped
+    assert purges["under_load"]["drop"]["ingest_rows_per_second"] > 0
+    assert list(growth.table(report))[2].startswith(f"| {name} | 0 |")
+    with psycopg.connect(f"{PG}/{database}") as conn:
+        row = conn.execute("SELECT count(*) FROM consumer_inbox").fetchone()
+        leaves = conn.execute(
+            "SELECT count(*) FROM pg_partition_tree('consumer_inbox') WHERE isleaf"
+        ).fetchone()
+    assert row is not None and leaves is not None
+    # Every claim went in (the generated rows less the two days dropped, and the claims).
+    assert row[0] > 20000 - sum(dropped)
+    assert leaves[0] == growth.WINDOW.days + 3 - 2
