@@ -20,7 +20,8 @@ Each reports transactions a second, p50 and p99 latency, WAL bytes and blocks re
 costs. Then, at the largest size: bytes per remembered message (table, primary key,
 other indexes), the library's `purge` of the oldest tenth alone (rows a second, WAL) and
 the VACUUM it leaves, and a second tenth purged while claims run at half of their
-measured rate (their p99 during the purge against the same rate without it).
+measured rate (their p99 during the purge against the same rate without it; the window
+lasts at least `DURING` seconds, the claims' connections warm a second before the purge).
 
 With ``--layouts plain,partitioned,compact`` each shape runs again on `bench.partitioned`'s
 claims table (a partition a day of arrival, the claim under an advisory lock on the
@@ -238,8 +239,11 @@ def _transaction(
 ) -> Callable[..., None]:
     import random
 
-    claim_sql = CLAIM_SQL if layout == "plain" else partitioned.CLAIM
+    claim_sql = {"plain": CLAIM_SQL, "partitioned": partitioned.CLAIM}.get(
+        layout, partitioned.COMPACT_CLAIM
+    )
     look_up_sql = LOOK_UP_SQL if layout != "compact" else partitioned.COMPACT_LOOK_UP
+    shaped = partitioned.compact_params if layout == "compact" else dict
 
     def claimed(conn: psycopg.Connection[Any], params: dict[str, Any]) -> bool:
         # The plain claim answers no row for a stored identity, the layout's function NULL.
@@ -251,12 +255,13 @@ def _transaction(
             conn.execute(UPDATE_SQL, {"account": random.randint(1, ACCOUNTS)})
 
     def claim(conn: psycopg.Connection[Any]) -> None:
+        params = shaped(_claim_params(shape, fresh()))
         with conn.transaction():
-            assert claimed(conn, _claim_params(shape, fresh())), "a new identity, not claimed"
+            assert claimed(conn, params), "a new identity, not claimed"
             conn.execute(UPDATE_SQL, {"account": random.randint(1, ACCOUNTS)})
 
     def duplicate(conn: psycopg.Connection[Any]) -> None:
-        params = _claim_params(shape, random.randrange(max(stored, 1)))
+        params = shaped(_claim_params(shape, random.randrange(max(stored, 1))))
         with conn.transaction():
             assert not claimed(conn, params), "not a duplicate"
             assert conn.execute(look_up_sql, params).fetchone() is not None
@@ -504,6 +509,10 @@ def _one_purge(tenth: int, how: str) -> dict[str, Any]:
     return result
 
 
+DURING = 5.0
+"""The shortest window of claims measured during a purge, seconds."""
+
+
 def measure_purge(
     shape: str, top: int, claim_rate: float, threads: int, layout: str = "plain"
 ) -> dict[str, Any]:
@@ -527,7 +536,13 @@ def measure_purge(
         purged: dict[str, Any] = {}
 
         def purge_now(tenth: int = tenth, how: str = how, purged: dict[str, Any] = purged) -> None:
+            # The claims' connections are warm before the purge starts, and the window
+            # lasts at least DURING seconds: a purge shorter than a second (a dropped
+            # day) would otherwise be measured on the claims' first transactions.
+            began = time.monotonic()
+            time.sleep(1.0)
             purged.update(_one_purge(tenth, how))
+            time.sleep(max(0.0, began + DURING - time.monotonic()))
 
         during = run_load(
             "claim",

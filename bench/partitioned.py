@@ -20,12 +20,20 @@ statement, a call of a function the layout installs (`claim_function`), which
 3. inserts into the partition of the day (its own unique index catches what the lock
    could not: an insert made without the function).
 
+The function runs with ``enable_seqscan`` off: its look-up's plan is cached for the
+connection's life, and a plan made while the day's partition was new and empty would scan
+that partition, row by row, all day long; every partition has its index on the identity.
+
 `claim_in_one_statement` is the same lock and look-up written as a single INSERT: its
 snapshot is taken before the lock is granted, so it misses a claim that committed while
 it waited. It is kept to show that the boundary test can fail (and does, for it and for
 the plain insert, `claim_without_lock`).
 
-Used by ``python -m bench.growth --layouts plain,partitioned`` and by
+The compact row (`CREATE_COMPACT_TABLE`, `COMPACT_CLAIM_FUNCTION`) is the same layout
+with the fewest bytes a row: a 16-byte digest of the identity for a key, computed by the
+worker (`compact_params`).
+
+Used by ``python -m bench.growth --layouts plain,partitioned,compact`` and by
 ``tests/integration/test_partition_boundary.py``; the SQL a configured schema would need
 (quoted names, the library's migrations, the rolling change from today's table) is the
 work that remains before the library offers the layout.
@@ -33,6 +41,8 @@ work that remains before the library offers the layout.
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
@@ -74,23 +84,29 @@ _SEEN = f"""EXISTS (SELECT 1 FROM {TABLE}
         WHERE consumer_name = c AND producer_name = p AND tenant = t AND message_id = m)"""
 _VALUES = "c, p, t, m, sha, scheme, version, trace, produced, received"
 
-CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
-    c text, p text, t text, m text, sha text, scheme text, version text, trace text,
-    produced timestamptz, received timestamptz, timeout text) RETURNS xid8
-LANGUAGE plpgsql VOLATILE AS $$
+
+def _body(lock: str, seen: str, insert: str) -> str:
+    """The claim function's body: the lock, the look-up in every partition, the insert."""
+    return f"""LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
 BEGIN
     PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
-    PERFORM {_LOCK};
-    IF {_SEEN} THEN
+    PERFORM {lock};
+    IF {seen} THEN
         RETURN NULL;
     END IF;
-    INSERT INTO {TABLE} ({", ".join(COLUMNS)}) VALUES ({_VALUES})
+    {insert}
         ON CONFLICT DO NOTHING;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
     RETURN pg_catalog.pg_current_xact_id();
 END $$"""
+
+
+CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
+    c text, p text, t text, m text, sha text, scheme text, version text, trace text,
+    produced timestamptz, received timestamptz, timeout text) RETURNS xid8
+{_body(_LOCK, _SEEN, f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({_VALUES})")}"""
 
 _ARGUMENTS = ", ".join(f"%({name})s" for name in (*COLUMNS, "lock_timeout"))
 CLAIM = f"SELECT {TABLE}_claim({_ARGUMENTS})"
@@ -142,35 +158,37 @@ time or trace. Columns in order of alignment: a row is 24 bytes of header and 42
 data."""
 
 COMPACT_CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
-    c text, p text, t text, m text, sha text, scheme text, version text, trace text,
-    produced timestamptz, received timestamptz, timeout text) RETURNS xid8
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    key uuid := {DIGEST_SQL.format(c="c", p="p", t="t", m="m")};
-BEGIN
-    PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
-    PERFORM {_LOCK};
-    IF EXISTS (SELECT 1 FROM {TABLE} WHERE identity = key) THEN
-        RETURN NULL;
-    END IF;
-    INSERT INTO {TABLE} (identity, payload_digest, hash_scheme)
-        VALUES (key, pg_catalog.left(sha, 32)::uuid, 1)
-        ON CONFLICT DO NOTHING;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    RETURN pg_catalog.pg_current_xact_id();
-END $$"""
+    key uuid, payload uuid, scheme smallint, lock_key integer, timeout text) RETURNS xid8
+{
+    _body(
+        f"pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{TABLE}'), lock_key)",
+        f"EXISTS (SELECT 1 FROM {TABLE} WHERE identity = key)",
+        f"INSERT INTO {TABLE} (identity, payload_digest, hash_scheme) VALUES (key, payload, scheme)",
+    )
+}"""
+"""The same claim over the compact row; the worker sends the digests (as the library
+would compute them, in Python) and the lock's key, the digest's first four bytes."""
 
-_IDENTITY = DIGEST_SQL.format(
-    c="%(consumer_name)s::text",
-    p="%(producer_name)s::text",
-    t="%(tenant)s::text",
-    m="%(message_id)s::text",
+COMPACT_CLAIM = (
+    f"SELECT {TABLE}_claim(%(identity)s, %(payload_digest)s, %(scheme_code)s, "
+    "%(lock_key)s, %(lock_timeout)s)"
 )
 COMPACT_LOOK_UP = f"""SELECT payload_digest, hash_scheme, processed_at FROM {TABLE}
-    WHERE identity = {_IDENTITY}"""
+    WHERE identity = %(identity)s"""
 """The stored claim of an identity, for a duplicate, in the compact row."""
+
+
+def compact_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The compact claim's parameters from the library's: the identity's digest (the same
+    as `DIGEST_SQL`), the payload's SHA-256 cut to 16 bytes, the scheme's code."""
+    parts = (params[name] for name in KEY)
+    digest = hashlib.sha256("\x1f".join(parts).encode()).digest()[:16]
+    return params | {
+        "identity": uuid.UUID(bytes=digest),
+        "payload_digest": uuid.UUID(params["payload_sha256"][:32]),
+        "scheme_code": 1,
+        "lock_key": int.from_bytes(digest[:4], "big", signed=True),
+    }
 
 
 def create(conn: psycopg.Connection[Any], first: date, days: int, *, compact: bool = False) -> None:

@@ -27,6 +27,8 @@ import pytest
 from bench import partitioned
 from bench.common import PG
 
+DAY = timedelta(days=1)
+
 pytestmark = pytest.mark.postgres
 
 
@@ -50,14 +52,15 @@ def _began(conn: psycopg.Connection[Any]) -> datetime:
     return began
 
 
-def _boundary(url: str, at: datetime) -> datetime:
-    """The claims table as two partitions meeting at ``at``."""
+def _boundary(url: str, at: datetime, *, compact: bool = False) -> datetime:
+    """The claims table (``compact``: its compact row) as two partitions meeting at
+    ``at``."""
     with psycopg.connect(url, autocommit=True) as conn:
         boundary = at
-        conn.execute(partitioned.CREATE_TABLE)
-        partitioned.add_partition(conn, boundary - timedelta(days=1), boundary)
-        partitioned.add_partition(conn, boundary, boundary + timedelta(days=1))
-        conn.execute(partitioned.CLAIM_FUNCTION)
+        conn.execute(partitioned.CREATE_COMPACT_TABLE if compact else partitioned.CREATE_TABLE)
+        for lower, upper in ((boundary - timedelta(days=1), boundary), (boundary, boundary + DAY)):
+            partitioned.add_partition(conn, lower, upper, compact=compact)
+        conn.execute(partitioned.COMPACT_CLAIM_FUNCTION if compact else partitioned.CLAIM_FUNCTION)
     return boundary
 
 
@@ -87,13 +90,31 @@ def _params(message_id: str) -> dict[str, Any]:
 
 
 def _claim(conn: psycopg.Connection[Any], how: str, message_id: str) -> bool:
-    """One claim statement in the connection's open transaction: claimed or not."""
-    row = conn.execute(partitioned.CLAIMS[how], _params(message_id)).fetchone()
+    """One claim statement in the connection's open transaction: claimed or not. ``how``:
+    one of `partitioned.CLAIMS`, or ``compact`` (the function over the compact row)."""
+    if how == "compact":
+        params = partitioned.compact_params(_params(message_id))
+        row = conn.execute(partitioned.COMPACT_CLAIM, params).fetchone()
+    else:
+        row = conn.execute(partitioned.CLAIMS[how], _params(message_id)).fetchone()
     return row is not None and row[0] is not None
 
 
+def _stored(url: str, message_id: str, *, compact: bool) -> int:
+    """The rows stored for one message id."""
+    if not compact:
+        return sum(_rows(url, message_id).values())
+    identity = partitioned.compact_params(_params(message_id))["identity"]
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {partitioned.TABLE} WHERE identity = %s", (identity,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def _rows(url: str, message_id: str | None = None) -> dict[str, int]:
-    """Rows per message id, and the partition each is in."""
+    """Rows per message id."""
     with psycopg.connect(url) as conn:
         where, args = ("WHERE message_id = %s", (message_id,)) if message_id else ("", ())
         rows = conn.execute(
@@ -110,17 +131,18 @@ def _waiting(url: str, pid: int) -> bool:
     return bool(row and row[0])
 
 
-def _race(url: str, how: str, *, first_ends: str) -> tuple[bool, bool, dict[str, int]]:
+def _race(url: str, how: str, *, first_ends: str) -> tuple[bool, bool, int]:
     """A first delivery claims before the boundary and holds its transaction open past
     it; a redelivery begins after the boundary and claims while the first is still open
     (until it waits on a lock, or has inserted); then the first ends (``commit`` or
-    ``rollback``). Answers whether each claimed, and the rows stored."""
+    ``rollback``). Answers whether each claimed, and the rows stored for the message."""
     message_id = str(uuid.uuid4())
     with (
         psycopg.connect(url, autocommit=True) as first,
         psycopg.connect(url, autocommit=True) as second,
     ):
-        boundary = _boundary(url, _began(first) + timedelta(seconds=0.5))
+        at = _began(first) + timedelta(seconds=0.5)
+        boundary = _boundary(url, at, compact=how == "compact")
         first_claimed = _claim(first, how, message_id)
         _wait_past(second, boundary)
         second.execute("BEGIN")
@@ -133,16 +155,17 @@ def _race(url: str, how: str, *, first_ends: str) -> tuple[bool, bool, dict[str,
             first.execute(first_ends.upper())
             second_claimed = redelivery.result(timeout=10)
         second.execute("COMMIT")
-    return first_claimed, second_claimed, _rows(url, message_id)
+    return first_claimed, second_claimed, _stored(url, message_id, compact=how == "compact")
 
 
+@pytest.mark.parametrize("how", ["function", "compact"])
 def test_redelivery_racing_the_first_delivery_across_the_boundary__one_claim(
-    database: str,
+    database: str, how: str
 ) -> None:
-    first, second, rows = _race(database, "function", first_ends="commit")
+    first, second, rows = _race(database, how, first_ends="commit")
 
     assert (first, second) == (True, False)
-    assert sum(rows.values()) == 1
+    assert rows == 1
 
 
 @pytest.mark.parametrize("how", ["one_statement", "without_lock"])
@@ -152,16 +175,17 @@ def test_the_claims_wrong_on_purpose__let_the_racing_redelivery_through(
     first, second, rows = _race(database, how, first_ends="commit")
 
     assert (first, second) == (True, True)
-    assert sum(rows.values()) == 2
+    assert rows == 2
 
 
+@pytest.mark.parametrize("how", ["function", "compact"])
 def test_first_delivery_rolled_back_across_the_boundary__the_redelivery_claims(
-    database: str,
+    database: str, how: str
 ) -> None:
-    first, second, rows = _race(database, "function", first_ends="rollback")
+    first, second, rows = _race(database, how, first_ends="rollback")
 
     assert (first, second) == (True, True)
-    assert sum(rows.values()) == 1
+    assert rows == 1
 
 
 @pytest.mark.parametrize(("how", "claimed_again"), [("function", False), ("without_lock", True)])
