@@ -4,6 +4,7 @@
     python -m bench.growth --sizes 0,1e6,1e7,5e7        # a full run (disk: ~290 B a row)
     python -m bench.growth --shapes random --seconds 20 --threads 8
     python -m bench.growth --layouts plain,partitioned,compact  # beside a partition a day
+    python -m bench.growth --shapes uuid7 --layouts plain,compact,idtime  # ids with a time
 
 For each key shape (``random``: UUIDv4-like message ids, every claim lands on a random
 primary-key page; ``ordered``: time-ordered ids, every claim lands on the rightmost
@@ -26,7 +27,9 @@ lasts at least `DURING` seconds, the claims' connections warm a second before th
 With ``--layouts plain,partitioned,compact`` each shape runs again on `bench.partitioned`'s
 claims table (a partition a day of arrival, the claim under an advisory lock on the
 identity, looked for in every partition), whose purge drops the oldest day; ``compact``
-is the same with its compact row (a 16-byte digest of the identity for a key).
+is the same with its compact row (a 16-byte digest of the identity for a key); ``idtime``
+the compact row partitioned by the time its id carries (``--shapes uuid7``: RFC 9562's
+version 7, the time the message was sent first), whose claim is the plain insert.
 
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
@@ -103,17 +106,48 @@ UPDATE_SQL = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = %(accou
 # -- the rows ---------------------------------------------------------------------------------
 
 
+@dataclass
+class Clock:
+    """The generated rows' times, in whole milliseconds so that Python and SQL agree: row
+    ``n`` of a run whose largest size is ``top`` was sent at ``epoch + n * step``."""
+
+    epoch_ms: int = 0
+    step_ms: int = 0
+    top: int = 0
+
+    def start(self, top: int) -> None:
+        self.epoch_ms = int((datetime.now(UTC) - WINDOW).timestamp() * 1000)
+        self.step_ms = int(WINDOW.total_seconds() * 1000) // max(top, 1)
+        self.top = top
+
+    def sent_ms(self, n: int) -> int:
+        """Row ``n``'s time; a message above the generated rows is sent now."""
+        if n < self.top:
+            return self.epoch_ms + n * self.step_ms
+        return int(time.time() * 1000)
+
+
+CLOCK = Clock()
+
+
 def message_id(shape: str, n: int) -> str:
     """The message id of the ``n``-th message of a shape; the same in SQL (`_ID_SQL`)."""
     digest = hashlib.md5(f"{shape}{n}".encode()).hexdigest()
     if shape == "random":
         return str(uuid.UUID(digest))
+    if shape == "uuid7":  # the time it was sent, then random bits (RFC 9562's version 7)
+        ms = f"{CLOCK.sent_ms(n):012x}"
+        return f"{ms[:8]}-{ms[8:]}-7{digest[:3]}-8{digest[3:6]}-{digest[6:18]}"
     return f"{n:016x}-{digest[:16]}"  # time-ordered: the sequence first
 
 
 _ID_SQL = {
     "random": "md5('random' || n)::uuid::text",
     "ordered": "lpad(to_hex(n), 16, '0') || '-' || left(md5('ordered' || n), 16)",
+    "uuid7": """(SELECT left(ms, 8) || '-' || right(ms, 4) || '-7' || left(h, 3) || '-8'
+        || substr(h, 4, 3) || '-' || substr(h, 7, 12)
+        FROM (SELECT lpad(to_hex(%(epoch_ms)s::bigint + n * %(step_ms)s::bigint), 12, '0'),
+                     md5('uuid7' || n)) AS parts(ms, h))""",
 }
 _HASH = hashlib.sha256(b"payload").hexdigest()
 
@@ -127,6 +161,16 @@ def _compact_fill(shape: str) -> str:
         FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n,
             LATERAL (SELECT %(oldest)s::timestamptz
                 + make_interval(secs => n * %(step)s::float8)) AS at(t)"""
+
+
+def _id_time_fill(shape: str) -> str:
+    identity = partitioned.DIGEST_SQL.format(
+        c="%(consumer)s::text", p="%(producer)s::text", t="''", m=_ID_SQL[shape]
+    )
+    return f"""INSERT INTO consumer_inbox (id_time, identity, payload_digest, hash_scheme)
+        SELECT to_timestamp((%(epoch_ms)s::bigint + n * %(step_ms)s::bigint) / 1000.0),
+            {identity}, left(%(hash)s, 32)::uuid, 1
+        FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n"""
 
 
 def _fill(
@@ -143,9 +187,10 @@ def _fill(
     step = WINDOW.total_seconds() / max(top, 1)
     for low in range(start, stop, FILL_CHUNK):
         high = min(stop, low + FILL_CHUNK)
+        fills = {"compact": _compact_fill, "idtime": _id_time_fill}
         conn.execute(
-            _compact_fill(shape)
-            if layout == "compact"
+            fills[layout](shape)
+            if layout in fills
             else f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
                     payload_sha256, hash_scheme, handler_version, produced_at, received_at,
                     processed_at)
@@ -163,6 +208,8 @@ def _fill(
                 "high": high,
                 "oldest": oldest,
                 "step": step,
+                "epoch_ms": CLOCK.epoch_ms,
+                "step_ms": CLOCK.step_ms,
             },
         )
 
@@ -239,11 +286,20 @@ def _transaction(
 ) -> Callable[..., None]:
     import random
 
-    claim_sql = {"plain": CLAIM_SQL, "partitioned": partitioned.CLAIM}.get(
-        layout, partitioned.COMPACT_CLAIM
-    )
-    look_up_sql = LOOK_UP_SQL if layout != "compact" else partitioned.COMPACT_LOOK_UP
-    shaped = partitioned.compact_params if layout == "compact" else dict
+    claim_sql, look_up_sql, shaped = {
+        "plain": (CLAIM_SQL, LOOK_UP_SQL, dict),
+        "partitioned": (partitioned.CLAIM, LOOK_UP_SQL, dict),
+        "compact": (
+            partitioned.COMPACT_CLAIM,
+            partitioned.COMPACT_LOOK_UP,
+            partitioned.compact_params,
+        ),
+        "idtime": (
+            partitioned.ID_TIME_CLAIM,
+            partitioned.ID_TIME_LOOK_UP,
+            partitioned.id_time_params,
+        ),
+    }[layout]
 
     def claimed(conn: psycopg.Connection[Any], params: dict[str, Any]) -> bool:
         # The plain claim answers no row for a stored identity, the layout's function NULL.
@@ -354,7 +410,8 @@ def _reset(layout: str = "plain") -> None:
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         if layout != "plain":
             first = (datetime.now(UTC) - WINDOW).date()
-            partitioned.create(conn, first, WINDOW.days + 3, compact=layout == "compact")
+            rows = {"partitioned": "library", "idtime": "id_time"}.get(layout, layout)
+            partitioned.create(conn, first, WINDOW.days + 3, row=rows)
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
         conn.execute(
@@ -574,7 +631,7 @@ def measure_purge(
 
 
 PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
-LAYOUTS = ("plain", "partitioned", "compact")
+LAYOUTS = ("plain", "partitioned", "compact", "idtime")
 
 
 def series(shape: str, layout: str) -> str:
@@ -591,6 +648,7 @@ def run(
 ) -> dict[str, Any]:
     report: dict[str, Any] = {"loads": [], "sizes": {}, "purge": {}, "ratios": []}
     top = max(sizes)
+    CLOCK.start(top)
     with psycopg.connect(_url("postgres"), autocommit=True) as conn:
         report["server"] = {name: _setting(conn, name) for name in SETTINGS}
         report["server"]["address"] = SERVER.rsplit("@", 1)[-1]
@@ -783,7 +841,8 @@ def main(argv: list[str] | None = None) -> None:
         default="plain",
         help="plain (the library's claims table), partitioned (bench.partitioned: a "
         "partition a day, the purge a dropped day), compact (the same with the compact "
-        "row), or several: plain,partitioned,compact",
+        "row), idtime (the compact row partitioned by its id's time: --shapes uuid7), or "
+        "several: plain,partitioned,compact",
     )
     parser.add_argument(
         "--server",
@@ -798,11 +857,13 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [shape for shape in args.shapes.split(",") if shape]
     for shape in shapes:
         if shape not in _ID_SQL:
-            parser.error(f"unknown shape {shape!r}: random or ordered")
+            parser.error(f"unknown shape {shape!r}: one of {', '.join(_ID_SQL)}")
     layouts = tuple(layout for layout in args.layouts.split(",") if layout)
     for layout in layouts:
         if layout not in LAYOUTS:
-            parser.error(f"unknown layout {layout!r}: plain, partitioned or compact")
+            parser.error(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if "idtime" in layouts and shapes != ["uuid7"]:
+        parser.error("the idtime layout partitions by the id's time: --shapes uuid7")
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")

@@ -163,7 +163,8 @@ COMPACT_CLAIM_FUNCTION = f"""CREATE OR REPLACE FUNCTION {TABLE}_claim(
     _body(
         f"pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{TABLE}'), lock_key)",
         f"EXISTS (SELECT 1 FROM {TABLE} WHERE identity = key)",
-        f"INSERT INTO {TABLE} (identity, payload_digest, hash_scheme) VALUES (key, payload, scheme)",
+        f"INSERT INTO {TABLE} (identity, payload_digest, hash_scheme)"
+        " VALUES (key, payload, scheme)",
     )
 }"""
 """The same claim over the compact row; the worker sends the digests (as the library
@@ -191,27 +192,70 @@ def compact_params(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def create(conn: psycopg.Connection[Any], first: date, days: int, *, compact: bool = False) -> None:
-    """Replace the claims table by the partitioned one (``compact``: its compact row),
-    with a partition a day from ``first`` for ``days`` days, and install the claim
-    function."""
+# -- partitioned by the time in the identity ----------------------------------------------------
+
+CREATE_ID_TIME_TABLE = f"""CREATE TABLE {TABLE} (
+    id_time         timestamptz NOT NULL,
+    identity        uuid        NOT NULL,
+    payload_digest  uuid        NOT NULL,
+    hash_scheme     smallint    NOT NULL
+) PARTITION BY RANGE (id_time)"""
+"""The compact row partitioned by the time the message id carries (a UUIDv7's first 48
+bits, milliseconds since the epoch) instead of the claim's: every copy of a message has
+the same id, so the same partition, and that partition's unique index alone decides. No
+lock, no look-up in other partitions, no function: the claim is the plain insert. It
+holds only for ids with a time in them; a copy whose id is older than the retention
+window is an expired copy (`docs/how-to/retention.md`), and the claim time is not kept."""
+
+ID_TIME_CLAIM = f"""INSERT INTO {TABLE} (id_time, identity, payload_digest, hash_scheme)
+SELECT %(id_time)s, %(identity)s, %(payload_digest)s, %(scheme_code)s
+FROM (SELECT pg_catalog.set_config('lock_timeout', %(lock_timeout)s, true)) AS settings
+ON CONFLICT DO NOTHING RETURNING pg_catalog.pg_current_xact_id()"""
+ID_TIME_LOOK_UP = f"""SELECT payload_digest, hash_scheme FROM {TABLE}
+    WHERE id_time = %(id_time)s AND identity = %(identity)s"""
+"""The stored claim, looked for in the one partition its id's time names."""
+
+
+def id_time(message_id: str) -> datetime:
+    """The time a UUIDv7 message id carries."""
+    milliseconds = int(message_id.replace("-", "")[:12], 16)
+    return datetime.fromtimestamp(milliseconds / 1000, UTC)
+
+
+def id_time_params(params: dict[str, Any]) -> dict[str, Any]:
+    return compact_params(params) | {"id_time": id_time(params["message_id"])}
+
+
+ROWS = {
+    "library": (CREATE_TABLE, CLAIM_FUNCTION, ", ".join(KEY)),
+    "compact": (CREATE_COMPACT_TABLE, COMPACT_CLAIM_FUNCTION, "identity"),
+    "id_time": (CREATE_ID_TIME_TABLE, None, "identity"),
+}
+"""Each row's table, claim function (None: none) and unique key."""
+
+
+def create(conn: psycopg.Connection[Any], first: date, days: int, *, row: str = "library") -> None:
+    """Replace the claims table by the partitioned one with ``row`` (one of `ROWS`), a
+    partition a day from ``first`` for ``days`` days, and install its claim function."""
+    table, function, _ = ROWS[row]
     conn.execute(f"DROP TABLE IF EXISTS {TABLE} CASCADE")
-    conn.execute(CREATE_COMPACT_TABLE if compact else CREATE_TABLE)
+    conn.execute(table)
     for n in range(days):
         day = first + timedelta(days=n)
-        add_partition(conn, _midnight(day), _midnight(day + timedelta(days=1)), compact=compact)
-    conn.execute(COMPACT_CLAIM_FUNCTION if compact else CLAIM_FUNCTION)
+        add_partition(conn, _midnight(day), _midnight(day + timedelta(days=1)), row=row)
+    if function is not None:
+        conn.execute(function)
 
 
 def add_partition(
-    conn: psycopg.Connection[Any], lower: datetime, upper: datetime, *, compact: bool = False
+    conn: psycopg.Connection[Any], lower: datetime, upper: datetime, *, row: str = "library"
 ) -> str:
     """A partition for claims whose transaction started in [lower, upper), with its own
     unique index on the identity."""
     name = f"{TABLE}_{lower.astimezone(UTC):%Y%m%d_%H%M%S_%f}"
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
     conn.execute(f"CREATE TABLE {name} PARTITION OF {TABLE} FOR VALUES {bounds}")
-    key = "identity" if compact else ", ".join(KEY)
+    key = ROWS[row][2]
     conn.execute(f"CREATE UNIQUE INDEX {name}_key ON {name} ({key})")
     return name
 

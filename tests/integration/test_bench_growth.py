@@ -64,9 +64,11 @@ def test_growth__measures_claims_duplicates_and_the_purge_on_a_filled_table(
     assert list(growth.table(report))[2].startswith("| random | 0 |")
 
 
-@pytest.mark.parametrize("layout", ["partitioned", "compact"])
+@pytest.mark.parametrize(
+    ("layout", "shape"), [("partitioned", "random"), ("compact", "random"), ("idtime", "uuid7")]
+)
 def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
-    database: str, tmp_path: Path, layout: str
+    database: str, tmp_path: Path, layout: str, shape: str
 ) -> None:
     growth.main(
         [
@@ -77,7 +79,7 @@ def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
             "--threads",
             "2",
             "--shapes",
-            "random",
+            shape,
             "--layouts",
             layout,
             "--out",
@@ -86,7 +88,7 @@ def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
     )
     report = json.loads((tmp_path / "growth.json").read_text())
 
-    name = f"random, {layout}"
+    name = f"{shape}, {layout}"
     assert {load["layout"] for load in report["loads"]} == {layout}
     assert {(load["rows"], load["mode"]) for load in report["loads"]} == {
         (0, "update"),

@@ -52,15 +52,18 @@ def _began(conn: psycopg.Connection[Any]) -> datetime:
     return began
 
 
-def _boundary(url: str, at: datetime, *, compact: bool = False) -> datetime:
-    """The claims table (``compact``: its compact row) as two partitions meeting at
-    ``at``."""
+def _boundary(url: str, at: datetime, *, compact: bool = False, row: str | None = None) -> datetime:
+    """The claims table (``compact``: its compact row; ``row``: one of
+    `partitioned.ROWS`) as two partitions meeting at ``at``."""
+    row = row or ("compact" if compact else "library")
+    table, function, _ = partitioned.ROWS[row]
     with psycopg.connect(url, autocommit=True) as conn:
         boundary = at
-        conn.execute(partitioned.CREATE_COMPACT_TABLE if compact else partitioned.CREATE_TABLE)
-        for lower, upper in ((boundary - timedelta(days=1), boundary), (boundary, boundary + DAY)):
-            partitioned.add_partition(conn, lower, upper, compact=compact)
-        conn.execute(partitioned.COMPACT_CLAIM_FUNCTION if compact else partitioned.CLAIM_FUNCTION)
+        conn.execute(table)
+        for lower, upper in ((boundary - DAY, boundary), (boundary, boundary + DAY)):
+            partitioned.add_partition(conn, lower, upper, row=row)
+        if function is not None:
+            conn.execute(function)
     return boundary
 
 
@@ -277,3 +280,34 @@ def test_drop_oldest__detaches_and_drops_a_whole_day_while_claims_go_on(database
         assert _claim(conn, "function", "new")
         conn.execute("COMMIT")
     assert _rows(database) == {"new": 1}
+
+
+def test_id_time__a_redelivery_racing_across_the_arrival_boundary_meets_the_same_key(
+    database: str,
+) -> None:
+    """Partitioned by the time the id carries, the copies of a message go to one
+    partition whenever they arrive: the plain insert waits on that partition's key."""
+    with (
+        psycopg.connect(database, autocommit=True) as first,
+        psycopg.connect(database, autocommit=True) as second,
+    ):
+        boundary = _boundary(database, _began(first) + timedelta(seconds=0.5), row="id_time")
+        sent = int((boundary - timedelta(hours=1)).timestamp() * 1000)
+        message_id = f"{sent:012x}"[:8] + "-" + f"{sent:012x}"[8:] + "-7abc-8def-0123456789ab"
+        params = partitioned.id_time_params(_params(message_id))
+        claim = partitioned.ID_TIME_CLAIM
+        assert first.execute(claim, params).fetchone() is not None
+        _wait_past(second, boundary)
+        second.execute("BEGIN")
+        with ThreadPoolExecutor(1) as pool:
+            redelivery = pool.submit(lambda: second.execute(claim, params).fetchone())
+            deadline = time.monotonic() + 10
+            while not _waiting(database, second.info.backend_pid):
+                assert not redelivery.done(), "the redelivery did not wait for the first"
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            first.execute("COMMIT")
+            assert redelivery.result(timeout=10) is None
+        second.execute("COMMIT")
+        stored = first.execute(f"SELECT count(*) FROM {partitioned.TABLE}").fetchone()
+    assert stored == (1,)
