@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,10 @@ class Clock:
         self.step_ms = int(WINDOW.total_seconds() * 1000) // max(top, 1)
         self.top = top
 
+    def first_day(self) -> date:
+        """The day of the oldest row: the first partition's."""
+        return datetime.fromtimestamp(self.epoch_ms / 1000, UTC).date()
+
     def sent_ms(self, n: int) -> int:
         """Row ``n``'s time; a message above the generated rows is sent now."""
         if n < self.top:
@@ -152,66 +156,46 @@ _ID_SQL = {
 _HASH = hashlib.sha256(b"payload").hexdigest()
 
 
-def _compact_fill(shape: str) -> str:
+_SENT_SQL = "to_timestamp((%(epoch_ms)s::bigint + n * %(step_ms)s::bigint) / 1000.0)"
+"""Row ``n``'s time (`Clock.sent_ms`) in SQL."""
+
+
+def _fill_sql(shape: str, layout: str) -> str:
+    """The INSERT of rows ``low`` to ``high - 1`` of a shape into a layout's table."""
+    rows = "FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n"
+    if layout in ("plain", "partitioned"):  # the library's row
+        return f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
+                payload_sha256, hash_scheme, handler_version, produced_at, received_at,
+                processed_at)
+            SELECT %(consumer)s, %(producer)s, '', {_ID_SQL[shape]}, %(hash)s, %(scheme)s,
+                '', t, t, t
+            {rows}, LATERAL (SELECT {_SENT_SQL}) AS at(t)"""
     identity = partitioned.DIGEST_SQL.format(
         c="%(consumer)s::text", p="%(producer)s::text", t="''", m=_ID_SQL[shape]
     )
-    return f"""INSERT INTO consumer_inbox (processed_at, identity, payload_digest, hash_scheme)
-        SELECT t, {identity}, left(%(hash)s, 32)::uuid, 1
-        FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n,
-            LATERAL (SELECT %(oldest)s::timestamptz
-                + make_interval(secs => n * %(step)s::float8)) AS at(t)"""
-
-
-def _id_time_fill(shape: str) -> str:
-    identity = partitioned.DIGEST_SQL.format(
-        c="%(consumer)s::text", p="%(producer)s::text", t="''", m=_ID_SQL[shape]
-    )
-    return f"""INSERT INTO consumer_inbox (id_time, identity, payload_digest, hash_scheme)
-        SELECT to_timestamp((%(epoch_ms)s::bigint + n * %(step_ms)s::bigint) / 1000.0),
-            {identity}, left(%(hash)s, 32)::uuid, 1
-        FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n"""
+    sent = "id_time" if layout == "idtime" else "processed_at"
+    return f"""INSERT INTO consumer_inbox ({sent}, identity, payload_digest, hash_scheme)
+        SELECT {_SENT_SQL}, {identity}, left(%(hash)s, 32)::uuid, 1 {rows}"""
 
 
 def _fill(
-    conn: psycopg.Connection[Any],
-    shape: str,
-    start: int,
-    stop: int,
-    top: int,
-    layout: str = "plain",
+    conn: psycopg.Connection[Any], shape: str, start: int, stop: int, layout: str = "plain"
 ) -> None:
-    """Insert messages ``start`` to ``stop - 1``; processed_at rises with n over `WINDOW`,
-    ``top`` (the largest size of the run) being now."""
-    oldest = datetime.now(UTC) - WINDOW
-    step = WINDOW.total_seconds() / max(top, 1)
+    """Insert messages ``start`` to ``stop - 1``, each at its time (`CLOCK`): they rise
+    with n over `WINDOW`, the run's largest size ending at the run's start."""
+    sql = _fill_sql(shape, layout)
     for low in range(start, stop, FILL_CHUNK):
-        high = min(stop, low + FILL_CHUNK)
-        fills = {"compact": _compact_fill, "idtime": _id_time_fill}
-        conn.execute(
-            fills[layout](shape)
-            if layout in fills
-            else f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
-                    payload_sha256, hash_scheme, handler_version, produced_at, received_at,
-                    processed_at)
-                SELECT %(consumer)s, %(producer)s, '', {_ID_SQL[shape]}, %(hash)s, %(scheme)s,
-                    '', t, t, t
-                FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n,
-                    LATERAL (SELECT %(oldest)s::timestamptz
-                        + make_interval(secs => n * %(step)s::float8)) AS at(t)""",
-            {
-                "consumer": CONSUMER,
-                "producer": PRODUCER,
-                "hash": _HASH,
-                "scheme": SCHEME,
-                "low": low,
-                "high": high,
-                "oldest": oldest,
-                "step": step,
-                "epoch_ms": CLOCK.epoch_ms,
-                "step_ms": CLOCK.step_ms,
-            },
-        )
+        params = {
+            "consumer": CONSUMER,
+            "producer": PRODUCER,
+            "hash": _HASH,
+            "scheme": SCHEME,
+            "low": low,
+            "high": min(stop, low + FILL_CHUNK),
+            "epoch_ms": CLOCK.epoch_ms,
+            "step_ms": CLOCK.step_ms,
+        }
+        conn.execute(sql, params)
 
 
 def _claim_params(shape: str, n: int) -> dict[str, Any]:
@@ -409,9 +393,8 @@ def _reset(layout: str = "plain") -> None:
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         if layout != "plain":
-            first = (datetime.now(UTC) - WINDOW).date()
-            rows = {"partitioned": "library", "idtime": "id_time"}.get(layout, layout)
-            partitioned.create(conn, first, WINDOW.days + 3, row=rows)
+            first = CLOCK.first_day()
+            partitioned.create(conn, first, WINDOW.days + 3, layout=layout)
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
         conn.execute(
@@ -490,7 +473,7 @@ def _old_purge(older_than: timedelta, batch_size: int = 5000) -> int:
 def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
     """Purge the ``tenth``-th oldest tenth of the generated rows, ``how``: one of `PURGES`;
     answer (rows deleted, seconds)."""
-    # Row n was processed at oldest + n * WINDOW / top: keep what is younger than the end
+    # Row n was processed at epoch + n * WINDOW / top (`CLOCK`): keep what is younger than the end
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
     began = time.monotonic()
@@ -660,7 +643,7 @@ def run(
         for size in sorted(sizes):
             with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
                 began = time.monotonic()
-                _fill(conn, shape, stored, size, top, layout)
+                _fill(conn, shape, stored, size, layout)
                 stored = size
                 _settle(conn)
                 filled = time.monotonic() - began

@@ -47,9 +47,13 @@ from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 import psycopg
+from sqlalchemy.dialects import postgresql
+
+from inbox_middleware._storage import InboxSchema
 
 TABLE = "consumer_inbox"
-KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+_LIBRARY = InboxSchema().tables.inbox
+KEY = tuple(column.name for column in _LIBRARY.primary_key.columns)
 COLUMNS = (
     *KEY,
     "payload_sha256",
@@ -59,20 +63,30 @@ COLUMNS = (
     "produced_at",
     "received_at",
 )
+"""The columns a claim writes, in the order of the claim function's arguments."""
 
-CREATE_TABLE = f"""CREATE TABLE {TABLE} (
-    consumer_name   text        NOT NULL,
-    producer_name   text        NOT NULL,
-    tenant          text        NOT NULL DEFAULT '',
-    message_id      text        NOT NULL,
-    payload_sha256  text        NOT NULL,
-    hash_scheme     text        NOT NULL,
-    handler_version text        NOT NULL DEFAULT '',
-    produced_at     timestamptz,
-    received_at     timestamptz NOT NULL DEFAULT now(),
-    processed_at    timestamptz NOT NULL DEFAULT now(),
-    trace_id        text
-) PARTITION BY RANGE (processed_at)"""
+# processed_at's, the claim transaction's start, chooses the partition.
+_DEFAULTS = {
+    "tenant": "''",
+    "handler_version": "''",
+    "received_at": "now()",
+    "processed_at": "now()",
+}
+
+
+def _definition(column: Any) -> str:
+    """A column of the library's claims table, with the default its migrations give it."""
+    kind = column.type.compile(dialect=postgresql.dialect())
+    null = "" if column.nullable else " NOT NULL"
+    default = f" DEFAULT {_DEFAULTS[column.name]}" if column.name in _DEFAULTS else ""
+    return f"{column.name} {kind}{null}{default}"
+
+
+CREATE_TABLE = (
+    f"CREATE TABLE {TABLE} ({', '.join(_definition(column) for column in _LIBRARY.c)})"
+    " PARTITION BY RANGE (processed_at)"
+)
+"""The library's claims table (its columns, without its primary key) partitioned by day."""
 
 # The advisory lock's two keys: the table's (so that the lock space is the layout's own,
 # apart from a user's one-key advisory locks) and the identity's 32-bit hash. Two
@@ -227,35 +241,37 @@ def id_time_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 ROWS = {
-    "library": (CREATE_TABLE, CLAIM_FUNCTION, ", ".join(KEY)),
+    "partitioned": (CREATE_TABLE, CLAIM_FUNCTION, ", ".join(KEY)),
     "compact": (CREATE_COMPACT_TABLE, COMPACT_CLAIM_FUNCTION, "identity"),
-    "id_time": (CREATE_ID_TIME_TABLE, None, "identity"),
+    "idtime": (CREATE_ID_TIME_TABLE, None, "identity"),
 }
-"""Each row's table, claim function (None: none) and unique key."""
+"""Each layout's table, claim function (None: none) and unique key."""
 
 
-def create(conn: psycopg.Connection[Any], first: date, days: int, *, row: str = "library") -> None:
-    """Replace the claims table by the partitioned one with ``row`` (one of `ROWS`), a
+def create(
+    conn: psycopg.Connection[Any], first: date, days: int, *, layout: str = "partitioned"
+) -> None:
+    """Replace the claims table by the partitioned one of ``layout`` (one of `ROWS`), a
     partition a day from ``first`` for ``days`` days, and install its claim function."""
-    table, function, _ = ROWS[row]
+    table, function, _ = ROWS[layout]
     conn.execute(f"DROP TABLE IF EXISTS {TABLE} CASCADE")
     conn.execute(table)
     for n in range(days):
         day = first + timedelta(days=n)
-        add_partition(conn, _midnight(day), _midnight(day + timedelta(days=1)), row=row)
+        add_partition(conn, _midnight(day), _midnight(day + timedelta(days=1)), layout=layout)
     if function is not None:
         conn.execute(function)
 
 
 def add_partition(
-    conn: psycopg.Connection[Any], lower: datetime, upper: datetime, *, row: str = "library"
+    conn: psycopg.Connection[Any], lower: datetime, upper: datetime, *, layout: str = "partitioned"
 ) -> str:
     """A partition for claims whose transaction started in [lower, upper), with its own
     unique index on the identity."""
     name = f"{TABLE}_{lower.astimezone(UTC):%Y%m%d_%H%M%S_%f}"
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
     conn.execute(f"CREATE TABLE {name} PARTITION OF {TABLE} FOR VALUES {bounds}")
-    key = ROWS[row][2]
+    key = ROWS[layout][2]
     conn.execute(f"CREATE UNIQUE INDEX {name}_key ON {name} ({key})")
     return name
 

@@ -52,19 +52,17 @@ def _began(conn: psycopg.Connection[Any]) -> datetime:
     return began
 
 
-def _boundary(url: str, at: datetime, *, compact: bool = False, row: str | None = None) -> datetime:
-    """The claims table (``compact``: its compact row; ``row``: one of
-    `partitioned.ROWS`) as two partitions meeting at ``at``."""
-    row = row or ("compact" if compact else "library")
-    table, function, _ = partitioned.ROWS[row]
+def _boundary(url: str, at: datetime, how: str = "function") -> datetime:
+    """The claims table of a claim (``how``) as two partitions meeting at ``at``."""
+    layout = how if how in partitioned.ROWS else "partitioned"  # the library's row
+    table, function, _ = partitioned.ROWS[layout]
     with psycopg.connect(url, autocommit=True) as conn:
-        boundary = at
         conn.execute(table)
-        for lower, upper in ((boundary - DAY, boundary), (boundary, boundary + DAY)):
-            partitioned.add_partition(conn, lower, upper, row=row)
+        for lower, upper in ((at - DAY, at), (at, at + DAY)):
+            partitioned.add_partition(conn, lower, upper, layout=layout)
         if function is not None:
             conn.execute(function)
-    return boundary
+    return at
 
 
 def _wait_past(conn: psycopg.Connection[Any], at: datetime) -> None:
@@ -92,20 +90,27 @@ def _params(message_id: str) -> dict[str, Any]:
     }
 
 
+_COMPACT = {
+    "compact": (partitioned.COMPACT_CLAIM, partitioned.compact_params),
+    "idtime": (partitioned.ID_TIME_CLAIM, partitioned.id_time_params),
+}
+
+
 def _claim(conn: psycopg.Connection[Any], how: str, message_id: str) -> bool:
     """One claim statement in the connection's open transaction: claimed or not. ``how``:
-    one of `partitioned.CLAIMS`, or ``compact`` (the function over the compact row)."""
-    if how == "compact":
-        params = partitioned.compact_params(_params(message_id))
-        row = conn.execute(partitioned.COMPACT_CLAIM, params).fetchone()
+    one of `partitioned.CLAIMS`, ``compact`` (the function over the compact row) or
+    ``idtime`` (the insert partitioned by the id's time)."""
+    if how in _COMPACT:
+        claim, shaped = _COMPACT[how]
+        row = conn.execute(claim, shaped(_params(message_id))).fetchone()
     else:
         row = conn.execute(partitioned.CLAIMS[how], _params(message_id)).fetchone()
     return row is not None and row[0] is not None
 
 
-def _stored(url: str, message_id: str, *, compact: bool) -> int:
-    """The rows stored for one message id."""
-    if not compact:
+def _stored(url: str, message_id: str, how: str) -> int:
+    """The rows stored for one message id by a claim (``how``)."""
+    if how not in _COMPACT:
         return sum(_rows(url, message_id).values())
     identity = partitioned.compact_params(_params(message_id))["identity"]
     with psycopg.connect(url) as conn:
@@ -139,13 +144,12 @@ def _race(url: str, how: str, *, first_ends: str) -> tuple[bool, bool, int]:
     it; a redelivery begins after the boundary and claims while the first is still open
     (until it waits on a lock, or has inserted); then the first ends (``commit`` or
     ``rollback``). Answers whether each claimed, and the rows stored for the message."""
-    message_id = str(uuid.uuid4())
     with (
         psycopg.connect(url, autocommit=True) as first,
         psycopg.connect(url, autocommit=True) as second,
     ):
-        at = _began(first) + timedelta(seconds=0.5)
-        boundary = _boundary(url, at, compact=how == "compact")
+        boundary = _boundary(url, _began(first) + timedelta(seconds=0.5), how)
+        message_id = _message_id(how, boundary)
         first_claimed = _claim(first, how, message_id)
         _wait_past(second, boundary)
         second.execute("BEGIN")
@@ -158,10 +162,19 @@ def _race(url: str, how: str, *, first_ends: str) -> tuple[bool, bool, int]:
             first.execute(first_ends.upper())
             second_claimed = redelivery.result(timeout=10)
         second.execute("COMMIT")
-    return first_claimed, second_claimed, _stored(url, message_id, compact=how == "compact")
+    return first_claimed, second_claimed, _stored(url, message_id, how)
 
 
-@pytest.mark.parametrize("how", ["function", "compact"])
+def _message_id(how: str, boundary: datetime) -> str:
+    """A random id; for ``idtime``, a UUIDv7 sent an hour before the boundary (so that,
+    partitioned by its time, every copy goes to the older partition)."""
+    if how != "idtime":
+        return str(uuid.uuid4())
+    sent = f"{int((boundary - timedelta(hours=1)).timestamp() * 1000):012x}"
+    return f"{sent[:8]}-{sent[8:]}-7abc-8def-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.parametrize("how", ["function", "compact", "idtime"])
 def test_redelivery_racing_the_first_delivery_across_the_boundary__one_claim(
     database: str, how: str
 ) -> None:
@@ -280,34 +293,3 @@ def test_drop_oldest__detaches_and_drops_a_whole_day_while_claims_go_on(database
         assert _claim(conn, "function", "new")
         conn.execute("COMMIT")
     assert _rows(database) == {"new": 1}
-
-
-def test_id_time__a_redelivery_racing_across_the_arrival_boundary_meets_the_same_key(
-    database: str,
-) -> None:
-    """Partitioned by the time the id carries, the copies of a message go to one
-    partition whenever they arrive: the plain insert waits on that partition's key."""
-    with (
-        psycopg.connect(database, autocommit=True) as first,
-        psycopg.connect(database, autocommit=True) as second,
-    ):
-        boundary = _boundary(database, _began(first) + timedelta(seconds=0.5), row="id_time")
-        sent = int((boundary - timedelta(hours=1)).timestamp() * 1000)
-        message_id = f"{sent:012x}"[:8] + "-" + f"{sent:012x}"[8:] + "-7abc-8def-0123456789ab"
-        params = partitioned.id_time_params(_params(message_id))
-        claim = partitioned.ID_TIME_CLAIM
-        assert first.execute(claim, params).fetchone() is not None
-        _wait_past(second, boundary)
-        second.execute("BEGIN")
-        with ThreadPoolExecutor(1) as pool:
-            redelivery = pool.submit(lambda: second.execute(claim, params).fetchone())
-            deadline = time.monotonic() + 10
-            while not _waiting(database, second.info.backend_pid):
-                assert not redelivery.done(), "the redelivery did not wait for the first"
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            first.execute("COMMIT")
-            assert redelivery.result(timeout=10) is None
-        second.execute("COMMIT")
-        stored = first.execute(f"SELECT count(*) FROM {partitioned.TABLE}").fetchone()
-    assert stored == (1,)
