@@ -117,7 +117,7 @@ class ActorHost(Protocol):
     def settle(self, bound: InboxActor, pending: Pending, settlement: Settlement) -> Any: ...
 
     def retry_budget(
-        self, actor: dramatiq.Actor[Any, Any], message: MessageProxy
+        self, actor: dramatiq.Actor[Any, Any], message: dramatiq.Message[Any]
     ) -> RetryBudget: ...
 
     def quarantine(
@@ -191,30 +191,36 @@ class InboxActor:
     # -- arrival ----------------------------------------------------------------------------
 
     def arrival(self, message: MessageProxy) -> Arrival:
+        # What the broker set on its proxy (RabbitMQ's redelivered flag, the quorum
+        # queue's count), read from the proxy's own attributes; the message's fields from
+        # the message itself: the proxy forwards each read through __getattr__, which
+        # costs a message several µs over the dozen fields read here.
+        given = vars(message)
+        inner = message._message
         common: dict[str, Any] = {
-            "redelivered": bool(getattr(message, "redelivered", False)),
+            "redelivered": bool(given.get("redelivered", False)),
             # RabbitMQ quorum queues count deliveries (QuorumRabbitmqBroker reads them)
-            "deliveries": getattr(message, DELIVERIES, None),
-            "repair_marker": message.options.get(OPTION_REPAIR),
-            "retry_budget": self.middleware.retry_budget(self.actor, message),
+            "deliveries": given.get(DELIVERIES),
+            "repair_marker": inner.options.get(OPTION_REPAIR),
+            "retry_budget": self.middleware.retry_budget(self.actor, inner),
             "interrupts": (TimeLimitExceeded,),
             "shutdowns": (Shutdown,),
             # Dramatiq retries a failure as a new message: only a delivery that ended
             # without an outcome comes back redelivered.
             "outcomes_redeliver": False,
-            "keeps_outputs": self.keeps_outputs(message),
+            "keeps_outputs": self.keeps_outputs(inner),
             "sends_outputs": True,  # pipeline steps and on_success, before the ack
             "declared_consumer": self.consumer,
-            "source": message.queue_name,
+            "source": inner.queue_name,
             # Over many databases, the core chooses the delivery's database first.
             "routed": bool(getattr(self._storage, "routed", False)),
         }
         try:
-            return Arrival(self.delivery(message), **common)
+            return Arrival(self.delivery(inner), **common)
         except (IdentityError, PayloadNotHashable) as exc:
             return Arrival(None, exc, **common)
 
-    def delivery(self, message: MessageProxy) -> Delivery:
+    def delivery(self, message: dramatiq.Message[Any] | MessageProxy) -> Delivery:
         try:
             ident = self.payload.message_identity(message)
         except MissingIdentity:
@@ -229,7 +235,7 @@ class InboxActor:
 
     # -- outputs ------------------------------------------------------------------------------
 
-    def keeps_outputs(self, message: MessageProxy) -> bool:
+    def keeps_outputs(self, message: dramatiq.Message[Any] | MessageProxy) -> bool:
         """Whether something consumes this message's result: a pipeline step, an
         ``on_success`` callback, or the Results middleware storing it."""
         options = message.options
@@ -358,7 +364,7 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        carrier = pending.message.options.get(TRACE_OPTION)
+        carrier = pending.message._message.options.get(TRACE_OPTION)
         with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
             try:
                 steps = settle_steps(pending.arrival, self.policy)

@@ -429,9 +429,10 @@ class InboxMiddleware(dramatiq.Middleware):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._pending.value = None
-        self._current.value = message.message_id
+        inner = message._message  # its fields without the proxy's __getattr__
+        self._current.value = inner.message_id
         self._requeue.value = None
-        bound = self._actors.get(message.actor_name)
+        bound = self._actors.get(inner.actor_name)
         if bound is None:
             return
         try:
@@ -458,7 +459,7 @@ class InboxMiddleware(dramatiq.Middleware):
         """The message prepared for this thread's actor call; each is taken once, so an
         actor called directly from inside another actor's body is not mistaken for it."""
         pending: Pending | None = getattr(self._pending, "value", None)
-        if pending is None or pending.message.actor_name != actor_name:
+        if pending is None or pending.message._message.actor_name != actor_name:
             return None
         self._pending.value = None
         return pending
@@ -474,7 +475,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 settlement,
                 consumer=bound.consumer,
                 where="the dead-letter queue",
-                message=message.message_id,
+                message=message._message.message_id,
                 database=self._database_of(delivery),
             )
             faults.at("settle", delivery.identity.message_id if delivery else None)
@@ -489,13 +490,13 @@ class InboxMiddleware(dramatiq.Middleware):
             case Processed(result=Output() as output) | Duplicate(output=Output() as output):
                 # Its pipeline step and on_success callback are sent already (the outputs).
                 assert delivery is not None
-                self.backoffs[message.actor_name].forget(delivery.key)
+                self.backoffs[bound.actor.actor_name].forget(delivery.key)
                 if isinstance(settlement, Duplicate):
                     _leave_the_barrier(message)
                 return bound.decode(output)
             case Processed(result=result):
                 if delivery is not None:
-                    self.backoffs[message.actor_name].forget(delivery.key)
+                    self.backoffs[bound.actor.actor_name].forget(delivery.key)
                 return result
             case Duplicate():
                 self._quiet.mark(message)
@@ -576,17 +577,18 @@ class InboxMiddleware(dramatiq.Middleware):
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker
 
-    def retry_budget(self, actor: dramatiq.Actor[Any, Any], message: MessageProxy) -> RetryBudget:
+    def retry_budget(
+        self, actor: dramatiq.Actor[Any, Any], message: dramatiq.Message[Any]
+    ) -> RetryBudget:
         """Dramatiq's Retries' budget for ``message``, as Retries reads it (the consumption
         core decides whether a failure ends it)."""
         retries = self.retries
         if retries is None:
             return RetryBudget(0, 0)  # nothing retries: every failure is the last
         retry_when = actor.options.get("retry_when", retries.retry_when)
-        limit = message.options.get(
-            "max_retries", actor.options.get("max_retries", retries.max_retries)
-        )
-        return RetryBudget(message.options.get("retries", 0), limit, retry_when)
+        options = message.options
+        limit = options.get("max_retries", actor.options.get("max_retries", retries.max_retries))
+        return RetryBudget(options.get("retries", 0), limit, retry_when)
 
     def quarantine(self, bound: InboxActor, message: MessageProxy, details: dict[str, Any]) -> None:
         """Publish a conflicting message to its actor's quarantine queue, with ``details``."""
