@@ -29,7 +29,8 @@ claims table (a partition a day of arrival, the claim under an advisory lock on 
 identity, looked for in every partition), whose purge drops the oldest day; ``compact``
 is the same with its compact row (a 16-byte digest of the identity for a key); ``idtime``
 the compact row partitioned by the time its id carries (``--shapes uuid7``: RFC 9562's
-version 7, the time the message was sent first), whose claim is the plain insert.
+version 7, the time the message was sent first), a partition an hour, whose claim is the
+plain insert, its key led by that time.
 
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
@@ -47,7 +48,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,12 @@ WINDOW = timedelta(days=14)
 """The generated rows' processed_at spans this window, oldest first."""
 ACCOUNTS = 100
 FILL_CHUNK = 1_000_000
+DURING = 5.0
+"""The shortest window of claims measured during a purge, seconds."""
+DROPS, DROP_PACE = 3, 2.0
+"""Under load, the partitioned layouts' purge drops this many of the oldest partitions,
+one every DROP_PACE seconds, as a purge catching up would: its rows a second count the
+pauses between them."""
 SETTINGS = (
     "server_version",
     "shared_buffers",
@@ -120,9 +127,9 @@ class Clock:
         self.step_ms = int(WINDOW.total_seconds() * 1000) // max(top, 1)
         self.top = top
 
-    def first_day(self) -> date:
-        """The day of the oldest row: the first partition's."""
-        return datetime.fromtimestamp(self.epoch_ms / 1000, UTC).date()
+    def first(self) -> datetime:
+        """The oldest row's time: the first partition holds it."""
+        return datetime.fromtimestamp(self.epoch_ms / 1000, UTC)
 
     def sent_ms(self, n: int) -> int:
         """Row ``n``'s time; a message above the generated rows is sent now."""
@@ -170,12 +177,12 @@ def _fill_sql(shape: str, layout: str) -> str:
             SELECT %(consumer)s, %(producer)s, '', {_ID_SQL[shape]}, %(hash)s, %(scheme)s,
                 '', t, t, t
             {rows}, LATERAL (SELECT {_SENT_SQL}) AS at(t)"""
-    identity = partitioned.DIGEST_SQL.format(
-        c="%(consumer)s::text", p="%(producer)s::text", t="''", m=_ID_SQL[shape]
-    )
+    digest = partitioned.ID_TIME_DIGEST_SQL if layout == "idtime" else partitioned.DIGEST_SQL
+    identity = digest.format(c="%(consumer)s::text", p="%(producer)s::text", t="''", m="m")
     sent = "id_time" if layout == "idtime" else "processed_at"
     return f"""INSERT INTO consumer_inbox ({sent}, identity, payload_digest, hash_scheme)
-        SELECT {_SENT_SQL}, {identity}, left(%(hash)s, 32)::uuid, 1 {rows}"""
+        SELECT {_SENT_SQL}, {identity}, left(%(hash)s, 32)::uuid, 1
+        {rows}, LATERAL (SELECT {_ID_SQL[shape]}) AS ids(m)"""
 
 
 def _fill(
@@ -383,8 +390,8 @@ def run_load(
 
 def _reset(layout: str = "plain") -> None:
     """A new database with the library's tables; with ``layout`` partitioned or compact,
-    the claims table replaced by `bench.partitioned`'s, a partition a day over `WINDOW`
-    and two days ahead."""
+    the claims table replaced by `bench.partitioned`'s, partitioned over `WINDOW` and two
+    days ahead."""
     with psycopg.connect(_url("postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{DATABASE}"')
@@ -393,8 +400,7 @@ def _reset(layout: str = "plain") -> None:
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         if layout != "plain":
-            first = CLOCK.first_day()
-            partitioned.create(conn, first, WINDOW.days + 3, layout=layout)
+            partitioned.create(conn, CLOCK.first(), WINDOW.days + 3, layout=layout)
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
         conn.execute(
@@ -446,13 +452,15 @@ OLD_PURGE_SQL = """DELETE FROM consumer_inbox WHERE ctid = ANY(ARRAY(
     WHERE processed_at < now() - make_interval(secs => %(seconds)s::float8)
     LIMIT %(limit)s FOR UPDATE SKIP LOCKED))"""
 SHORT = {
-    "drop": "a day's partition dropped",
+    "drop": "the oldest partition dropped",
+    "drops": f"{DROPS} partitions dropped, {DROP_PACE:g} s apart",
     "old": "old: a seq scan per batch",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
 }
 PURGES = {
-    "drop": "the partitioned layout's: the oldest day detached concurrently and dropped",
+    "drop": "the partitioned layouts': the oldest partition detached concurrently and dropped",
+    "drops": f"the same for the {DROPS} oldest partitions, {DROP_PACE:g} s apart",
     "old": "the old purge: a sequential scan per batch, unpaced",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, paced at {DEFAULT_PURGE_RATE:,.0f} rows a second (the default)",
@@ -477,9 +485,12 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
     began = time.monotonic()
-    if how == "drop":
+    if how in ("drop", "drops"):
+        rows = 0
         with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
-            _, rows = partitioned.drop_oldest(conn)
+            for n in range(DROPS if how == "drops" else 1):
+                time.sleep(max(0.0, began + n * DROP_PACE - time.monotonic()))
+                rows += partitioned.drop_oldest(conn)[1]
         return rows, time.monotonic() - began
     if how == "old":
         return _old_purge(older_than), time.monotonic() - began
@@ -549,19 +560,16 @@ def _one_purge(tenth: int, how: str) -> dict[str, Any]:
     return result
 
 
-DURING = 5.0
-"""The shortest window of claims measured during a purge, seconds."""
-
-
 def measure_purge(
     shape: str, top: int, claim_rate: float, threads: int, layout: str = "plain"
 ) -> dict[str, Any]:
     """Each purge (`PURGES`) removes one tenth of the rows, oldest first, alone; then each
-    the next tenth while claims run at half their measured rate. The partitioned layout's
-    drops the oldest day instead (a fourteenth of the rows, the first one partly filled)."""
+    the next tenth while claims run at half their measured rate. The partitioned layouts'
+    drop the oldest partition alone instead (a day, or an hour: `partitioned.HOURS`; the
+    first one partly filled), then `DROPS` of them, paced, under the claims."""
     result: dict[str, Any] = {"alone": {}, "under_load": {}}
     tenth = 0
-    alone, loaded = PLAIN_PURGES if layout == "plain" else (("drop",), ("drop",))
+    alone, loaded = PLAIN_PURGES if layout == "plain" else (("drop",), ("drops",))
     for how in alone:
         result["alone"][how] = _one_purge(tenth, how)
         tenth += 1
@@ -711,7 +719,8 @@ def purge_table(report: dict[str, Any]) -> Iterator[str]:
     """The purges, side by side, as Markdown tables: their speed, the claims beside them,
     what they leave behind."""
     brief = {
-        "drop": "a day dropped",
+        "drop": "a partition dropped",
+        "drops": f"{DROPS} dropped",
         "old": "old",
         "new": "ranges",
         "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
@@ -824,7 +833,8 @@ def main(argv: list[str] | None = None) -> None:
         default="plain",
         help="plain (the library's claims table), partitioned (bench.partitioned: a "
         "partition a day, the purge a dropped day), compact (the same with the compact "
-        "row), idtime (the compact row partitioned by its id's time: --shapes uuid7), or "
+        "row), idtime (the compact row partitioned by its id's time, an hour a partition: "
+        "--shapes uuid7), or "
         "several: plain,partitioned,compact",
     )
     parser.add_argument(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from bench import growth
+from bench import growth, partitioned
 from bench.common import PG
 
 pytestmark = pytest.mark.postgres
@@ -67,7 +67,7 @@ def test_growth__measures_claims_duplicates_and_the_purge_on_a_filled_table(
 @pytest.mark.parametrize(
     ("layout", "shape"), [("partitioned", "random"), ("compact", "random"), ("idtime", "uuid7")]
 )
-def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
+def test_growth__a_partitioned_layout_claims_in_its_partition_and_drops_the_oldest(
     database: str, tmp_path: Path, layout: str, shape: str
 ) -> None:
     growth.main(
@@ -101,13 +101,19 @@ def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
     assert sizes["rows"] > 20000
     assert 0 < sizes["primary_key_bytes"] < sizes["index_bytes"] + 1
     assert 60 < sizes["bytes_per_row"] < 2000
-    # Each dropped day's partition held the generated rows of its part of the 14 days
+    # Each dropped partition (a day, or an hour for idtime) held the generated rows of its
+    # part of the 14 days: alone the oldest, a part of one; under load the next DROPS.
     purges = report["purge"][name]
-    assert set(purges["alone"]) == set(purges["under_load"]) == {"drop"}
-    dropped = [purges["alone"]["drop"]["rows"], purges["under_load"]["drop"]["rows"]]
-    # (the first, a part of a day, the second, a whole one.)
-    assert 0 <= dropped[0] <= 20000 / 14 + 1 and 0 < dropped[1] <= 20000 / 14 + 1, dropped
-    assert purges["under_load"]["drop"]["ingest_rows_per_second"] > 0
+    assert set(purges["alone"]) == {"drop"}
+    assert set(purges["under_load"]) == {"drops"}
+    partitions = growth.WINDOW.days * 24 // partitioned.HOURS[layout]
+    a_partition = 20000 / partitions + 1
+    dropped = [purges["alone"]["drop"]["rows"], purges["under_load"]["drops"]["rows"]]
+    assert 0 <= dropped[0] <= a_partition, dropped
+    assert 0 < dropped[1] <= growth.DROPS * a_partition, dropped
+    # The paced drops take DROP_PACE seconds each but the last.
+    assert purges["under_load"]["drops"]["seconds"] >= (growth.DROPS - 1) * growth.DROP_PACE
+    assert purges["under_load"]["drops"]["ingest_rows_per_second"] > 0
     assert list(growth.table(report))[2].startswith(f"| {name} | 0 |")
     with psycopg.connect(f"{PG}/{database}") as conn:
         row = conn.execute("SELECT count(*) FROM consumer_inbox").fetchone()
@@ -115,6 +121,8 @@ def test_growth__a_partitioned_layout_claims_in_its_day_and_drops_the_oldest(
             "SELECT count(*) FROM pg_partition_tree('consumer_inbox') WHERE isleaf"
         ).fetchone()
     assert row is not None and leaves is not None
-    # Every claim went in (the generated rows less the two days dropped, and the claims).
+    # Every claim went in (the generated rows less the partitions dropped, and the claims).
     assert row[0] > 20000 - sum(dropped)
-    assert leaves[0] == growth.WINDOW.days + 3 - 2
+    assert (
+        leaves[0] == (growth.WINDOW.days + 3) * 24 // partitioned.HOURS[layout] - 1 - growth.DROPS
+    )

@@ -112,7 +112,7 @@ def _stored(url: str, message_id: str, how: str) -> int:
     """The rows stored for one message id by a claim (``how``)."""
     if how not in _COMPACT:
         return sum(_rows(url, message_id).values())
-    identity = partitioned.compact_params(_params(message_id))["identity"]
+    identity = _COMPACT[how][1](_params(message_id))["identity"]
     with psycopg.connect(url) as conn:
         row = conn.execute(
             f"SELECT count(*) FROM {partitioned.TABLE} WHERE identity = %s", (identity,)
@@ -293,3 +293,25 @@ def test_drop_oldest__detaches_and_drops_a_whole_day_while_claims_go_on(database
         assert _claim(conn, "function", "new")
         conn.execute("COMMIT")
     assert _rows(database) == {"new": 1}
+
+
+def test_id_time_key__rises_with_the_time_in_the_id_and_matches_the_sql(database: str) -> None:
+    """The id-time key begins with the id's milliseconds (a claim writes near the right
+    edge of its partition's index), and the worker's key is the one the SQL computes."""
+    sent = [datetime.now().astimezone() + timedelta(milliseconds=n) for n in range(0, 50, 7)]
+    ids = [
+        f"{ms[:8]}-{ms[8:]}-7abc-8def-{uuid.uuid4().hex[:12]}"
+        for ms in (f"{int(at.timestamp() * 1000):012x}" for at in sent)
+    ]
+    keys = [partitioned.id_time_params(_params(message_id))["identity"] for message_id in ids]
+    sql = partitioned.ID_TIME_DIGEST_SQL.format(c="%(c)s", p="%(p)s", t="%(t)s", m="%(m)s")
+    with psycopg.connect(database) as conn:
+        computed = [
+            conn.execute(
+                f"SELECT {sql}", {"c": "ledger", "p": "orders", "t": "", "m": message_id}
+            ).fetchone()
+            for message_id in ids
+        ]
+
+    assert keys == sorted(keys)
+    assert [row[0] if row else None for row in computed] == keys
