@@ -480,17 +480,20 @@ def _old_purge(older_than: timedelta, batch_size: int = 5000) -> int:
 
 def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
     """Purge the ``tenth``-th oldest tenth of the generated rows, ``how``: one of `PURGES`;
-    answer (rows deleted, seconds)."""
+    answer (rows deleted, seconds). A drop's rows are counted before it starts (a count
+    of a day's partition is a scan of it, which is no part of the purge)."""
     # Row n was processed at epoch + n * WINDOW / top (`CLOCK`): keep what is younger than the end
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
     began = time.monotonic()
     if how in ("drop", "drops"):
-        rows = 0
         with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
-            for n in range(DROPS if how == "drops" else 1):
+            oldest = partitioned.partitions(conn)[: DROPS if how == "drops" else 1]
+            rows = sum(partitioned.rows_of(conn, name) for name in oldest)
+            began = time.monotonic()
+            for n, name in enumerate(oldest):
                 time.sleep(max(0.0, began + n * DROP_PACE - time.monotonic()))
-                rows += partitioned.drop_oldest(conn)[1]
+                partitioned.drop(conn, name)
         return rows, time.monotonic() - began
     if how == "old":
         return _old_purge(older_than), time.monotonic() - began

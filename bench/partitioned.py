@@ -327,15 +327,23 @@ def partitions(conn: psycopg.Connection[Any]) -> list[str]:
     return [str(row[0]) for row in rows]
 
 
+def rows_of(conn: psycopg.Connection[Any], partition: str) -> int:
+    counted = conn.execute(f"SELECT count(*) FROM {partition}").fetchone()
+    return int(counted[0]) if counted else 0
+
+
+def drop(conn: psycopg.Connection[Any], partition: str) -> None:
+    """The purge of this layout: a partition detached without blocking the claims
+    (``CONCURRENTLY``; ``conn`` must be in autocommit) and dropped."""
+    conn.execute(f"ALTER TABLE {TABLE} DETACH PARTITION {partition} CONCURRENTLY")
+    conn.execute(f"DROP TABLE {partition}")
+
+
 def drop_oldest(conn: psycopg.Connection[Any]) -> tuple[str, int]:
-    """The purge of this layout: the oldest partition detached without blocking the claims
-    (``CONCURRENTLY``; ``conn`` must be in autocommit) and dropped. Answers its name and
-    the rows it held."""
+    """The oldest partition dropped (`drop`); answers its name and the rows it held."""
     oldest = partitions(conn)[0]
-    counted = conn.execute(f"SELECT count(*) FROM {oldest}").fetchone()
-    rows = int(counted[0]) if counted else 0
-    conn.execute(f"ALTER TABLE {TABLE} DETACH PARTITION {oldest} CONCURRENTLY")
-    conn.execute(f"DROP TABLE {oldest}")
+    rows = rows_of(conn, oldest)
+    drop(conn, oldest)
     return oldest, rows
 
 
