@@ -153,9 +153,9 @@ CLAIMS = {
 
 # -- the compact row ---------------------------------------------------------------------------
 
-DIGEST_SQL = """pg_catalog.encode(pg_catalog.substr(pg_catalog.sha256(pg_catalog.convert_to(
-        {c} || chr(31) || {p} || chr(31) || {t} || chr(31) || {m}, 'UTF8')), 1, 16),
-        'hex')::uuid"""
+_IDENTITY_SHA256 = """pg_catalog.sha256(pg_catalog.convert_to(
+        {c} || chr(31) || {p} || chr(31) || {t} || chr(31) || {m}, 'UTF8'))"""
+DIGEST_SQL = f"""pg_catalog.encode(pg_catalog.substr({_IDENTITY_SHA256}, 1, 16), 'hex')::uuid"""
 """The identity's digest: the first 16 bytes of SHA-256 over its four parts (the unit
 separator between them), as a ``uuid`` (16 bytes, no length header)."""
 
@@ -221,9 +221,8 @@ lock, no look-up in other partitions, no function: the claim is the plain insert
 holds only for ids with a time in them; a copy whose id is older than the retention
 window is an expired copy (`docs/how-to/retention.md`), and the claim time is not kept."""
 
-ID_TIME_DIGEST_SQL = """(pg_catalog.left(pg_catalog.replace({m}, '-', ''), 12)
-        || pg_catalog.left(pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(
-        {c} || chr(31) || {p} || chr(31) || {t} || chr(31) || {m}, 'UTF8')), 'hex'), 20))::uuid"""
+ID_TIME_DIGEST_SQL = f"""(pg_catalog.left(pg_catalog.replace({{m}}, '-', ''), 12)
+        || pg_catalog.encode(pg_catalog.substr({_IDENTITY_SHA256}, 1, 10), 'hex'))::uuid"""
 """The id-time layout's key: the 6 bytes of milliseconds the UUIDv7 id begins with, then
 the first 10 bytes of the identity's SHA-256 (`DIGEST_SQL`'s). Still 16 bytes, and still
 one value an identity (its id names the time): but the keys a partition's index receives
@@ -242,17 +241,21 @@ ID_TIME_LOOK_UP = f"""SELECT payload_digest, hash_scheme FROM {TABLE}
 """The stored claim, looked for in the one partition its id's time names."""
 
 
+def _milliseconds(message_id: str) -> bytes:
+    """The 6 bytes of milliseconds since the epoch a UUIDv7 message id begins with."""
+    return bytes.fromhex(message_id.replace("-", "")[:12])
+
+
 def id_time(message_id: str) -> datetime:
     """The time a UUIDv7 message id carries."""
-    milliseconds = int(message_id.replace("-", "")[:12], 16)
-    return datetime.fromtimestamp(milliseconds / 1000, UTC)
+    return datetime.fromtimestamp(int.from_bytes(_milliseconds(message_id)) / 1000, UTC)
 
 
 def id_time_params(params: dict[str, Any]) -> dict[str, Any]:
     """The id-time claim's parameters: the compact row's, its key led by the id's time
     (`ID_TIME_DIGEST_SQL`)."""
     compact = compact_params(params)
-    milliseconds = bytes.fromhex(params["message_id"].replace("-", "")[:12])
+    milliseconds = _milliseconds(params["message_id"])
     return compact | {
         "id_time": id_time(params["message_id"]),
         "identity": uuid.UUID(bytes=milliseconds + compact["identity"].bytes[:10]),
