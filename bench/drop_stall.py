@@ -132,11 +132,13 @@ def run(server: str, megabytes: float, pieces: int, rounds: int, rate: float) ->
             result = window(server, rate, 8, table)
             results[kind].append(result)
             print(json.dumps({"window": kind} | result), flush=True)
-    nothing = statistics.median(x["p99_ms"] for x in results["nothing"])
+    p99 = {
+        kind: statistics.median(x["p99_ms"] for x in windows) for kind, windows in results.items()
+    }
     summary = {
         kind: {
-            "p99_ms_median": statistics.median(x["p99_ms"] for x in windows),
-            "p99_over_nothing": round(statistics.median(x["p99_ms"] for x in windows) / nothing, 2),
+            "p99_ms_median": p99[kind],
+            "p99_over_nothing": round(p99[kind] / p99["nothing"], 2),
             "max_ms": max(x["max_ms"] for x in windows),
             "over_20_ms": [x["over_20_ms"] for x in windows],
         }

@@ -530,18 +530,21 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     }
 
 
-def _left_behind(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+def _left_behind() -> dict[str, Any]:
     """The table after a purge and its vacuum: dead tuples, bytes, free space. Measured
     after the claims' window: the free space map's walk reads an entry for each of the
     table's blocks (about a million at 10^8 rows), which is no part of the purge."""
-    sizes = sizes_of(conn)
-    return {
-        "dead_tuples_after_vacuum": _dead_tuples(conn),
-        "bytes_per_live_row_after": sizes["bytes_per_row"],
-        "table_bytes_per_live_row_after": sizes["table_bytes_per_row"],
-        "index_bytes_per_live_row_after": round(sizes["index_bytes"] / max(sizes["rows"], 1), 1),
-        "free_heap_fraction_after": _free_fraction(conn),
-    }
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        sizes = sizes_of(conn)
+        return {
+            "dead_tuples_after_vacuum": _dead_tuples(conn),
+            "bytes_per_live_row_after": sizes["bytes_per_row"],
+            "table_bytes_per_live_row_after": sizes["table_bytes_per_row"],
+            "index_bytes_per_live_row_after": round(
+                sizes["index_bytes"] / max(sizes["rows"], 1), 1
+            ),
+            "free_heap_fraction_after": _free_fraction(conn),
+        }
 
 
 def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
@@ -552,11 +555,6 @@ def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
                   / nullif((SELECT sum(pg_relation_size(t.relid)) FROM {LEAVES} AS t(relid)), 0)"""
     ).fetchone()
     return round(float(row[0]), 3) if row and row[0] is not None else None
-
-
-def _left_after_purge() -> dict[str, Any]:
-    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
-        return _left_behind(conn)
 
 
 def _one_purge(tenth: int, how: str) -> dict[str, Any]:
@@ -591,7 +589,7 @@ def measure_purge(
     tenth = 0
     alone, loaded = PLAIN_PURGES if layout == "plain" else (("drop",), ("drops",))
     for how in alone:
-        result["alone"][how] = _one_purge(tenth, how) | _left_after_purge()
+        result["alone"][how] = _one_purge(tenth, how) | _left_behind()
         tenth += 1
     fresh = Counter(top * 2)
     half = claim_rate / 2
@@ -624,7 +622,7 @@ def measure_purge(
             layout=layout,
         )
         tenth += 1
-        purged.update(_left_after_purge())
+        purged.update(_left_behind())
         p50, p99 = percentile(during.latencies_ms, 0.5), percentile(during.latencies_ms, 0.99)
         with_vacuum = purged["rows_per_second_with_vacuum"] or 0
         result["under_load"][how] = purged | {
