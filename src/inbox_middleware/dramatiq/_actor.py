@@ -133,6 +133,12 @@ class Pending:
     arrival: Arrival | None
     error: Exception | None = None  # preparing failed unexpectedly: the call must fail
 
+    @property
+    def fields(self) -> dramatiq.Message[Any]:
+        """The message the proxy wraps: its fields read without the proxy's __getattr__,
+        which costs a few µs a read on the hot path."""
+        return self.message._message
+
 
 class InboxActor:
     """One inbox actor: settings, payload binding, the wrapped function and its I/O."""
@@ -364,7 +370,7 @@ class InboxActor:
         if pending.error is not None:
             raise pending.error
         assert pending.arrival is not None
-        carrier = pending.message._message.options.get(TRACE_OPTION)
+        carrier = pending.fields.options.get(TRACE_OPTION)
         with self.middleware.tracing.delivery(self.consumer, carrier) as trace:
             try:
                 steps = settle_steps(pending.arrival, self.policy)

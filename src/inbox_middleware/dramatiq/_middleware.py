@@ -459,7 +459,7 @@ class InboxMiddleware(dramatiq.Middleware):
         """The message prepared for this thread's actor call; each is taken once, so an
         actor called directly from inside another actor's body is not mistaken for it."""
         pending: Pending | None = getattr(self._pending, "value", None)
-        if pending is None or pending.message._message.actor_name != actor_name:
+        if pending is None or pending.fields.actor_name != actor_name:
             return None
         self._pending.value = None
         return pending
@@ -475,7 +475,7 @@ class InboxMiddleware(dramatiq.Middleware):
                 settlement,
                 consumer=bound.consumer,
                 where="the dead-letter queue",
-                message=message._message.message_id,
+                message=pending.fields.message_id,
                 database=self._database_of(delivery),
             )
             faults.at("settle", delivery.identity.message_id if delivery else None)
