@@ -19,11 +19,13 @@ from sqlalchemy.orm import Session
 from inbox_middleware._core.exceptions import HandlerTransactionError, TransactionAborted
 from inbox_middleware._core.protocol import Decision
 from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
+from inbox_middleware._storage.base import ABORTED
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
 from ..support.dramatiq_worker import drain, running_worker
+from ..support.engines import async_engine, sync_engine
 from ..support.faststream_brokers import Harness, Seen, eventually, recorder
 from ..support.workers import wait_for
 from .test_claim import delivery, inbox_rows
@@ -105,6 +107,51 @@ async def test_handler_transaction__savepoint_not_rolled_back_to_stays_refused_a
     outcome = await inbox.process(delivery(), healed_async)
     assert outcome.decision is Decision.FIRST
     assert inbox_rows(pg_engine) == 1
+
+
+async def test_handler_transaction__begin_nested_heals_it_asyncpg(pg_async_engine, pg_engine):
+    # Given a handler whose failing INSERT runs in session.begin_nested(): SQLAlchemy rolls
+    # back to its savepoint, which heals the transaction the failure marked as aborted
+    inbox = AsyncInbox(pg_async_engine)
+    marks = []
+
+    async def nested(session: Any) -> str:
+        await apply_credit_async(session, "billing", 1, 10)
+        connection = await session.connection()
+        try:
+            async with session.begin_nested():
+                await session.execute(DUPLICATE_ACCOUNT)
+        except IntegrityError:
+            marks.append(connection.info.get(ABORTED))
+        await apply_credit_async(session, "billing", 1, 5)
+        return "applied"
+
+    # When it is processed, then the rollback to the savepoint cleared the failure's mark
+    # (no probe of the transaction is needed), and it commits whole
+    outcome = await inbox.process(delivery(), nested)
+    assert marks == [None]
+    assert (outcome.decision, outcome.result) == (Decision.FIRST, "applied")
+    with pg_engine.connect() as conn:
+        assert (balance(conn, 1), effects(conn)) == (15, 2)
+
+
+def test_handler_transaction__the_guard_adds_no_connection_events(pg_url, pg_async_url):
+    # Given the user's engines, each given to two inboxes
+    engine = sync_engine(pg_url)
+    async_ = async_engine(pg_async_url)
+    try:
+        for _ in range(2):
+            Inbox(engine)
+            AsyncInbox(async_)
+        # Then neither has a connection event, which would cost every transaction on it (the
+        # inbox's or the application's own) a dispatcher, and the commit is guarded once
+        for target in (engine, async_.sync_engine):
+            assert not target._has_events
+            commit = target.dialect.do_commit
+            assert type(commit).__name__ == "_RefusingCommit"
+            assert type(commit._commit).__name__ != "_RefusingCommit"  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
 
 
 # -- the handler's own commit() is a programming error: poison at once, with the reason -----

@@ -106,6 +106,9 @@ SHADOW_KEY = "inbox_middleware.shadow_verdict"
 OUTPUT_KEY = "inbox_middleware.output"
 MARKED_KEY = "inbox_middleware.marked"
 """Set in a session's info when its claim marked the transaction (`CHECKED_COMMIT`)."""
+CLAIMED_ON = "inbox_middleware.claimed_on"
+"""The `Connection` the claim ran on, in its session's info: what the commit checks and
+commits (each ``session.connection()`` is SQLAlchemy's look-up of the bind, several µs)."""
 
 
 def current_delivery(session: Session) -> Delivery | None:
@@ -257,7 +260,9 @@ class Executor:
         SQLite's is taken as open): reported, not judged."""
         if self.dialect != "postgresql":
             return TransactionState.OPEN
-        conn = session.connection()  # once: each call is SQLAlchemy's look-up of the bind
+        # The claim's connection: once the handler ended the transaction, SQLAlchemy has
+        # closed it (no transaction: ended); without a claim, the session's own.
+        conn = session.info.get(CLAIMED_ON) or session.connection()
         if _ended(conn):
             return TransactionState.ENDED
         # In a transaction the inbox began on asyncpg, the checked COMMIT finds an aborted
@@ -271,8 +276,10 @@ class Executor:
         """COMMIT. The claim's transaction is committed with its check (`commit_checked`),
         in the same round trip: before any ack, the inbox knows that the transaction that
         committed holds the claim, and that it did commit."""
+        claimed_on = session.info.pop(CLAIMED_ON, None)
         if session.info.pop(MARKED_KEY, None) and self.dialect == "postgresql":
-            connection = session.connection()
+            # The claim's connection: the state check found its transaction still open.
+            connection = claimed_on or session.connection()
             # The session's own commit work first (its last flush, its before_commit hooks,
             # the outbox's refusal of an add that was not awaited): what refuses the commit
             # must refuse it before the COMMIT is sent, not after.
@@ -520,9 +527,10 @@ def _owned(conn: Connection) -> bool:
 def _ended(conn: Connection) -> bool:
     """Whether the transaction ended behind the inbox: the connection's ``rollback()``
     (SQLAlchemy's transaction is inactive), or a ``ROLLBACK`` or ``COMMIT`` sent on the
-    driver's own connection with nothing after it (psycopg reads libpq's state, idle: no
-    transaction, with no round trip). The other ways are refused as they happen
-    (`guard_transaction`)."""
+    driver's own connection or among several statements in one, with nothing after it
+    (psycopg reads libpq's state, idle: no transaction, with no round trip; on asyncpg,
+    which runs one statement a string, the checked COMMIT finds the first). The other
+    ways are refused as they happen (`guard_transaction`)."""
     transaction = conn.get_transaction()
     if transaction is None or not transaction.is_active:
         return True
@@ -537,6 +545,7 @@ def enter_handler(session: Session, conn: Connection) -> None:
     info = conn.info
     info[IN_HANDLER] = True
     session.info[IN_HANDLER] = info
+    session.info[CLAIMED_ON] = conn
 
 
 def interrupted(delivery: Delivery, *, committing: bool) -> InboxInterrupted:
@@ -568,38 +577,49 @@ def guard_transaction(engine: Engine) -> None:
     the inbox: the connection's own ``commit()``, and a statement that ends the
     transaction (``COMMIT``, ``ROLLBACK``, ``END``, ``ABORT``, ``PREPARE TRANSACTION``;
     ``ROLLBACK TO SAVEPOINT`` is fine), refused before it is sent. Nothing of it reaches
-    the server, so the attempt rolls back whole. On psycopg, a transaction found closed
-    before or after a statement (ended on the driver's own connection, or by one of
-    several statements in one string) is refused there too, before psycopg would begin a
-    new one for what follows.
+    the server, so the attempt rolls back whole. A transaction found closed before a
+    statement (ended on the driver's own connection, or by one of several statements in
+    one string) is refused there too, before the driver would begin a new one for it; one
+    found closed at the commit is refused then (`_ended`).
 
     The connection's ``rollback()`` (also that of a session bound to it with
     ``join_transaction_mode="rollback_only"``) is not refused as it happens, because
     SQLAlchemy rolls back the same way itself when a statement is interrupted: it leaves
     the transaction inactive, which the commit refuses (`_ended`).
+
+    The guard is on the engine's dialect, not on its connections: a connection event makes
+    SQLAlchemy build a dispatcher for each connection it checks out and consult it at each
+    of its steps, which every use of the engine would pay, the inbox's or not (about 30 µs
+    a transaction). Dialect events see each statement; SQLAlchemy has none for the commit,
+    so the dialect's ``do_commit`` is wrapped.
     """
-    if not event.contains(engine, "before_cursor_execute", _refuse_control):
-        event.listen(engine, "before_cursor_execute", _refuse_control)
-        event.listen(engine, "after_cursor_execute", _check_still_open)
-        event.listen(engine, "commit", _refuse_commit)
-
-
-def _refuse_control(conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
-    if not conn.info.get(IN_HANDLER):
+    dialect = engine.dialect
+    if isinstance(dialect.do_commit, _RefusingCommit):
         return
+    for name in ("do_execute", "do_execute_no_params", "do_executemany"):
+        event.listen(engine, name, _refuse_control, insert=True)
+    dialect.do_commit = _RefusingCommit(dialect.do_commit)  # type: ignore[method-assign]
+
+
+def _refuse_control(cursor: Any, statement: str, *rest: Any) -> bool:
+    """Before a statement runs in a handler (as a dialect event, whose last argument is
+    the execution context): raise if it would end the transaction, or if the transaction
+    already ended. Returns False: SQLAlchemy then runs the statement as usual."""
+    try:
+        info = rest[-1].root_connection.info
+    except NotImplementedError:  # the dialect's first look at the server: no pool record
+        return False
+    if not info.get(IN_HANDLER):
+        return False
     if _TRANSACTION_CONTROL.match(statement):
         raise HandlerTransactionError(
             f"the handler ran {statement.strip()[:40]!r}, which would end the inbox's "
             "transaction; the inbox commits when the handler returns (raise an exception to "
             "abandon the message, use SAVEPOINT or session.begin_nested() for part of it)"
         )
-    if _idle(cursor):  # psycopg would begin a new transaction for this statement
+    if _idle(cursor):  # the driver would begin a new transaction for this statement
         raise HandlerTransactionError(_ENDED_BEHIND)
-
-
-def _check_still_open(conn: Connection, cursor: Any, *_: Any) -> None:
-    if conn.info.get(IN_HANDLER) and _idle(cursor):  # several statements, one ended it
-        raise HandlerTransactionError(_ENDED_BEHIND)
+    return False
 
 
 def _idle(cursor: Any) -> bool:
@@ -624,20 +644,38 @@ _ENDED_BEHIND = (
 )
 
 
-def _refuse_commit(conn: Connection) -> None:
-    if conn.info.get(IN_HANDLER):
-        raise HandlerTransactionError(
-            "the handler called commit() on the inbox's connection; the inbox commits when "
-            "the handler returns"
-        )
+class _RefusingCommit:
+    """The dialect's ``do_commit``, refusing the connection's own ``commit()`` while a
+    handler runs on it (SQLAlchemy passes the pooled connection, whose ``info`` is the
+    `Connection`'s)."""
+
+    __slots__ = ("_commit",)
+
+    def __init__(self, commit: Any) -> None:
+        self._commit = commit
+
+    def __call__(self, dbapi_connection: Any) -> None:
+        info = getattr(dbapi_connection, "info", None)
+        if info is not None and info.get(IN_HANDLER):
+            raise HandlerTransactionError(
+                "the handler called commit() on the inbox's connection; the inbox commits "
+                "when the handler returns"
+            )
+        self._commit(dbapi_connection)
 
 
 def track_aborts(engine: Engine) -> None:
     """Record, per connection, that a statement failed on the server (which aborts the
-    transaction) until a savepoint is rolled back to (which heals it)."""
-    if not event.contains(engine, "handle_error", _statement_failed):
-        event.listen(engine, "handle_error", _statement_failed)
-        event.listen(engine, "rollback_savepoint", _savepoint_rolled_back)
+    transaction) until a savepoint is rolled back to (which heals it). On the dialect, as
+    `guard_transaction` says why: its error event, and its ``do_rollback_to_savepoint``
+    wrapped."""
+    dialect = engine.dialect
+    if isinstance(dialect.do_rollback_to_savepoint, _HealingRollback):
+        return
+    event.listen(engine, "handle_error", _statement_failed)
+    dialect.do_rollback_to_savepoint = _HealingRollback(  # type: ignore[method-assign]
+        dialect.do_rollback_to_savepoint
+    )
 
 
 def _statement_failed(context: Any) -> None:
@@ -646,8 +684,17 @@ def _statement_failed(context: Any) -> None:
         conn.info[ABORTED] = True
 
 
-def _savepoint_rolled_back(conn: Connection, name: str, context: Any) -> None:
-    conn.info.pop(ABORTED, None)
+class _HealingRollback:
+    """The dialect's ``do_rollback_to_savepoint``: the transaction is healthy again."""
+
+    __slots__ = ("_rollback",)
+
+    def __init__(self, rollback: Any) -> None:
+        self._rollback = rollback
+
+    def __call__(self, connection: Connection, name: str) -> None:
+        self._rollback(connection, name)
+        connection.info.pop(ABORTED, None)
 
 
 @dataclass(frozen=True)
