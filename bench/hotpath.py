@@ -202,11 +202,7 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
     reset_database()
     engine = create_engine(sqlalchemy_url(), pool_size=2)
-    setups = {mode: _broker(mode, engine) for mode in ("bare", "inbox")}
-    for broker, actor in setups.values():  # warm: pool, statement caches, imports
-        consume = _consume(broker, actor)
-        for message in _messages(actor, 200):
-            consume(message)
+    setups = _setups(engine)
     cpu: dict[str, list[float]] = {mode: [] for mode in setups}
     # CPU time, not wall time: a wait on the database costs nothing here
     profiler = cProfile.Profile(time.process_time) if profile else None
@@ -223,17 +219,7 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
             if profiler is not None:
                 profiler.disable()
     if parts:
-        profiles, calls = {}, {}
-        for mode, (broker, actor) in setups.items():
-            messages = _messages(actor, count)
-            consume = _consume(broker, actor)
-            profiles[mode] = cProfile.Profile(time.process_time)
-            profiles[mode].enable()
-            for message in messages:
-                consume(message)
-            profiles[mode].disable()
-            stats: dict[Any, Any] = pstats.Stats(profiles[mode]).stats  # type: ignore[attr-defined]
-            calls[mode] = sum(entry[1] for entry in stats.values()) / count
+        profiles, calls = _profiled(setups, count)
         alone = _arrival_alone(*setups["inbox"], count)
     engine.dispose()
     added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
@@ -250,6 +236,49 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
             f"bare {calls['bare']:.0f}; the arrival alone, in a loop of its own (no round "
             f"trips between): {alone:.1f} µs a message"
         )
+    return cpu
+
+
+Setups = dict[str, tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]]
+
+
+def _setups(engine: Any) -> Setups:
+    """Each mode's broker and actor, warmed: the pool, the statement caches, the imports."""
+    setups = {mode: _broker(mode, engine) for mode in ("bare", "inbox")}
+    for broker, actor in setups.values():
+        consume = _consume(broker, actor)
+        for message in _messages(actor, 200):
+            consume(message)
+    return setups
+
+
+def _profiled(setups: Setups, count: int) -> tuple[dict[str, cProfile.Profile], dict[str, float]]:
+    """Each mode's profile over ``count`` messages, and its Python and built-in calls a
+    message."""
+    profiles, calls = {}, {}
+    for mode, (broker, actor) in setups.items():
+        messages = _messages(actor, count)
+        consume = _consume(broker, actor)
+        profiles[mode] = cProfile.Profile(time.process_time)
+        profiles[mode].enable()
+        for message in messages:
+            consume(message)
+        profiles[mode].disable()
+        stats: dict[Any, Any] = pstats.Stats(profiles[mode]).stats  # type: ignore[attr-defined]
+        calls[mode] = sum(entry[1] for entry in stats.values()) / count
+    return profiles, calls
+
+
+def calls_per_message(count: int = 1000) -> dict[str, float]:
+    """Each mode's Python and built-in calls a message: what a message runs, counted, so
+    the same on any machine and in any run (CPU time moves with the machine's load)."""
+    prepare_database()
+    reset_database()
+    engine = create_engine(sqlalchemy_url(), pool_size=2)
+    try:
+        return _profiled(_setups(engine), count)[1]
+    finally:
+        engine.dispose()
 
 
 def _arrival_alone(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any], count: int) -> float:
