@@ -28,6 +28,8 @@ from __future__ import annotations
 import datetime
 import functools
 import re
+from collections.abc import Iterable
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
@@ -113,17 +115,11 @@ def _claim_text(pgconn: Any, compiled: DriverStatement, args: dict[str, Any]) ->
         or pgconn.parameter_status(b"standard_conforming_strings") != b"on"
     ):
         return None
-    literals: dict[str, str] = {}
-    for name, value in args.items():
-        if value.__class__ is str and "\x00" not in value:  # most values: inline
-            literals[name] = "'" + value.replace("'", "''") + "'"
-            continue
-        literal = _quote(value)
-        if literal is None:
-            return None
-        literals[name] = literal
+    quoted = _quoted(args.values())
+    if quoted is None:
+        return None
     try:
-        return (compiled.sql % literals).encode()
+        return (compiled.sql % dict(zip(args, quoted, strict=True))).encode()
     except UnicodeEncodeError:  # a lone surrogate: the cursor raises psycopg's own error
         return None
 
@@ -243,14 +239,10 @@ def _claim_sql(driver: Any, compiled: DriverStatement, args: list[Any]) -> str |
     if driver.get_settings().standard_conforming_strings != "on":
         return None  # a backslash in a literal would be an escape
     parts, positions = _template(compiled.sql)
-    pieces: list[str] = []
-    for part, position in zip(parts, positions, strict=False):
-        literal = _quote(args[position])
-        if literal is None:
-            return None
-        pieces += (part, literal)
-    pieces.append(parts[-1])
-    return "".join(pieces)
+    quoted = _quoted([args[position] for position in positions])
+    if quoted is None:
+        return None
+    return "".join(chain.from_iterable(zip(parts, quoted, strict=False))) + parts[-1]
 
 
 @functools.cache
@@ -265,6 +257,18 @@ def _begin_asyncpg(isolation_level: str | None, readonly: bool, deferrable: bool
     if deferrable:
         begin += " DEFERRABLE"
     return begin + "; "
+
+
+def _quoted(values: Iterable[Any]) -> list[str] | None:
+    """Each value as a SQL literal (`_quote`), or None when one cannot be written so."""
+    literals = [
+        # most values are text: quoted inline, without a call
+        "'" + value.replace("'", "''") + "'"
+        if value.__class__ is str and "\x00" not in value
+        else _quote(value)
+        for value in values
+    ]
+    return None if None in literals else literals  # type: ignore[return-value]
 
 
 def _quote(value: Any) -> str | None:
