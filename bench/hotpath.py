@@ -303,23 +303,32 @@ def _arrival_alone(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any], cou
 def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
     reset_database()
-    profiled = cProfile.Profile(time.process_time) if parts else None
-    cpu = asyncio.run(_measure_async(count, reps, profile, profiled))
+    profiled = {mode: cProfile.Profile(time.process_time) for mode in ("bare", "inbox")}
+    cpu = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None))
     _report(cpu)
-    if profiled is not None:
-        breakdown(profiled, PARTS["asyncpg"], count, statistics.median(cpu["inbox"]))
+    if parts:
+        breakdown(profiled["inbox"], PARTS["asyncpg"], count, statistics.median(cpu["inbox"]))
+        calls = {
+            mode: sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / count  # type: ignore[attr-defined]
+            for mode, profile in profiled.items()
+        }
+        print(
+            f"\nPython and built-in calls a message: inbox {calls['inbox']:.0f}, "
+            f"bare {calls['bare']:.0f}"
+        )
 
 
 async def _measure_async(
-    count: int, reps: int, profile: bool, profiled: cProfile.Profile | None = None
+    count: int, reps: int, profile: bool, profiled: dict[str, cProfile.Profile] | None = None
 ) -> dict[str, list[float]]:
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
     from inbox_middleware._storage import AsyncInbox
 
-    engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2)
-    inbox = AsyncInbox(engine)
-    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    # An engine a mode: bare runs on one the inbox does not guard.
+    engines = [create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2) for _ in range(2)]
+    inbox = AsyncInbox(engines[1])
+    sessions = async_sessionmaker(engines[0], expire_on_commit=False)
     run = uuid.uuid4().hex[:8]
 
     async def bare(n: int) -> None:
@@ -353,12 +362,13 @@ async def _measure_async(
             cpu[mode].append((time.process_time() - start) / count * 1e6)
             if profiler is not None:
                 profiler.disable()
-    if profiled is not None:
-        profiled.enable()
+    for mode, profiling in (profiled or {}).items():
+        profiling.enable()
         for n in range(reps * count, (reps + 1) * count):
-            await inboxed(n)
-        profiled.disable()
-    await engine.dispose()
+            await modes[mode](n)
+        profiling.disable()
+    for engine in engines:
+        await engine.dispose()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     return cpu

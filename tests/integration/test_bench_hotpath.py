@@ -51,3 +51,16 @@ def test_hotpath__the_quick_checks_judge_the_calls_and_the_worker_ratio(
     assert calls is not None, out.out
     assert int(calls[3]) == int(calls[1]) - int(calls[2]) <= CALLS_CEILING
     assert ("is below" in out.err) == bool(failed)
+
+
+def test_hotpath__the_asyncpg_breakdown_counts_the_calls_of_both_modes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        hotpath.main(["--driver", "asyncpg", "--messages", "40", "--reps", "1", "--breakdown"]) == 0
+    )
+
+    out = capsys.readouterr().out
+    calls = re.search(r"calls a message: inbox (\d+), bare (\d+)$", out, re.MULTILINE)
+    assert calls is not None, out
+    assert int(calls[1]) > int(calls[2]) > 100
