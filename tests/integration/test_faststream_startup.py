@@ -128,16 +128,24 @@ async def test_startup__an_inbox_subscriber_added_to_a_running_broker_is_protect
         async with h.broker:
             await h.broker.start()
             await h.prepare_source()
-            dropped = await _used_and_dropped(h, seen)
             # When an inbox subscriber is added at the dropped one's address, and started
-            subscriber = _reusing(h, inbox, dropped)
+            # (CPython hands freed memory out again, though not always to the next object
+            # of that size: a few rounds find one)
+            subscriber = None
+            for rounds in range(1, 6):
+                dropped = await _used_and_dropped(h, seen, rounds)
+                subscriber = _reusing(h, inbox, dropped)
+                if subscriber is not None:
+                    break
+            if subscriber is None:
+                pytest.fail("no new subscriber reused a dropped one's id: the case is not shown")
             await subscriber.start()
             await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
             await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
-            await eventually(lambda: len(seen.outcomes) == 3, what="both deliveries")
+            await eventually(lambda: len(seen.outcomes) == rounds + 2, what="both deliveries")
             await subscriber.stop()
         # Then its messages went through the inbox: one effect, the duplicate skipped
-        assert seen.outcomes[1:] == ["processed", "Skipped"]
+        assert seen.outcomes == ["processed"] * rounds + ["processed", "Skipped"]
         assert applied(pg_engine) == 1
     finally:
         await h.cleanup()
@@ -153,9 +161,10 @@ async def _delete_queue(name: str) -> None:
         await channel.queue_delete(name)
 
 
-async def _used_and_dropped(h: Harness, seen: Seen) -> int:
+async def _used_and_dropped(h: Harness, seen: Seen, rounds: int) -> int:
     """The id of a plain subscriber that consumed one message and is gone (made in a
-    function of its own: a frame still running would keep it alive)."""
+    function of its own: a frame still running would keep it alive); the ``rounds``-th
+    such subscriber of the test, which has seen one message each."""
     gc.collect()  # earlier tests' garbage freed now, not just after the subscriber
     plain = h.broker.subscriber(f"{h.source}-plain", persistent=False)
 
@@ -164,15 +173,15 @@ async def _used_and_dropped(h: Harness, seen: Seen) -> int:
 
     await plain.start()
     await h.broker.publish("hello", f"{h.source}-plain")
-    await eventually(lambda: seen.outcomes == ["processed"], what="the plain message")
+    await eventually(lambda: seen.outcomes == ["processed"] * rounds, what="the plain message")
     await plain.stop()
     return id(plain)
 
 
 def _reusing(h: Harness, inbox: FastStreamInbox, dropped: int) -> Any:
-    """A new inbox subscriber at the address (id) of a dropped one: CPython reuses freed
-    memory, so a few tries find one (the misses are kept meanwhile, so that each try
-    takes fresh memory; they never start, and go with this function)."""
+    """A new inbox subscriber at the address (id) of a dropped one, or None: CPython
+    reuses freed memory, so a few tries usually find one (the misses are kept meanwhile,
+    so that each try takes fresh memory; they never start, and go with this function)."""
     gc.collect()
     misses = []
     for number in range(300):
@@ -180,7 +189,7 @@ def _reusing(h: Harness, inbox: FastStreamInbox, dropped: int) -> Any:
         if id(subscriber) == dropped:
             return subscriber
         misses.append(subscriber)
-    pytest.fail("no new subscriber reused the dropped one's id: the case is not shown")
+    return None
 
 
 def _inbox_subscriber(h: Harness, inbox: FastStreamInbox, name: str) -> Any:
