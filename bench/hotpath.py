@@ -237,7 +237,6 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
             f"bare {calls['bare']:.0f}; the arrival alone, in a loop of its own (no round "
             f"trips between): {alone:.1f} µs a message"
         )
-    return cpu
 
 
 Setups = dict[str, tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]]
@@ -270,9 +269,14 @@ def _profiled(setups: Setups, count: int) -> tuple[dict[str, cProfile.Profile], 
         for message in messages:
             consume(message)
         profiles[mode].disable()
-        stats: dict[Any, Any] = pstats.Stats(profiles[mode]).stats  # type: ignore[attr-defined]
-        calls[mode] = sum(entry[1] for entry in stats.values()) / count
+        calls[mode] = _calls(profiles[mode], count)
     return profiles, calls
+
+
+def _calls(profile: cProfile.Profile, count: int) -> float:
+    """The Python and built-in calls ``profile`` counted, a message of ``count``."""
+    stats: dict[Any, Any] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return float(sum(entry[1] for entry in stats.values())) / count
 
 
 def calls_per_message(count: int = 1000) -> dict[str, float]:
@@ -308,10 +312,7 @@ def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> 
     _report(cpu)
     if parts:
         breakdown(profiled["inbox"], PARTS["asyncpg"], count, statistics.median(cpu["inbox"]))
-        calls = {
-            mode: sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / count  # type: ignore[attr-defined]
-            for mode, profile in profiled.items()
-        }
+        calls = {mode: _calls(profiling, count) for mode, profiling in profiled.items()}
         print(
             f"\nPython and built-in calls a message: inbox {calls['inbox']:.0f}, "
             f"bare {calls['bare']:.0f}"
