@@ -110,6 +110,8 @@ def truncate(engine_url: str) -> None:
                 "inbox_retention",
                 "inbox_outputs",
                 "inbox_counts",
+                "inbox_claims",
+                "inbox_layout",
                 *domain.TABLES,
             ]
         )

@@ -62,6 +62,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from . import claims
 from .exceptions import TransactionConflict
 from .identity import MessageIdentity, PayloadHash, jsonable
 
@@ -241,16 +242,19 @@ def compare(stored: StoredClaim, delivery: Delivery) -> tuple[Decision, bool]:
     Returns the decision and whether the payload could be compared at all.
     """
     ours = delivery.payload_hash
-    if stored.hash_scheme == ours.scheme:
+    scheme = claims.stored_scheme(stored.hash_scheme, ours.scheme)
+    if scheme == ours.scheme:
         theirs: str | None = ours.sha256
+    elif scheme is None:  # a compact row's scheme number this version does not know
+        theirs = None
     else:
-        theirs = delivery.rehash(stored.hash_scheme) if delivery.rehash else None
+        theirs = delivery.rehash(scheme) if delivery.rehash else None
     if theirs is None:
         # The claim was hashed by a scheme we cannot reproduce. The identity matches, and
         # calling it a conflict would quarantine every in-flight redelivery after an
         # upgrade; treat it as a duplicate and let the caller report it as unverified.
         return Decision.DUPLICATE, False
-    if theirs == stored.payload_sha256:
+    if claims.same_payload(theirs, stored.payload_sha256):
         return Decision.DUPLICATE, True
     return Decision.CONFLICT, True
 

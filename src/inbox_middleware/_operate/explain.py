@@ -15,9 +15,16 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from .._core import claims
 from .._core.identity import MessageIdentity, PayloadHash
 from .._core.protocol import Delivery
-from .._storage.inspection import consumer_known, effects, identity_row, identity_rows
+from .._storage.inspection import (
+    compact_claim_row,
+    consumer_known,
+    effects,
+    identity_row,
+    identity_rows,
+)
 from .._storage.tables import InboxSchema
 from ..outbox._recording import effect_id_for
 from .retention import format_duration, recorded_policy
@@ -49,7 +56,7 @@ def explain(
     )
     t = naming.tables
     key = identity.key(consumer)
-    claim = identity_row(conn, t.inbox, key)
+    claim = identity_row(conn, t.inbox, key) or compact_claim_row(conn, naming, key)
     quarantine = identity_rows(conn, t.quarantine, key, t.quarantine.c.first_seen_at, payload=False)
     poison = identity_rows(conn, t.poison, key, t.poison.c.first_failure_at, payload=False)
     failures = identity_row(conn, t.attempts, key)
@@ -99,7 +106,7 @@ def _verdict(
                 f"payload hashes to {claim['payload_sha256']} ({claim['hash_scheme']}), else "
                 "as an identity conflict (quarantined, not processed)"
             )
-        if payload_sha256.lower() == claim["payload_sha256"]:
+        if claims.same_payload(payload_sha256.lower(), claim["payload_sha256"]):
             return "duplicate", (
                 f"a duplicate: the same payload was processed at {when} by {who}; "
                 "a delivery is skipped and acknowledged"
@@ -222,11 +229,16 @@ SCHEMA: dict[str, Any] = {
                     ],
                     "additionalProperties": False,
                     "properties": {
-                        "payload_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                        # a compact claim keeps the hash's first 16 bytes, and neither
+                        # the handler version nor the receipt time
+                        "payload_sha256": {
+                            "type": "string",
+                            "pattern": "^([0-9a-f]{64}|[0-9a-f]{32})$",
+                        },
                         "hash_scheme": {"type": "string"},
-                        "handler_version": {"type": "string"},
+                        "handler_version": {"type": ["string", "null"]},
                         "produced_at": _TIME,
-                        "received_at": {"type": "string", "format": "date-time"},
+                        "received_at": _TIME,
                         "processed_at": {"type": "string", "format": "date-time"},
                         "trace_id": {
                             "description": "the OpenTelemetry trace of the first delivery, "

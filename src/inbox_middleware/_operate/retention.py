@@ -40,6 +40,7 @@ from .._storage.retention import (
     TID_RANGE_SCAN,
     PurgeStatements,
     all_policy_rows,
+    compact_rows,
     consumers_with_rows,
     policy_rows,
     purge_statements,
@@ -268,6 +269,11 @@ def purge_plan(
     if not policies and not force:
         raise RetentionRefused(_NO_POLICY)
     consumers = [consumer] if consumer is not None else consumers_with_rows(conn, naming)
+    if consumer is None and compact_rows(conn, naming):
+        # The compact claims name no consumer: a purge of them is judged by every
+        # recorded policy, as if each consumer that recorded one had rows.
+        named = set(consumers) | {name for name in policies if name != ALL_CONSUMERS}
+        consumers = sorted(named)
     plan = []
     for name in consumers:
         recorded = policies.get(name, policies.get(ALL_CONSUMERS))
@@ -356,22 +362,24 @@ def purge(
             time.sleep(wait)
 
     if engine.dialect.name == "postgresql":
-        with engine.connect() as conn:
-            statements = _postgresql_statements(conn, naming)
-            blocks, density = conn.execute(statements.extent).one()
-        base = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
-        low, step = 0, base
-        while low < blocks:
-            with engine.begin() as conn:
-                ranged = params | {"low": low, "high": low + step}
-                deleted = conn.execute(statements.batch, ranged).rowcount
-            if deleted < batch_size:  # else the range may hold more: take it again
-                low += step
-            # Across young blocks (no old claim) the ranges grow, up to _MAX_RANGE blocks,
-            # so that a mostly young table costs few statements; a range that held old
-            # claims brings them back to a batch's worth.
-            step = min(max(step * 2, base), _MAX_RANGE) if not deleted else base
-            batch_done(deleted)
+        # The compact claims (no consumer in their rows) go in a purge of every consumer.
+        for compact in (False, True) if consumer is None else (False,):
+            with engine.connect() as conn:
+                statements = _postgresql_statements(conn, naming, compact=compact)
+                blocks, density = conn.execute(statements.extent).one()
+            base = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
+            low, step = 0, base
+            while low < blocks:
+                with engine.begin() as conn:
+                    ranged = params | {"low": low, "high": low + step}
+                    deleted = conn.execute(statements.batch, ranged).rowcount
+                if deleted < batch_size:  # else the range may hold more: take it again
+                    low += step
+                # Across young blocks (no old claim) the ranges grow, up to _MAX_RANGE
+                # blocks, so that a mostly young table costs few statements; a range that
+                # held old claims brings them back to a batch's worth.
+                step = min(max(step * 2, base), _MAX_RANGE) if not deleted else base
+                batch_done(deleted)
     else:
         statements = purge_statements(naming, engine.dialect.name)
         while True:
@@ -388,9 +396,13 @@ def purge(
     return total
 
 
-def _postgresql_statements(conn: Connection, naming: InboxSchema) -> PurgeStatements:
+def _postgresql_statements(
+    conn: Connection, naming: InboxSchema, *, compact: bool = False
+) -> PurgeStatements:
     version = conn.dialect.server_version_info or TID_RANGE_SCAN
-    return purge_statements(naming, "postgresql", tid_range_scan=version >= TID_RANGE_SCAN)
+    return purge_statements(
+        naming, "postgresql", tid_range_scan=version >= TID_RANGE_SCAN, compact=compact
+    )
 
 
 def _count_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -406,16 +418,19 @@ def purgeable(
     if conn.dialect.name != "postgresql":
         statement = purge_statements(naming, conn.dialect.name).count
         return int(conn.execute(statement, params).scalar_one())
-    statements = _postgresql_statements(conn, naming)
-    blocks = int(conn.execute(statements.extent).one()[0])
-    return sum(
-        int(
-            conn.execute(
-                statements.count, params | {"low": low, "high": low + _COUNT_BLOCKS}
-            ).scalar_one()
+    total = 0
+    for compact in (False, True) if consumer is None else (False,):
+        statements = _postgresql_statements(conn, naming, compact=compact)
+        blocks = int(conn.execute(statements.extent).one()[0])
+        total += sum(
+            int(
+                conn.execute(
+                    statements.count, params | {"low": low, "high": low + _COUNT_BLOCKS}
+                ).scalar_one()
+            )
+            for low in range(0, blocks, _COUNT_BLOCKS)
         )
-        for low in range(0, blocks, _COUNT_BLOCKS)
-    )
+    return total
 
 
 class RetentionRefused(ConfigurationError):

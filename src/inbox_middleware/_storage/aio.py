@@ -40,6 +40,7 @@ from .base import (
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
+from .layout import check_claims
 from .migrate import check_schema
 from .session import ClaimSession
 from .tables import InboxSchema
@@ -60,6 +61,7 @@ class AsyncInbox(Executor):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
     ) -> None:
         if not isinstance(engine, AsyncEngine):
             raise ConfigurationError(
@@ -72,7 +74,7 @@ class AsyncInbox(Executor):
                 "(under SQLAlchemy 2.1, postgresql:// means psycopg): create it with "
                 "create_async_engine('postgresql+asyncpg://...')"
             )
-        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
+        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries, claims)
         self.engine = engine
         if engine.dialect.driver == "asyncpg":
             track_aborts(engine.sync_engine)
@@ -87,6 +89,7 @@ class AsyncInbox(Executor):
         """Verify the schema version and the database settings the guarantee relies on."""
         async with self.engine.connect() as conn:
             await conn.run_sync(check_schema, self.naming)
+            await conn.run_sync(check_claims, self.naming, self.claims)
             self._check_settings(await conn.run_sync(database_settings))
 
     async def process(

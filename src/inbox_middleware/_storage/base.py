@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Dialect, Engine, event, text
@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .._core import faults
+from .._core.claims import ClaimsPhase, ClaimsTable, claims_phase
 from .._core.consumption import (
     REMEMBERED_MESSAGES,
     CountFailure,
@@ -62,7 +63,7 @@ from .driver import InboxTransaction, begin_owned, commit_checked, driver_path, 
 from .errors import Failure, classify, sqlstate, transient_error
 from .failures import FailureRecorder
 from .outputs import OutputStatements
-from .statements import TRANSACTION_PROBE, ClaimStatements
+from .statements import TRANSACTION_PROBE, ClaimStatements, CompactClaimStatements, phase_record
 from .tables import InboxSchema
 
 __all__ = [
@@ -172,6 +173,7 @@ class Executor:
         naming: InboxSchema | None,
         lock_timeout: float | None,
         serialization_retries: int,
+        claims: str = "library",
     ) -> None:
         if dialect not in ("postgresql", "sqlite"):
             raise ConfigurationError(
@@ -185,7 +187,12 @@ class Executor:
         self.dialect = dialect
         self.lock_timeout = lock_timeout
         self.serialization_retries = serialization_retries
+        self.claims = _claims_table(claims, dialect)
         self.statements = ClaimStatements(self.naming, dialect, lock_timeout)
+        self._phase_statements: dict[ClaimsPhase, ClaimStatements] = {
+            ClaimsPhase.LIBRARY: self.statements
+        }
+        self._phase_due = 0.0 if self.claims is ClaimsTable.COMPACT else float("inf")
         # READ COMMITTED: a claim must see rows committed after its snapshot. Forced on
         # PostgreSQL until the engine is known to default to it (forcing it costs a
         # set-and-reset of the connection on every checkout); SQLite has one writer.
@@ -311,6 +318,8 @@ class Executor:
         conn = session.connection(execution_options=self._connection_options)
         if not self._isolation_known:
             self._learn_isolation(conn.dialect, conn.engine.get_execution_options())
+        if monotonic() >= self._phase_due:
+            self._read_phase(conn)
         conn.info.pop(ABORTED, None)
         attempts.clock = perf_counter()
         with tracing.claim(attempts.number) as traced:
@@ -320,6 +329,25 @@ class Executor:
         enter_handler(session, conn)
         faults.at("claim", attempts.delivery.identity.message_id)
         return verdict
+
+    def _read_phase(self, conn: Connection) -> None:
+        """Where a worker configured for the compact claim claims now (`claims_phase`),
+        from the database's record, read in the claim's transaction at most every
+        `PHASE_REFRESH` seconds. A worker that reads it late claims in both tables,
+        which every phase accepts."""
+        switched, library_rows = conn.execute(phase_record(self.naming)).one()
+        phase = claims_phase(self.claims, switched=bool(switched), library_rows=bool(library_rows))
+        if phase not in self._phase_statements:
+            self._phase_statements[phase] = CompactClaimStatements(
+                self.naming, self.lock_timeout, phase
+            )
+        self.statements = self._phase_statements[phase]
+        self._phase_due = monotonic() + PHASE_REFRESH
+
+    @property
+    def phase(self) -> ClaimsPhase:
+        """Where this inbox claimed last (the library's table until its first claim)."""
+        return getattr(self.statements, "phase", ClaimsPhase.LIBRARY)
 
     def _check_settings(self, settings: DatabaseSettings | None) -> None:
         if settings is None:
@@ -486,6 +514,24 @@ _IN_FAILED_TRANSACTION = "25P02"
 _PQ_IDLE = 0
 _PQ_INERROR = 3
 _UNRECORDED_MEMORY = REMEMBERED_MESSAGES
+
+
+PHASE_REFRESH = 5.0
+"""Seconds a worker configured for the compact claim goes on claiming where it last read
+it should (`Executor._read_phase`)."""
+
+
+def _claims_table(claims: str, dialect: str) -> ClaimsTable:
+    try:
+        table = ClaimsTable(claims)
+    except ValueError:
+        raise ConfigurationError(f"claims must be 'library' or 'compact', not {claims!r}") from None
+    if table is ClaimsTable.COMPACT and dialect != "postgresql":
+        raise ConfigurationError(
+            "the compact claim is for PostgreSQL; an embedded SQLite inbox claims in the "
+            "library's table (claims='library')"
+        )
+    return table
 
 
 def _message_id(op: Op) -> str | None:

@@ -65,6 +65,7 @@ from .base import (
 )
 from .errors import as_transient
 from .failures import mark_batch_recovered, mark_recovered
+from .layout import check_claims
 from .migrate import check_schema
 from .session import ClaimSession
 from .tables import InboxSchema
@@ -98,6 +99,11 @@ class Inbox(Executor):
         None waits indefinitely.
       serialization_retries: how often a transaction that failed on a serialization
         failure or deadlock runs again in-process before the error is raised.
+      claims: the table claims go to: ``"library"`` (``consumer_inbox``, every field of a
+        claim kept) or ``"compact"`` (``inbox_claims``, about 120 bytes a remembered
+        message, PostgreSQL only). A worker set to ``"compact"`` claims in both tables until
+        the operator records that every worker is (``inbox-middleware claims switch``); see
+        the guide on the compact claim.
     """
 
     def __init__(
@@ -107,12 +113,13 @@ class Inbox(Executor):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
     ) -> None:
         if not isinstance(engine, Engine):
             raise ConfigurationError(
                 f"Inbox needs a sqlalchemy Engine, got {type(engine).__name__}"
             )
-        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries)
+        super().__init__(engine.dialect.name, naming, lock_timeout, serialization_retries, claims)
         self.engine = engine
         guard_transaction(engine)
         self._sessions = sessionmaker(engine, class_=ClaimSession, expire_on_commit=False)
@@ -121,6 +128,7 @@ class Inbox(Executor):
         """Verify the schema version and the database settings the guarantee relies on."""
         with self.engine.connect() as conn:
             check_schema(conn, self.naming)
+            check_claims(conn, self.naming, self.claims)
             self._check_settings(database_settings(conn))
 
     def process(

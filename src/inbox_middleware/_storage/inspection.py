@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, DateTime, Table, Text, and_, func, select, text, type_coerce
 
+from .._core import claims
 from .._core.protocol import ReasonCode
 from .tables import TABLES, InboxSchema
 
@@ -31,6 +32,7 @@ __all__ = [
     "aware",
     "claim_queries",
     "claim_totals",
+    "compact_claim_row",
     "conflicts",
     "consumer_known",
     "consumer_pairs",
@@ -100,6 +102,8 @@ def _tables(naming: InboxSchema) -> dict[str, Table]:
         "inbox_retention": t.retention,
         "inbox_outputs": t.outputs,
         "inbox_counts": t.counts,
+        "inbox_claims": t.claims,
+        "inbox_layout": t.layout,
     }
 
 
@@ -354,6 +358,34 @@ def _timestamp(value: Any) -> Any:
         return datetime.fromisoformat(str(value))
     except ValueError:
         return str(value)
+
+
+def compact_claim_row(
+    conn: Connection, naming: InboxSchema, key: tuple[str, str, str, str]
+) -> dict[str, Any] | None:
+    """The compact claim of one identity (`_core.claims`), found by its key computed from
+    ``key``, shaped as the library's row: the hash's first 16 bytes, the scheme's name
+    when this version knows it, nothing for what the compact row does not keep."""
+    if conn.dialect.name != "postgresql":
+        return None
+    table = naming.tables.claims
+    row = conn.execute(
+        select(table.c.payload_digest, table.c.hash_scheme, table.c.processed_at).where(
+            table.c.identity == claims.claim_key(*key).hex()
+        )
+    ).first()
+    if row is None:
+        return None
+    tag = claims.scheme_tag(row[1])
+    return {
+        "payload_sha256": str(row[0]).replace("-", ""),
+        "hash_scheme": claims.stored_scheme(tag, "") or tag,
+        "handler_version": None,
+        "produced_at": None,
+        "received_at": None,
+        "processed_at": row[2],
+        "trace_id": None,
+    }
 
 
 def identity_rows(

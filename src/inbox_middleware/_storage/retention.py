@@ -45,6 +45,7 @@ __all__ = [
     "TID_RANGE_SCAN",
     "PurgeStatements",
     "all_policy_rows",
+    "compact_rows",
     "consumers_with_rows",
     "policy_rows",
     "purge_statements",
@@ -141,12 +142,23 @@ def consumers_with_rows(conn: Connection, naming: InboxSchema) -> list[str]:
     return sorted(names)
 
 
+def compact_rows(conn: Connection, naming: InboxSchema) -> bool:
+    """Whether the compact claims table has a row (PostgreSQL; SQLite claims in the
+    library's table only)."""
+    if conn.dialect.name != "postgresql":
+        return False
+    claims = naming.tables.claims
+    return conn.scalar(select(select(claims.c.identity).limit(1).exists())) is True
+
+
 @cache
 def purge_statements(
-    naming: InboxSchema, dialect: str, *, tid_range_scan: bool = True
+    naming: InboxSchema, dialect: str, *, tid_range_scan: bool = True, compact: bool = False
 ) -> PurgeStatements:
     """The purge's statements for one naming and dialect, built once; ``tid_range_scan``
-    False: for a PostgreSQL before 14, which has none."""
+    False: for a PostgreSQL before 14, which has none. ``compact``: the batches, count and
+    extent are those of the compact claims table (PostgreSQL), whose rows name no
+    consumer: every consumer's claims older than the window go."""
     inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
@@ -156,6 +168,9 @@ def purge_statements(
         inbox.c.processed_at < cutoff,
         or_(consumer.is_(None), inbox.c.consumer_name == consumer),
     )
+    if compact:
+        inbox = naming.tables.claims
+        old = inbox.c.processed_at < cutoff
     limit = bindparam("limit", type_=Integer)
     extent: Any = None
     if dialect == "postgresql":
@@ -165,7 +180,7 @@ def purge_statements(
         doomed = doomed.with_for_update(skip_locked=True)
         batch = delete(inbox).where(ctid == func.any(func.array(doomed.scalar_subquery())))
         count: Any = select(func.count()).select_from(inbox).where(blocks, old)
-        extent = _extent(naming)
+        extent = _extent(inbox)
     else:
         key = tuple_(
             inbox.c.consumer_name, inbox.c.producer_name, inbox.c.tenant, inbox.c.message_id
@@ -199,9 +214,8 @@ def _block_range(tid_range_scan: bool) -> Any:
     )
 
 
-def _extent(naming: InboxSchema) -> Any:
+def _extent(inbox: Any) -> Any:
     # validated identifiers (InboxSchema): quoting them is enough, and keeps their case
-    inbox = naming.tables.inbox
     name = f'"{inbox.schema}"."{inbox.name}"' if inbox.schema else f'"{inbox.name}"'
     return text(
         "SELECT pg_relation_size(c.oid) / current_setting('block_size')::bigint, "

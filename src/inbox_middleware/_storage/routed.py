@@ -77,6 +77,7 @@ __all__ = [
     "AsyncRoutedInbox",
     "RoutedInbox",
     "database_url",
+    "refuse_routed_compact",
 ]
 
 logger = logging.getLogger("inbox_middleware")
@@ -692,3 +693,13 @@ def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def refuse_routed_compact(claims: str) -> None:
+    """The compact claim is offered on one database: a map of databases claims in the
+    library's table."""
+    if claims != "library":
+        raise ConfigurationError(
+            "claims='compact' is for an inbox on one engine; over a map of databases the "
+            "inbox claims in the library's table (leave claims unset)"
+        )

@@ -35,6 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .._core import claims
 from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import (
     Claim,
@@ -56,7 +57,9 @@ __all__ = [
     "CLAIM_ENDED",
     "TRANSACTION_PROBE",
     "ClaimStatements",
+    "CompactClaimStatements",
     "DriverStatement",
+    "phase_record",
 ]
 
 _TIMESTAMP = DateTime(timezone=True)
@@ -282,18 +285,7 @@ class ClaimStatements:
         ``c1_*``, ...), which PostgreSQL and SQLite both accept. ORDER BY the key makes
         every batch take its row locks in the same order.
         """
-        branches = []
-        for index in range(size):
-            row: list[Any] = [
-                cast(bindparam(f"c{index}_{name}", type_=Text), Text).label(name)
-                for name in self._columns[: self._texts]
-            ]
-            row += [
-                self._timestamp(f"c{index}_{name}").label(name)
-                for name in self._columns[self._texts :]
-            ]
-            branches.append(select(*row))
-        rows = union_all(*branches).subquery("inbox_rows")
+        rows = self._batch_rows(size)
         ordered: Select[Any] = select(*(rows.c[name] for name in self._columns))
         if self._lock_timeout is not None:
             # Sorting consumes every row, settings included, before the first INSERT can
@@ -330,6 +322,22 @@ class ClaimStatements:
             self._inbox.c.processed_at,
             self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
         ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys]))
+
+    def _batch_rows(self, size: int, extra: tuple[str, ...] = ()) -> Any:
+        """The rows of a batch's claim: a UNION ALL of one SELECT of parameters per
+        delivery (``c0_*``, ``c1_*``, ...), the claim's columns then ``extra`` texts."""
+        texts = [*self._columns[: self._texts], *extra]
+        branches = []
+        for index in range(size):
+            row: list[Any] = [
+                cast(bindparam(f"c{index}_{name}", type_=Text), Text).label(name) for name in texts
+            ]
+            row += [
+                self._timestamp(f"c{index}_{name}").label(name)
+                for name in self._columns[self._texts :]
+            ]
+            branches.append(select(*row))
+        return union_all(*branches).subquery("inbox_rows")
 
     def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
         if isinstance(step, ClaimBatch):
@@ -447,3 +455,254 @@ class ClaimStatements:
 
     def _key(self, delivery: Delivery) -> dict[str, Any]:
         return dict(zip(self._key_names, delivery.key, strict=True))
+
+
+class CompactClaimStatements(ClaimStatements):
+    """The claim protocol's statements in one phase of the compact claim
+    (`_core.claims.ClaimsPhase`, PostgreSQL only): the compact row alone, checking the
+    library's table or not, or both tables in one statement.
+
+    Every claim keeps the identity's texts among its parameters: the poison row a first
+    delivery recovers is found by them, and so is a claim in the library's table. A
+    stored compact claim reaches the core with the payload's 32 hex characters and its
+    scheme's number (`claims.scheme_tag`), which the core reads back (`protocol.compare`).
+    """
+
+    def __init__(
+        self, naming: InboxSchema, lock_timeout: float | None, phase: claims.ClaimsPhase
+    ) -> None:
+        super().__init__(naming, "postgresql", lock_timeout)
+        if phase is claims.ClaimsPhase.LIBRARY:
+            raise ValueError("the library's phase has the library's statements")
+        self.phase = phase
+        compact = self._compact = naming.tables.claims
+        inbox = self._inbox
+        self._compact_columns = ["identity", "payload_digest", "hash_scheme"]
+        compact_values = [
+            cast(bindparam("identity", type_=Text), compact.c.identity.type),
+            cast(bindparam("payload_digest", type_=Text), compact.c.payload_digest.type),
+            cast(bindparam("scheme_code", type_=Text), compact.c.hash_scheme.type),
+        ]
+        key_params = [bindparam(name, type_=Text) for name in self._key_names]
+        recover = self._recover([bindparam(name) for name in [*self._key_names, "payload_sha256"]])
+
+        def compact_rows(unclaimed_in_library: bool) -> Any:
+            rows = select(*compact_values)
+            if self._lock_timeout is not None:
+                rows = rows.select_from(self._setting())
+            if unclaimed_in_library:
+                rows = rows.where(~self._in_library(key_params))
+            return rows
+
+        def claim(returning: Any, *, with_recover: bool) -> Any:
+            if phase is claims.ClaimsPhase.BOTH:
+                # The compact row first (it sets lock_timeout): the library's row is
+                # inserted only when the compact one was, so a message claimed by either
+                # kind of worker is never claimed again.
+                first = (
+                    postgresql.insert(compact)
+                    .from_select(self._compact_columns, compact_rows(False))
+                    .on_conflict_do_nothing()
+                    .returning(literal_column("1"))
+                    .cte("inbox_compact")
+                )
+                library_rows = select(*self._library_values()).where(
+                    select(literal_column("1")).select_from(first).exists()
+                )
+                statement: Any = (
+                    postgresql.insert(inbox)
+                    .from_select(self._columns, library_rows)
+                    .on_conflict_do_nothing()
+                    .returning(returning)
+                    .add_cte(first)
+                )
+            else:
+                checking = phase is claims.ClaimsPhase.COMPACT_CHECKING
+                statement = (
+                    postgresql.insert(compact)
+                    .from_select(self._compact_columns, compact_rows(checking))
+                    .on_conflict_do_nothing()
+                    .returning(returning)
+                )
+            return statement.add_cte(recover) if with_recover else statement
+
+        self.claim = claim(self._mark("pg_catalog.pg_current_xact_id()"), with_recover=True)
+        self.probe = claim(literal_column("1"), with_recover=False)
+        stored = self._stored_columns()
+        self.look_up = union_all(
+            select(*self._library_stored()).where(
+                *(column == bindparam(column.name) for column in self._key_columns)
+            ),
+            select(*stored).where(compact.c.identity == compact_values[0]),
+        ).limit(1)
+
+    def _in_library(self, key: list[Any]) -> Any:
+        return (
+            select(literal_column("1"))
+            .select_from(self._inbox)
+            .where(*(column == value for column, value in zip(self._key_columns, key, strict=True)))
+            .exists()
+        )
+
+    def _library_values(self) -> list[Any]:
+        values: list[Any] = [bindparam(name, type_=Text) for name in self._columns[: self._texts]]
+        values += [self._timestamp(name) for name in self._columns[self._texts :]]
+        return values
+
+    def _library_stored(self) -> list[Any]:
+        inbox = self._inbox
+        return [
+            inbox.c.payload_sha256,
+            inbox.c.hash_scheme,
+            inbox.c.handler_version,
+            inbox.c.processed_at,
+            self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
+        ]
+
+    def _stored_columns(self) -> list[Any]:
+        """A compact row as the library's stored claim: the payload digest's 32 hex
+        characters, the scheme's number as `claims.scheme_tag` writes it, no handler
+        version."""
+        compact = self._compact
+        return [
+            func.replace(cast(compact.c.payload_digest, Text), "-", "").label("payload_sha256"),
+            (literal_column("'code:'") + cast(compact.c.hash_scheme, Text)).label("hash_scheme"),
+            literal_column("''").label("handler_version"),
+            compact.c.processed_at,
+            self._mark("pg_catalog.pg_current_xact_id_if_assigned()"),
+        ]
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one instance per phase, kept for its life)
+    def claim_batch(self, size: int) -> Executable:
+        """The batch's claim in this phase: one statement, RETURNING the compact key of
+        each message claimed (`result` maps it back to its delivery)."""
+        compact, inbox = self._compact, self._inbox
+        rows = self._batch_rows(size, ("identity", "payload_digest", "scheme_code"))
+        compact_values = [
+            cast(rows.c.identity, compact.c.identity.type),
+            cast(rows.c.payload_digest, compact.c.payload_digest.type),
+            cast(rows.c.scheme_code, compact.c.hash_scheme.type),
+        ]
+        source: Any = rows
+        if self._lock_timeout is not None:
+            source = rows.join(self._setting(), true())
+        ordered = select(*compact_values).select_from(source).order_by(compact_values[0])
+        if self.phase is claims.ClaimsPhase.COMPACT_CHECKING:
+            key = [rows.c[name] for name in self._key_names]
+            ordered = ordered.where(~self._in_library(key))
+        first = (
+            postgresql.insert(compact)
+            .from_select(self._compact_columns, ordered)
+            .on_conflict_do_nothing()
+        )
+        mark = self._mark("pg_catalog.pg_current_xact_id()")
+        if self.phase is claims.ClaimsPhase.BOTH:
+            inserted = first.returning(compact.c.identity).cte("inbox_compact")
+            library = (
+                select(*(rows.c[name] for name in self._columns))
+                .where(
+                    cast(rows.c.identity, compact.c.identity.type).in_(select(inserted.c.identity))
+                )
+                .order_by(*(rows.c[name] for name in self._key_names))
+            )
+            statement: Any = (
+                postgresql.insert(inbox)
+                .from_select(self._columns, library)
+                .on_conflict_do_nothing()
+                .returning(*self._key_columns, mark)
+                .add_cte(inserted)
+            )
+        else:
+            statement = first.returning(
+                func.replace(cast(compact.c.identity, Text), "-", "").label("identity"), mark
+            )
+        keys = [
+            [
+                cast(bindparam(f"c{index}_{name}", type_=Text), Text)
+                for name in [*self._key_names, "payload_sha256"]
+            ]
+            for index in range(size)
+        ]
+        built: Executable = statement.add_cte(self._recover(*keys))
+        return built
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019
+    def look_up_batch(self, size: int) -> Executable:
+        """The stored claims of a batch: the library's rows by key, the compact rows by
+        their key; each row names its delivery one way or the other."""
+        compact = self._compact
+        keys: list[list[Any]] = [
+            [bindparam(f"k{i}_{name}") for name in self._key_names] for i in range(size)
+        ]
+        identities = [
+            cast(bindparam(f"k{i}_identity", type_=Text), compact.c.identity.type)
+            for i in range(size)
+        ]
+        nothing = [cast(literal_column("NULL"), Text).label(name) for name in self._key_names]
+        return union_all(
+            select(
+                *self._key_columns,
+                cast(literal_column("NULL"), Text).label("identity"),
+                *self._library_stored(),
+            ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys])),
+            select(
+                *nothing,
+                func.replace(cast(compact.c.identity, Text), "-", ""),
+                *self._stored_columns(),
+            ).where(compact.c.identity.in_(identities)),
+        )
+
+    def statement(self, step: Step) -> tuple[Executable, dict[str, Any]]:
+        executable, params = super().statement(step)
+        if isinstance(step, LookUpBatch):
+            for index, delivery in enumerate(step.deliveries):
+                params[f"k{index}_identity"] = _identity(delivery)
+        return executable, params
+
+    def result(self, step: Step, result: CursorResult[Any]) -> object:  # type: ignore[override]
+        if isinstance(step, ClaimBatch):
+            if self.phase is claims.ClaimsPhase.BOTH:
+                return {tuple(row)[:4] for row in result}
+            by_identity = {_identity(delivery): delivery.key for delivery in step.deliveries}
+            return {by_identity[row[0]] for row in result}
+        if isinstance(step, LookUpBatch):
+            by_identity = {_identity(delivery): delivery.key for delivery in step.deliveries}
+            found: dict[tuple[str, ...], StoredClaim] = {}
+            for row in result:
+                values: tuple[Any, ...] = tuple(row)
+                key = values[:4] if values[0] is not None else by_identity[values[4]]
+                found.setdefault(key, StoredClaim(*values[5:9]))
+            return found
+        return ClaimStatements.result(step, result)
+
+    def _claim_row(self, delivery: Delivery) -> dict[str, Any]:
+        return super()._claim_row(delivery) | {
+            "identity": _identity(delivery),
+            "payload_digest": claims.payload_digest(delivery.payload_hash.sha256),
+            "scheme_code": str(claims.scheme_code(delivery.payload_hash.scheme)),
+        }
+
+    def _key(self, delivery: Delivery) -> dict[str, Any]:
+        return super()._key(delivery) | {"identity": _identity(delivery)}
+
+
+def _identity(delivery: Delivery) -> str:
+    """The compact key of ``delivery``'s claim, as the 32 hex characters of its uuid."""
+    return claims.claim_key(*delivery.key).hex()
+
+
+@functools.cache
+def phase_record(naming: InboxSchema) -> Executable:
+    """Whether the operator recorded the switch to the compact claim, and whether the
+    library's claims table still has a row: one row of two booleans."""
+    tables = naming.tables
+    layout, inbox = tables.layout, tables.inbox
+    switched = (
+        select(literal_column("1"))
+        .select_from(layout)
+        .where(layout.c.name == "claims", layout.c.value == "compact")
+        .exists()
+    )
+    remaining = select(literal_column("1")).select_from(inbox).exists()
+    built: Executable = select(switched.label("switched"), remaining.label("library_rows"))
+    return built

@@ -18,8 +18,10 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     Table,
     Text,
+    Uuid,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -40,6 +42,8 @@ TABLES = (
     "inbox_retention",
     "inbox_outputs",
     "inbox_counts",
+    "inbox_claims",
+    "inbox_layout",
 )
 """Every table the library owns, without prefix."""
 
@@ -236,6 +240,24 @@ class InboxTables:
             Column("count", BigInteger, nullable=False),
             Column("since", _TIMESTAMP, nullable=False),
             Column("updated_at", _TIMESTAMP, nullable=False),
+        )
+        # The compact claim (`_core.claims`): PostgreSQL's uuid is 16 bytes with no length
+        # header; SQLite's table exists for the schema's sake, its inbox stays the library's.
+        self.claims = Table(
+            name("inbox_claims"),
+            self.metadata,
+            Column("identity", Uuid(as_uuid=False), primary_key=True),
+            Column("payload_digest", Uuid(as_uuid=False), nullable=False),
+            Column("processed_at", _TIMESTAMP, nullable=False),
+            Column("hash_scheme", SmallInteger, nullable=False),
+        )
+        self.layout = Table(
+            name("inbox_layout"),
+            self.metadata,
+            Column("name", Text, primary_key=True),
+            Column("value", Text, nullable=False),
+            Column("changed_at", _TIMESTAMP, nullable=False),
+            Column("changed_by", Text),
         )
         self.version = Table(
             name("inbox_schema_version"),

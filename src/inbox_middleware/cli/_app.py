@@ -21,6 +21,7 @@ from .._core.exceptions import InboxError
 from .._storage import LATEST_VERSION, migrate, render_sql
 from .._storage.engines import parse_url
 from .._storage.migrate import check_schema, schema_version
+from . import _claims as claims
 from . import _hashing as hashing
 from . import _outbox as outbox
 from . import _repair as repair
@@ -132,6 +133,7 @@ for _command in (
     retention.purge_command,
     status.metrics_group,
     hashing.hash_command,
+    claims.claims_group,
 ):
     main.add_command(_command)
 

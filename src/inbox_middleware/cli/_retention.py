@@ -16,7 +16,7 @@ from .._operate.retention import ALL_CONSUMERS, RetentionPolicy, format_duration
 from ._options import DURATION, Seconds, connect, database, database_options
 from ._output import progress, table
 
-__all__ = ["purge_command", "retention_group"]
+__all__ = ["purge_command", "retention_group", "who"]
 
 _SCENARIOS = {
     "broker_retention": "how long the broker keeps, and may redeliver, a message",
@@ -85,7 +85,7 @@ def calculate_command(**values: Any) -> None:
     _describe(_policy(values))
 
 
-def _who(by: str | None) -> str:
+def who(by: str | None) -> str:
     return by or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
@@ -110,7 +110,7 @@ def set_command(
     """Record the failure scenarios; every purge is checked against their minimum."""
     policy = _policy(values)
     with database(database_url, schema, prefix, write=True) as (conn, naming):
-        retention.record_policy(conn, naming, policy, consumer=consumer, by=_who(by))
+        retention.record_policy(conn, naming, policy, consumer=consumer, by=who(by))
     _describe(policy)
     click.echo(f"recorded for consumer {consumer}")
 

@@ -82,6 +82,7 @@ from .._storage.routed import (
     DEFAULT_POOL_SIZE,
     AsyncRoutedInbox,
     RoutedInbox,
+    refuse_routed_compact,
 )
 from .._storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
 from ._actor import SKIPPED, InboxActor, Pending
@@ -156,6 +157,8 @@ class InboxMiddleware(dramatiq.Middleware):
       lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
         handed back (and the bound on any lock wait inside the transaction).
       serialization_retries: in-process reruns after a serialization failure or deadlock.
+      claims: the claims table, ``"library"`` or ``"compact"`` (about 120 bytes a
+        remembered message; see `Inbox` and the guide on the compact claim).
       quarantine_queue: the queue conflicting messages go to; ``{queue}`` is the actor's.
       quarantine_publisher: how to publish there; chosen from the broker by default.
       in_progress_delay: milliseconds before a message whose claim another delivery holds
@@ -207,6 +210,7 @@ class InboxMiddleware(dramatiq.Middleware):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
         quarantine_queue: str = "{queue}.quarantine",
         quarantine_publisher: QuarantinePublisher | None = None,
         in_progress_delay: int | None = None,
@@ -235,17 +239,18 @@ class InboxMiddleware(dramatiq.Middleware):
             "serialization_retries": serialization_retries,
         }
         self.inbox: Inbox | RoutedInbox | None = (
-            Inbox(engine, **storage) if engine is not None else None
+            Inbox(engine, **storage, claims=claims) if engine is not None else None
         )
         self.async_inbox: AsyncInbox | AsyncRoutedInbox | None = None
         if async_engine is not None:
             from .._storage.aio import AsyncInbox
 
-            self.async_inbox = AsyncInbox(async_engine, **storage)
+            self.async_inbox = AsyncInbox(async_engine, **storage, claims=claims)
         self.routed = router is not None
         if router is not None:
             if self.inbox is not None or self.async_inbox is not None:
                 raise ConfigurationError("give InboxMiddleware an engine or a router, not both")
+            refuse_routed_compact(claims)
             budget: dict[str, Any] = {
                 "pool_size": pool_size,
                 "connection_budget": connection_budget,

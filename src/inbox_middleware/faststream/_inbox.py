@@ -36,7 +36,12 @@ from .._operate.tally import (
 )
 from .._storage import InboxSchema
 from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
-from .._storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
+from .._storage.routed import (
+    DEFAULT_CONNECTION_BUDGET,
+    DEFAULT_POOL_SIZE,
+    AsyncRoutedInbox,
+    refuse_routed_compact,
+)
 from .._storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
 from ._boot import refuse_start, watch_supervisor
 from ._brokers import adapter_for
@@ -70,6 +75,8 @@ class FastStreamInbox:
       lock_timeout: seconds a delivery waits on a concurrent delivery's claim before it is
         handed back (and the bound on any lock wait inside the transaction).
       serialization_retries: in-process reruns after a serialization failure or deadlock.
+      claims: the claims table, ``"library"`` or ``"compact"`` (about 120 bytes a
+        remembered message; see `Inbox` and the guide on the compact claim).
       quarantine: where conflicting messages are published; ``{source}`` is the queue,
         stream, subject or topic they came from.
       dead_letter: where messages without a usable identity (or rejected by the handler)
@@ -111,6 +118,7 @@ class FastStreamInbox:
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
         quarantine: str = "{source}.quarantine",
         dead_letter: str | None = "{source}.dead-letter",
         canonical_form: CanonicalForm | None = None,
@@ -133,6 +141,7 @@ class FastStreamInbox:
             raise ConfigurationError("patience is for a router (a DatabaseMap): give one")
         self.storage: AsyncInbox | AsyncRoutedInbox
         if router is not None:
+            refuse_routed_compact(claims)
             self.storage = AsyncRoutedInbox(
                 router,
                 naming=naming,
@@ -149,6 +158,7 @@ class FastStreamInbox:
                 naming=naming,
                 lock_timeout=lock_timeout,
                 serialization_retries=serialization_retries,
+                claims=claims,
             )
         self.policy = (policy or ConsumerPolicy()).override(**settings)
         self.quarantine = quarantine
