@@ -20,6 +20,7 @@ INBOX_TEST_STARTUP_PATIENCE  the inbox's startup_patience in seconds (default: t
                           library's)
 INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
 INBOX_TEST_REDELIVERY_LIMIT  the inbox's redelivery_limit (default: the library's)
+INBOX_TEST_CLAIMS         the inbox's claims table, "library" (default) or "compact"
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ broker.add_middleware(
         engine,
         naming=InboxSchema(schema=ENV.get("INBOX_TEST_SCHEMA") or None),
         lock_timeout=float(ENV.get("INBOX_TEST_LOCK_TIMEOUT", "30")),
+        claims=ENV.get("INBOX_TEST_CLAIMS", "library"),
         **_settings,
         count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
     )

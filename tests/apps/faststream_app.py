@@ -25,6 +25,7 @@ INBOX_TEST_UNGUARDED      "1": the broker is not wrapped with inbox.guard (the s
 INBOX_TEST_REDELIVERY_LIMIT  the consumers' redelivery_limit (default: the library's)
 INBOX_TEST_RETRY_BACKOFF  "first,limit": the hand-back backoff in seconds (default 0.1,1.0)
 INBOX_TEST_COUNT_INTERVAL seconds between two writes of the settlement counts (default 5)
+INBOX_TEST_CLAIMS         the inbox's claims table, "library" (default) or "compact"
 INBOX_TEST_BATCH          "1": NATS only, a batch subscriber (PullSub(batch=True))
 INBOX_TEST_SLOW           "accounts:seconds" ("9,7:4"): a credit to one of those accounts
                           sleeps that long in its handler (after its writes), so that a
@@ -126,6 +127,7 @@ inbox = FastStreamInbox(
     engine,
     naming=naming,
     lock_timeout=30,
+    claims=ENV.get("INBOX_TEST_CLAIMS", "library"),
     retry_backoff=(first, limit),
     count_interval=float(ENV.get("INBOX_TEST_COUNT_INTERVAL", "5")),
     **settings,

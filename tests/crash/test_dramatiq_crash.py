@@ -13,6 +13,8 @@ was redelivered and applied exactly once.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +25,8 @@ import dramatiq
 import pytest
 from sqlalchemy import text
 
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.layout import switch_claims
 from inbox_middleware.dramatiq import identity
 
 from ..apps.domain import balance, effects
@@ -30,6 +34,7 @@ from ..support import services
 from ..support.workers import WorkerProcess, wait_for
 
 APP = "tests.apps.dramatiq_app"
+_CLI = [sys.executable, "-c", "from inbox_middleware.cli import run; run()"]
 pytestmark = pytest.mark.slow
 
 
@@ -109,9 +114,9 @@ def send(actor, account_id: int, delta: int, message_id: str) -> None:
     )
 
 
-def inbox_rows(pg_engine) -> int:
+def inbox_rows(pg_engine, table: str = "consumer_inbox") -> int:
     with pg_engine.connect() as conn:
-        return int(conn.scalar(text("SELECT count(*) FROM consumer_inbox")))
+        return int(conn.scalar(text(f"SELECT count(*) FROM {table}")))
 
 
 def applied(pg_engine, account_id: int) -> int:
@@ -119,25 +124,39 @@ def applied(pg_engine, account_id: int) -> int:
         return effects(conn, account_id)
 
 
-@pytest.mark.parametrize("point", ["before_claim", "in_body", "after_commit"])
-def test_crash__killed_worker_message_is_redelivered_and_applied_once(setup, pg_engine, point):
+@pytest.mark.parametrize(
+    ("point", "claims"),
+    [
+        ("before_claim", "library"),
+        ("in_body", "library"),
+        ("after_commit", "library"),
+        ("after_commit", "compact"),
+    ],
+)
+def test_crash__killed_worker_message_is_redelivered_and_applied_once(
+    setup, pg_engine, point, claims
+):
     start, producer, markers, _ = setup
+    table = "inbox_claims" if claims == "compact" else "consumer_inbox"
+    if claims == "compact":  # every worker claims in the compact table alone
+        with pg_engine.begin() as conn:
+            switch_claims(conn, InboxSchema(), by="test")
     # Given a worker that will stop at `point` on its first message
-    first = start(INBOX_TEST_PAUSE_AT=point)
+    first = start(INBOX_TEST_PAUSE_AT=point, INBOX_TEST_CLAIMS=claims)
     send(producer, 7, 10, "ord-1")
     wait_for((markers / f"{point}.paused").exists, timeout=30, what=point)
-    committed = inbox_rows(pg_engine)
+    committed = inbox_rows(pg_engine, table)
     # When it is killed there (after_commit: the commit is durable, the ack never sent)
     first.kill()
     assert committed == (1 if point == "after_commit" else 0)
     # Then a fresh worker gets the message again and the effect exists exactly once
-    second = start()
+    second = start(INBOX_TEST_CLAIMS=claims)
     wait_for(lambda: applied(pg_engine, 7) == 1, timeout=30, what="the effect")
     time.sleep(2)  # a redelivery processed twice would show up here
     second.stop()
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
-    assert inbox_rows(pg_engine) == 1
+    assert inbox_rows(pg_engine, table) == 1
     if point == "after_commit":
         # One line, the library's, at INFO; Dramatiq's "was skipped" warning is dropped
         assert "[INFO] duplicate delivery skipped: consumer=billing" in second.output()
@@ -340,3 +359,58 @@ def _poison(pg_engine) -> list[tuple[str, str]]:
     with pg_engine.connect() as conn:
         rows = conn.execute(text("SELECT message_id, reason_code FROM inbox_poison"))
         return sorted((str(row[0]), str(row[1])) for row in rows)
+
+
+def _uuid7() -> str:
+    """A UUIDv7 message id: its time, then random bits."""
+    value = (time.time_ns() // 1_000_000 << 80) | uuid.uuid4().int & ((1 << 80) - 1)
+    value = value & ~(0xF << 76) | 0x7 << 76
+    value = value & ~(0b11 << 62) | 0b10 << 62
+    return str(uuid.UUID(int=value))
+
+
+@pytest.mark.parametrize("broker_kind", ["rabbitmq"])
+def test_crash__a_rolling_move_to_the_compact_claim_under_load_applies_each_message_once(
+    setup, pg_engine, pg_url
+):
+    start, producer, markers, _ = setup
+    # Given a worker of the earlier kind (the library's table) and a new one (compact,
+    # claiming in both tables), the new one stopping on its first message after its commit
+    old = start(INBOX_TEST_CLAIMS="library")
+    new = start(INBOX_TEST_CLAIMS="compact", INBOX_TEST_PAUSE_AT="after_commit")
+    time.sleep(3)  # both connected before the load
+    first = [_uuid7() if index % 2 else f"ord-{uuid.uuid4().hex}" for index in range(200)]
+    # When every message is sent twice while both run, the new one is SIGKILLed between
+    # its commit and its ack and comes back, and the old one leaves
+    for message_id in first:
+        send(producer, 9, 1, message_id)
+        send(producer, 9, 1, message_id)
+    wait_for((markers / "after_commit.paused").exists, timeout=60, what="the paused commit")
+    new.kill()
+    again = start(INBOX_TEST_CLAIMS="compact")
+    wait_for(lambda: applied(pg_engine, 9) == 200, timeout=120, what="the first 200 effects")
+    old.kill()
+    # ... and the operator records the switch, with copies of the first messages and new
+    # ones arriving at a worker that claims in the compact table
+    switched = subprocess.run(
+        [*_CLI, "claims", "switch", "--yes", "--database-url", pg_url],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert switched.returncode == 0, switched.stderr
+    later = start(INBOX_TEST_CLAIMS="compact")
+    second = [_uuid7() for _ in range(100)]
+    for message_id in [*first[:100], *second, *second[:50]]:
+        send(producer, 9, 1, message_id)
+    wait_for(lambda: applied(pg_engine, 9) == 300, timeout=120, what="all 300 effects")
+    time.sleep(3)  # a copy processed twice would show up here
+    again.stop()
+    later.stop()
+    # Then each message was applied once: none lost, none twice, across both tables
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 9), balance(conn, 9)) == (300, 300)
+        compact = conn.scalar(text("SELECT count(*) FROM inbox_claims"))
+        library = conn.scalar(text("SELECT count(*) FROM consumer_inbox"))
+    assert compact >= 100 + 100  # every claim of a new worker, and all after the switch
+    assert library >= 1  # the old worker's, kept until the purge

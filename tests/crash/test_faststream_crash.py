@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.layout import switch_claims
 from inbox_middleware.faststream import identity_headers
 
 from ..apps.domain import balance, effects
@@ -83,9 +85,9 @@ async def setup(kind: str, pg_async_url: str, pg_engine: Any, tmp_path: Path) ->
     await producer.cleanup()
 
 
-def inbox_rows(pg_engine: Any) -> int:
+def inbox_rows(pg_engine: Any, table: str = "consumer_inbox") -> int:
     with pg_engine.connect() as conn:
-        return int(conn.scalar(text("SELECT count(*) FROM consumer_inbox")))
+        return int(conn.scalar(text(f"SELECT count(*) FROM {table}")))
 
 
 def applied(pg_engine: Any) -> int:
@@ -93,11 +95,17 @@ def applied(pg_engine: Any) -> int:
         return effects(conn, 7)
 
 
-@pytest.mark.parametrize("point", ["in_body", "after_commit"])
+@pytest.mark.parametrize(
+    ("point", "claims"),
+    [("in_body", "library"), ("after_commit", "library"), ("after_commit", "compact")],
+)
 async def test_faststream_crash__killed_worker_message_is_redelivered_and_applied_once(
-    setup, pg_engine, point
+    setup, pg_engine, point, claims
 ):
-    await _killed_at(setup, pg_engine, point)
+    if claims == "compact":  # every worker claims in the compact table alone
+        with pg_engine.begin() as conn:
+            switch_claims(conn, InboxSchema(), by="test")
+    await _killed_at(setup, pg_engine, point, claims)
 
 
 @pytest.mark.parametrize("kind", ["kafka"])
@@ -109,21 +117,22 @@ async def test_faststream_crash__kafka_member_killed_before_the_claim_loses_noth
     await _killed_at(setup, pg_engine, "before_claim")
 
 
-async def _killed_at(setup: Any, pg_engine: Any, point: str) -> None:
+async def _killed_at(setup: Any, pg_engine: Any, point: str, claims: str = "library") -> None:
     start, producer, markers = setup
+    table = "inbox_claims" if claims == "compact" else "consumer_inbox"
     # Given a worker that will stop at `point` on its first message
-    first = await start(INBOX_TEST_PAUSE_AT=point)
+    first = await start(INBOX_TEST_PAUSE_AT=point, INBOX_TEST_CLAIMS=claims)
     async with producer.broker:
         await producer.publish(
             {"account": 7, "delta": 10}, identity_headers(producer="orders", message_id="o-1")
         )
     await eventually((markers / f"{point}.paused").exists, timeout=30, what=point)
-    committed = inbox_rows(pg_engine)
+    committed = inbox_rows(pg_engine, table)
     # When it is killed there (after_commit: the commit is durable, the ack never sent)
     first.kill()
     assert committed == (1 if point == "after_commit" else 0)
     # Then a fresh worker gets the message again and the effect exists exactly once
-    second = await start()
+    second = await start(INBOX_TEST_CLAIMS=claims)
     if point == "after_commit":
         await eventually(
             lambda: "duplicate delivery skipped: consumer=billing" in second.output(),
@@ -136,7 +145,7 @@ async def _killed_at(setup: Any, pg_engine: Any, point: str) -> None:
     second.stop()
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)
-    assert inbox_rows(pg_engine) == 1
+    assert inbox_rows(pg_engine, table) == 1
     assert await producer.leftover() == 0  # acknowledged by the second worker
 
 
