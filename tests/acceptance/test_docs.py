@@ -24,6 +24,7 @@ import yaml
 from sqlalchemy import Engine, create_engine, inspect, select, text
 
 from inbox_middleware._storage import InboxSchema, migrate
+from inbox_middleware._storage.layout import switch_claims
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 from ..apps.domain import balance
@@ -173,7 +174,20 @@ def test_migrations_guide__counts_the_tables_migrate_creates(tmp_path: Path):
         tables = inspect(engine).get_table_names()
     finally:
         engine.dispose()
-    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    words = [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+    ]
     count = words[len(tables) - 1]
     guide = (DOCS / "how-to" / "migrations.md").read_text()
     assert f"dropping all {count}:" in guide, tables
@@ -303,6 +317,31 @@ def test_table_naming_snippet__the_claims_land_in_the_named_schema(
     finally:
         with pg_engine.begin() as conn:
             conn.exec_driver_sql('DROP SCHEMA IF EXISTS "inbox" CASCADE')
+
+
+def test_compact_claims_snippet__claims_land_in_the_compact_row_once_switched(
+    stub_broker: dramatiq.Broker, pg_engine: Engine
+):
+    snippet = load("compact_claims")
+    # Given the switch recorded (a new deployment), and the middleware the guide shows
+    with pg_engine.begin() as conn:
+        switch_claims(conn, InboxSchema(), by="docs")
+    snippet.add_inbox(stub_broker, pg_engine)
+
+    @dramatiq.actor(inbox_consumer="billing")
+    def touch(n: int) -> None:
+        current_session().execute(text("SELECT :n"), {"n": n})
+
+    # When a message is processed twice
+    with running_worker(stub_broker, threads=1) as worker:
+        for _ in range(2):
+            touch.send_with_options(args=(1,), **identity(producer="p", message_id="m-1"))
+        drain(stub_broker, "default", worker)
+    # Then its one claim is in inbox_claims, none in consumer_inbox
+    with pg_engine.connect() as conn:
+        compact = conn.scalar(text("SELECT count(*) FROM inbox_claims"))
+        library = conn.scalar(text("SELECT count(*) FROM consumer_inbox"))
+    assert (compact, library) == (1, 0)
 
 
 def test_permanent_failure_snippet__unknown_account_is_kept_as_poison_not_retried(
