@@ -57,7 +57,9 @@ def prepare_database() -> None:
 
 def reset_database() -> None:
     with admin() as conn:
-        conn.execute("TRUNCATE consumer_inbox, inbox_quarantine, bench_seen")
+        conn.execute(
+            "TRUNCATE consumer_inbox, inbox_quarantine, inbox_claims, inbox_layout, bench_seen"
+        )
         # The justonce peer's table, created by its store when that mode first runs.
         conn.execute(
             "DO $$ BEGIN IF to_regclass('justonce_keys') IS NOT NULL THEN "

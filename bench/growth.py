@@ -5,6 +5,7 @@
     python -m bench.growth --shapes random --seconds 20 --threads 8
     python -m bench.growth --layouts plain,partitioned,compact  # beside a partition a day
     python -m bench.growth --shapes uuid7 --layouts plain,compact,idtime  # ids with a time
+    python -m bench.growth --shapes random,uuid7 --layouts plain,library_compact  # claims="compact"
 
 For each key shape (``random``: UUIDv4-like message ids, every claim lands on a random
 primary-key page; ``ordered``: time-ordered ids, every claim lands on the rightmost
@@ -32,6 +33,10 @@ the compact row partitioned by the time its id carries (``--shapes uuid7``: RFC 
 version 7, the time the message was sent first), a partition an hour, whose claim is the
 plain insert, its key led by that time.
 
+With ``--layouts library_compact``, the library's compact claim (``claims="compact"``, the
+switch recorded): its own table, ``inbox_claims``, not partitioned, purged by the library's
+`purge` of every consumer (``docs/how-to/compact-claims.md``).
+
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
 settings are printed with the results; they are the server's own, not tuned here.
@@ -58,9 +63,10 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from bench import partitioned
 from bench.common import PG, ROOT, percentile
+from inbox_middleware._core import claims
 from inbox_middleware._operate.retention import DEFAULT_PURGE_RATE, purge
 from inbox_middleware._storage import InboxSchema, migrate
-from inbox_middleware._storage.statements import ClaimStatements
+from inbox_middleware._storage.statements import ClaimStatements, CompactClaimStatements
 
 DATABASE = os.environ.get("BENCH_GROWTH_DATABASE", "inbox_growth")
 SERVER = os.environ.get("BENCH_GROWTH_POSTGRES", PG)
@@ -108,6 +114,36 @@ CLAIM_CONSTANTS = {
     if value is not None
 }
 UPDATE_SQL = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = %(account)s"
+
+COMPACT = CompactClaimStatements(InboxSchema(), 5.0, claims.ClaimsPhase.COMPACT)
+COMPACT_CLAIM_SQL, COMPACT_LOOK_UP_SQL = _compiled(COMPACT.claim), _compiled(COMPACT.look_up)
+COMPACT_CONSTANTS = {
+    name: getattr(value, "value", value)
+    for name, value in COMPACT.claim.compile(dialect=psycopg_dialect.dialect()).params.items()
+    if value is not None
+}
+TABLE = "consumer_inbox"
+"""The claims table of the layout being measured (`_use`): the library's compact claim
+has its own."""
+
+
+def _use(layout: str) -> None:
+    global TABLE  # noqa: PLW0603 (every statement of the layout's run names it)
+    TABLE = "inbox_claims" if layout == "library_compact" else "consumer_inbox"
+
+
+def _library_compact(params: dict[str, Any]) -> dict[str, Any]:
+    """The library's compact claim's parameters (`CompactClaimStatements`)."""
+    key = (params["consumer_name"], params["producer_name"], "", params["message_id"])
+    return (
+        params
+        | COMPACT_CONSTANTS
+        | {
+            "identity": claims.claim_key(*key).hex(),
+            "payload_digest": claims.payload_digest(params["payload_sha256"]),
+            "scheme_code": str(claims.scheme_code(params["hash_scheme"])),
+        }
+    )
 
 
 # -- the rows ---------------------------------------------------------------------------------
@@ -163,6 +199,8 @@ _ID_SQL = {
 _HASH = hashlib.sha256(b"payload").hexdigest()
 
 
+_UUID7 = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-7[0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$"
+"""A message id `claims.id_milliseconds` reads a time from (the UUIDv7 form)."""
 _SENT_SQL = "to_timestamp((%(epoch_ms)s::bigint + n * %(step_ms)s::bigint) / 1000.0)"
 """Row ``n``'s time (`Clock.sent_ms`) in SQL."""
 
@@ -170,6 +208,16 @@ _SENT_SQL = "to_timestamp((%(epoch_ms)s::bigint + n * %(step_ms)s::bigint) / 100
 def _fill_sql(shape: str, layout: str) -> str:
     """The INSERT of rows ``low`` to ``high - 1`` of a shape into a layout's table."""
     rows = "FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n"
+    if layout == "library_compact":  # the key `claims.claim_key` computes
+        parts = {"c": "%(consumer)s::text", "p": "%(producer)s::text", "t": "''", "m": "m"}
+        # an id in a UUIDv7's form leads its key with its time (a random id has that form
+        # one time in 64: the version digit 7 and the variant 8 to b)
+        identity = f"""CASE WHEN m ~ '{_UUID7}'
+            THEN {partitioned.ID_TIME_DIGEST_SQL.format(**parts)}
+            ELSE {partitioned.DIGEST_SQL.format(**parts)} END"""
+        return f"""INSERT INTO inbox_claims (identity, payload_digest, processed_at, hash_scheme)
+            SELECT {identity}, left(%(hash)s, 32)::uuid, {_SENT_SQL}, %(code)s::smallint
+            {rows}, LATERAL (SELECT {_ID_SQL[shape]}) AS ids(m)"""
     if layout in ("plain", "partitioned"):  # the library's row
         return f"""INSERT INTO consumer_inbox (consumer_name, producer_name, tenant, message_id,
                 payload_sha256, hash_scheme, handler_version, produced_at, received_at,
@@ -201,6 +249,7 @@ def _fill(
             "high": min(stop, low + FILL_CHUNK),
             "epoch_ms": CLOCK.epoch_ms,
             "step_ms": CLOCK.step_ms,
+            "code": claims.scheme_code(SCHEME),
         }
         conn.execute(sql, params)
 
@@ -279,6 +328,7 @@ def _transaction(
 
     claim_sql, look_up_sql, shaped = {
         "plain": (CLAIM_SQL, LOOK_UP_SQL, dict),
+        "library_compact": (COMPACT_CLAIM_SQL, COMPACT_LOOK_UP_SQL, _library_compact),
         "partitioned": (partitioned.CLAIM, LOOK_UP_SQL, dict),
         "compact": (
             partitioned.COMPACT_CLAIM,
@@ -399,7 +449,7 @@ def _reset(layout: str = "plain") -> None:
     migrate(engine)
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
-        if layout != "plain":
+        if layout not in ("plain", "library_compact"):
             partitioned.create(conn, CLOCK.first(), WINDOW.days + 3, layout=layout)
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_freespacemap")
         conn.execute("CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint)")
@@ -409,14 +459,15 @@ def _reset(layout: str = "plain") -> None:
 
 
 def _settle(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("VACUUM ANALYZE consumer_inbox")
+    conn.execute(f"VACUUM ANALYZE {TABLE}")
     conn.execute("CHECKPOINT")
 
 
-LEAVES = """(SELECT relid FROM pg_partition_tree('consumer_inbox') WHERE isleaf
-    UNION ALL SELECT 'consumer_inbox'::regclass
-    WHERE (SELECT relkind FROM pg_class WHERE oid = 'consumer_inbox'::regclass) = 'r')"""
-"""The claims table's relations that hold rows: its partitions, or the table itself."""
+def _leaves() -> str:
+    """The claims table's relations that hold rows: its partitions, or the table itself."""
+    return f"""(SELECT relid FROM pg_partition_tree('{TABLE}') WHERE isleaf
+    UNION ALL SELECT '{TABLE}'::regclass
+    WHERE (SELECT relkind FROM pg_class WHERE oid = '{TABLE}'::regclass) = 'r')"""
 
 
 def sizes_of(conn: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -425,10 +476,10 @@ def sizes_of(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     row = conn.execute(
         f"""SELECT sum(pg_table_size(t.relid)),
                   (SELECT coalesce(sum(pg_relation_size(i.indexrelid)), 0) FROM pg_index i
-                   WHERE i.indisunique AND i.indrelid IN {LEAVES}),
+                   WHERE i.indisunique AND i.indrelid IN {_leaves()}),
                   sum(pg_indexes_size(t.relid)),
-                  (SELECT count(*) FROM consumer_inbox)
-           FROM {LEAVES} AS t(relid)"""
+                  (SELECT count(*) FROM {TABLE})
+           FROM {_leaves()} AS t(relid)"""
     ).fetchone()
     assert row is not None
     table, key, indexes, count = (int(value) for value in row)
@@ -509,7 +560,7 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
 def _dead_tuples(conn: psycopg.Connection[Any]) -> int:
     conn.execute("SELECT pg_stat_force_next_flush()")
     row = conn.execute(
-        f"SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relid IN {LEAVES}"
+        f"SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relid IN {_leaves()}"
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -520,7 +571,7 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     dead = _dead_tuples(conn)
     wal0, _ = _server_counters(conn)
     began = time.monotonic()
-    conn.execute("VACUUM consumer_inbox")
+    conn.execute(f"VACUUM {TABLE}")
     seconds = time.monotonic() - began
     wal1, _ = _server_counters(conn)
     return {
@@ -550,9 +601,10 @@ def _left_behind() -> dict[str, Any]:
 def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
     """The heap's free space over its size, from the free space map (bloat left behind)."""
     row = conn.execute(
-        f"""SELECT (SELECT sum(f.avail) FROM {LEAVES} AS t(relid),
+        f"""SELECT (SELECT sum(f.avail) FROM {_leaves()} AS t(relid),
                        LATERAL pg_freespace(t.relid) f)::float8
-                  / nullif((SELECT sum(pg_relation_size(t.relid)) FROM {LEAVES} AS t(relid)), 0)"""
+                  / nullif((SELECT sum(pg_relation_size(t.relid))
+                            FROM {_leaves()} AS t(relid)), 0)"""
     ).fetchone()
     return round(float(row[0]), 3) if row and row[0] is not None else None
 
@@ -587,7 +639,11 @@ def measure_purge(
     first one partly filled), then `DROPS` of them, paced, under the claims."""
     result: dict[str, Any] = {"alone": {}, "under_load": {}}
     tenth = 0
-    alone, loaded = PLAIN_PURGES if layout == "plain" else (("drop",), ("drops",))
+    alone, loaded = {
+        "plain": PLAIN_PURGES,
+        # the old purge is the library's table's: the compact claims have known none
+        "library_compact": (("new",), ("new", "paced")),
+    }.get(layout, (("drop",), ("drops",)))
     for how in alone:
         result["alone"][how] = _one_purge(tenth, how) | _left_behind()
         tenth += 1
@@ -641,7 +697,7 @@ def measure_purge(
 
 
 PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
-LAYOUTS = ("plain", "partitioned", "compact", "idtime")
+LAYOUTS = ("plain", "partitioned", "compact", "idtime", "library_compact")
 
 
 def series(shape: str, layout: str) -> str:
@@ -664,6 +720,7 @@ def run(
         report["server"]["address"] = SERVER.rsplit("@", 1)[-1]
     for layout, shape in [(layout, shape) for layout in layouts for shape in shapes]:
         name = series(shape, layout)
+        _use(layout)
         _reset(layout)
         stored = 0
         claim_rate = 0.0
@@ -857,7 +914,7 @@ def main(argv: list[str] | None = None) -> None:
         help="plain (the library's claims table), partitioned (bench.partitioned: a "
         "partition a day, the purge a dropped day), compact (the same with the compact "
         "row), idtime (the compact row partitioned by its id's time, an hour a partition: "
-        "--shapes uuid7), or "
+        "--shapes uuid7), library_compact (the library's compact claim, inbox_claims), or "
         "several: plain,partitioned,compact",
     )
     parser.add_argument(

@@ -4,6 +4,7 @@
     python -m bench.hotpath --profile       # and the functions that cost most (cProfile)
     python -m bench.hotpath --breakdown     # the CPU the inbox adds, part by part
     python -m bench.hotpath --driver asyncpg   # AsyncInbox on asyncpg (FastStream's path)
+    python -m bench.hotpath --claims compact   # the compact claim (the switch recorded)
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
 benchmark's actor (one account update on the benchmark database): each message goes
@@ -45,19 +46,31 @@ from dramatiq.brokers.stub import StubBroker
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from bench.common import prepare_database, reset_database, sqlalchemy_url
+from bench.common import admin, prepare_database, reset_database, sqlalchemy_url
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Delivery
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
+CLAIMS = "library"
+"""The inbox's claims table (``--claims``); with "compact", the switch is recorded."""
+
+
+def _reset() -> None:
+    reset_database()
+    if CLAIMS == "compact":
+        with admin() as conn:
+            conn.execute(
+                "INSERT INTO inbox_layout (name, value, changed_at, changed_by)"
+                " VALUES ('claims', 'compact', now(), 'bench')"
+            )
 
 
 def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
     broker = StubBroker()
     options: dict[str, Any] = {"queue_name": f"hotpath-{mode}", "broker": broker}
     if mode == "inbox":
-        broker.add_middleware(InboxMiddleware(engine, check_database=False))
+        broker.add_middleware(InboxMiddleware(engine, check_database=False, claims=CLAIMS))
         options["inbox_consumer"] = "hotpath"
 
         def credit(account: int) -> None:
@@ -200,7 +213,7 @@ def _package(filename: str, function: str) -> str:
 
 def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
-    reset_database()
+    _reset()
     engines = _engines()
     setups = _setups(engines)
     cpu: dict[str, list[float]] = {mode: [] for mode in setups}
@@ -283,7 +296,7 @@ def calls_per_message(count: int = 1000) -> dict[str, float]:
     """Each mode's Python and built-in calls a message: what a message runs, counted, so
     the same on any machine and in any run (CPU time moves with the machine's load)."""
     prepare_database()
-    reset_database()
+    _reset()
     engines = _engines()
     try:
         return _profiled(_setups(engines), count)[1]
@@ -306,7 +319,7 @@ def _arrival_alone(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any], cou
 
 def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> None:
     prepare_database()
-    reset_database()
+    _reset()
     profiled = {mode: cProfile.Profile(time.process_time) for mode in ("bare", "inbox")}
     cpu = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None))
     _report(cpu)
@@ -328,7 +341,7 @@ async def _measure_async(
 
     # An engine a mode: bare runs on one the inbox does not guard.
     engines = [create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2) for _ in range(2)]
-    inbox = AsyncInbox(engines[1])
+    inbox = AsyncInbox(engines[1], claims=CLAIMS)
     sessions = async_sessionmaker(engines[0], expire_on_commit=False)
     run = uuid.uuid4().hex[:8]
 
@@ -395,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown", action="store_true", help="the inbox's CPU a message, part by part"
     )
     parser.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
+    parser.add_argument("--claims", choices=("library", "compact"), default="library")
     args = parser.parse_args(argv)
+    global CLAIMS  # noqa: PLW0603 (the setting every inbox of the run is made with)
+    CLAIMS = args.claims
     if args.driver == "asyncpg":
         measure_async(args.messages, args.reps, args.profile, args.breakdown)
     else:

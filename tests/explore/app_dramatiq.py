@@ -64,7 +64,8 @@ settings: dict[str, Any] = {
     "redelivery_limit": _limit("EXPLORE_REDELIVERY_LIMIT"),
     **infra.inbox_settings(),
 }
-broker.add_middleware(InboxMiddleware(engine, lock_timeout=5, **settings))
+claims = "compact" if ENV.get("EXPLORE_CLAIMS", "library") != "library" else "library"
+broker.add_middleware(InboxMiddleware(engine, lock_timeout=5, claims=claims, **settings))
 dramatiq.set_broker(broker)
 
 

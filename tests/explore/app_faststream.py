@@ -74,6 +74,7 @@ engine = create_async_engine(
 inbox = FastStreamInbox(
     engine,
     lock_timeout=5,
+    claims="compact" if ENV.get("EXPLORE_CLAIMS", "library") != "library" else "library",
     retry_backoff=(0.1, 1.0),
     missing_identity=ENV.get("EXPLORE_MISSING_IDENTITY", "reject"),
     max_attempts=_limit("EXPLORE_MAX_ATTEMPTS"),

@@ -49,7 +49,7 @@ from ..support import servers
 from ..support.cutting_proxy import CuttingProxy
 from ..support.proxy import _pump as pump
 from . import domain, workload
-from .brokers import KAFKA_SERVERS, RABBITMQ_URL, REDIS_URL, Broker, make_broker
+from .brokers import KAFKA_SERVERS, PRODUCER, RABBITMQ_URL, REDIS_URL, Broker, make_broker
 from .schedule import RETENTION, Fault, Schedule
 
 __all__ = ["PG_PORT", "HarnessTrouble", "History", "run_schedule"]
@@ -774,6 +774,12 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             }
             available = workload.features(library_env())
             env |= workload.worker_env(config, available) | {"EXPLORE_OUTBOX_URL": admin_url}
+            if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
+                with psycopg.connect(admin_url, autocommit=True) as conn:
+                    conn.execute(
+                        "INSERT INTO inbox_layout (name, value, changed_at, changed_by)"
+                        " VALUES ('claims', 'compact', now(), 'explore')"
+                    )
             extras = workload.Extras(
                 schedule, admin_url, library_env() | env, folder, available, Slot
             )
@@ -842,12 +848,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 history.effects = [
                     tuple(r) for r in admin.query("SELECT key, message_id, n FROM explore_effects")
                 ]  # type: ignore[misc]
-                history.claims = [
-                    m
-                    for (m,) in admin.query(
-                        "SELECT message_id FROM consumer_inbox WHERE consumer_name = 'explore'"
-                    )
-                ]
+                history.claims = _claims(admin, schedule, env["EXPLORE_CLAIMS"])
                 history.quarantine = [
                     tuple(r)
                     for r in admin.query(
@@ -901,3 +902,31 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             nats.close()
         if network is not None:
             network.close()
+
+
+def _claims(admin: Any, schedule: Schedule, claims: str) -> list[str]:
+    """The message ids the consumer holds a claim for, once per claim. In the compact
+    table a claim keeps no text, nor its consumer: each id the run could have claimed
+    (its intents, and those the operator's accepted conflicts were published under) is
+    looked for by the key the library computes for it; the table's other keys are the
+    downstream consumers' claims of the outputs. A key computed otherwise than the
+    library's would leave an applied intent without its claim, which the check reports."""
+    if claims != "compact":
+        return [
+            m
+            for (m,) in admin.query(
+                "SELECT message_id FROM consumer_inbox WHERE consumer_name = 'explore'"
+            )
+        ]
+    from inbox_middleware._core.claims import claim_key
+
+    candidates = {intent.key for intent in schedule.intents}
+    candidates |= {
+        m
+        for (m,) in admin.query(
+            "SELECT accepted_message_id FROM inbox_quarantine WHERE accepted_message_id IS NOT NULL"
+        )
+    }
+    by_key = {claim_key("explore", PRODUCER, "", m).hex(): m for m in candidates}
+    stored = admin.query("SELECT replace(identity::text, '-', '') FROM inbox_claims")
+    return [by_key[key] for (key,) in stored if key in by_key]

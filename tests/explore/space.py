@@ -83,6 +83,7 @@ class Config:
     outbox: str = "off"
     operator: str = "none"
     handlers: str = "basic"
+    claims: str = "library"
 
     @property
     def framework(self) -> str:
@@ -251,6 +252,7 @@ WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
     "outbox": ("off", "on"),
     "operator": ("none", "repair", "purge"),
     "handlers": ("basic", "extended"),
+    "claims": ("library", "both", "compact"),
 }
 """``batch``: a FastStream batch subscriber (Redis streams, NATS, Kafka);
 ``outputs``: a FastStream publisher on the handler, or a Dramatiq ``on_success`` callback,
@@ -259,7 +261,10 @@ effect, ``outbox run`` dispatchers (SIGKILLed and SIGTERMed) deliver it; ``opera
 ``poison``/``quarantine`` redrive, discard and accept through the CLI while the workers
 run, or ``purge`` running in a loop; ``handlers``: "extended" adds failures at commit
 time (a deferred constraint), Dramatiq's time limit, FastStream validation errors and a
-handler that settles its message itself."""
+handler that settles its message itself; ``claims``: the workers claim in the library's
+table, in both tables (``claims="compact"`` before the switch is recorded), or in the
+compact table alone (the switch recorded before they start; the operator's purge is then
+one of every consumer, which the compact rows need)."""
 BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
 AXES.update(WORKLOAD_AXES)
 ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})

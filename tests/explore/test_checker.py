@@ -281,7 +281,7 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "faststream-kafka", "outputs": "result"})
     assert valid({"target": "faststream-kafka", "outputs": "none", "handlers": "extended"})
     assert not valid({"queues": "quorum", "batch": "on"})
-    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic"}
+    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic", "library"}
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)
 

@@ -101,6 +101,7 @@ def _probe(env: dict[str, str]) -> set[str]:
         "outbox": "from inbox_middleware import outbox; outbox.add",
         "outputs": "import inbox_middleware.dramatiq, inbox_middleware.faststream",
         "repair": "import inbox_middleware.cli",
+        "claims": "from inbox_middleware._core.claims import claim_key",
     }
     found = set()
     for name, probe in probes.items():
@@ -118,7 +119,13 @@ def worker_env(config: Config, available: set[str]) -> dict[str, str]:
         "EXPLORE_OUTPUTS": config.outputs if "outputs" in available else "none",
         "EXPLORE_OUTBOX": config.outbox if "outbox" in available else "off",
         "EXPLORE_HANDLERS": config.handlers,
+        "EXPLORE_CLAIMS": claims(config, available),
     }
+
+
+def claims(config: Config, available: set[str]) -> str:
+    """Where the workers claim (`space.WORKLOAD_AXES`), if the library offers it."""
+    return config.claims if "claims" in available else "library"
 
 
 def _coin(seed: int, row: Any, sides: int) -> int:
@@ -318,8 +325,12 @@ class Extras:
                     "--batch-size",
                     "20",
                     "--unpaced",
-                    "--consumer",
-                    "explore",
+                    # the compact rows name no consumer: a purge of every consumer
+                    *(
+                        ()
+                        if self.env.get("EXPLORE_CLAIMS") == "compact"
+                        else ("--consumer", "explore")
+                    ),
                 )
                 # Taken once the command has ended: its own clock, which decides what is
                 # older than the window, ran after its start-up (seconds on a loaded

@@ -126,3 +126,37 @@ def test_growth__a_partitioned_layout_claims_in_its_partition_and_drops_the_olde
     assert (
         leaves[0] == (growth.WINDOW.days + 3) * 24 // partitioned.HOURS[layout] - 1 - growth.DROPS
     )
+
+
+@pytest.mark.parametrize("shape", ["random", "uuid7"])
+def test_growth__the_librarys_compact_claim_in_its_own_table(
+    database: str, tmp_path: Path, shape: str
+) -> None:
+    growth.main(
+        [
+            *("--sizes", "0,20000", "--seconds", "0.5", "--threads", "2"),
+            *("--shapes", shape, "--layouts", "library_compact", "--out", str(tmp_path)),
+        ]
+    )
+    report = json.loads((tmp_path / "growth.json").read_text())
+
+    name = f"{shape}, library_compact"
+    # The duplicates found the generated rows: the fill wrote the key the library computes
+    assert {(load["rows"], load["mode"]) for load in report["loads"]} >= {
+        (20000, "claim"),
+        (20000, "duplicate"),
+    }
+    sizes = report["sizes"][f"{name}/20000"]
+    assert sizes["rows"] > 20000
+    assert 80 < sizes["bytes_per_row"] < 200
+    purges = report["purge"][name]
+    assert set(purges["alone"]) == {"new"}
+    assert set(purges["under_load"]) == {"new", "paced"}
+    for result in [*purges["alone"].values(), *purges["under_load"].values()]:
+        assert result["rows"] in (2000, 2001)
+        assert result["dead_tuples_after_vacuum"] == 0
+    with psycopg.connect(f"{PG}/{database}") as conn:
+        compact = conn.execute("SELECT count(*) FROM inbox_claims").fetchone()
+        library = conn.execute("SELECT count(*) FROM consumer_inbox").fetchone()
+    assert compact is not None and library is not None
+    assert (compact[0] > 20000 - 3 * 2001, library[0]) == (True, 0)

@@ -13,12 +13,16 @@ import pytest
 from sqlalchemy import Connection, create_engine, text
 
 from inbox_middleware import DatabaseMap, MessageIdentity, RouteUnavailable
+from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware._core.identity import hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.layout import switch_claims
 from inbox_middleware._storage.routed import RoutedInbox
+from inbox_middleware._storage.tenants import copy_tenant
 
 from ..apps.domain import apply_credit
-from ..support.tenants import TenantDatabases
+from ..support.tenants import TENANTS, TenantDatabases, tenant_database
 
 
 def delivery(message_id: str, delta: int) -> Delivery:
@@ -100,3 +104,50 @@ def test_move_tenant__its_claims_move_with_its_rows(tenant_databases: TenantData
     moved = tenant_databases.rows(1)
     assert sorted(moved["ledger"]) == [(300, 5), (300, 10)]
     assert sorted(moved["inbox"]) == [("t3", "m-1"), ("t3", "m-2")]
+
+
+def test_compact__a_routed_inbox_claims_in_each_tenants_database(tenant_databases):
+    # Given a fleet over three databases claiming in the compact row, the switch recorded
+    # in each (a new deployment)
+    routes = DatabaseMap(
+        {f"db{i}": tenant_databases.url(i) for i in range(3)},
+        tenants={t: tenant_database(t) for t in TENANTS},
+    )
+    for index in range(3):
+        engine = tenant_databases.engine(index)
+        with engine.begin() as conn:
+            switch_claims(conn, InboxSchema(), by="test")
+        engine.dispose()
+    inbox = RoutedInbox(routes, claims="compact")
+    try:
+        # When every tenant's message is delivered twice
+        decided = [
+            inbox.process(
+                Delivery("billing", MessageIdentity("orders", f"o-{t}", t), hash_json({}, "v1")),
+                lambda session: None,
+            ).decision
+            for t in TENANTS * 2
+        ]
+    finally:
+        inbox.dispose()
+    # Then each is first once, its claim in its tenant's database, none in the library's
+    assert decided == [Decision.FIRST] * 9 + [Decision.DUPLICATE] * 9
+    for index in range(3):
+        engine = tenant_databases.engine(index)
+        with engine.connect() as conn:
+            compact = conn.scalar(text("SELECT count(*) FROM inbox_claims"))
+            library = conn.scalar(text("SELECT count(*) FROM consumer_inbox"))
+        engine.dispose()
+        assert (compact, library) == (3, 0)
+    # ... and a tenant's claims, which the compact row cannot tell apart, are not moved
+    source, target = tenant_databases.engine(0), tenant_databases.engine(1)
+    try:
+        with (
+            source.connect() as conn,
+            target.begin() as into,
+            pytest.raises(ConfigurationError, match="names no tenant"),
+        ):
+            copy_tenant(conn, into, "t0")
+    finally:
+        source.dispose()
+        target.dispose()

@@ -77,7 +77,6 @@ __all__ = [
     "AsyncRoutedInbox",
     "RoutedInbox",
     "database_url",
-    "refuse_routed_compact",
 ]
 
 logger = logging.getLogger("inbox_middleware")
@@ -117,6 +116,7 @@ class _Routes:
         naming: InboxSchema | None,
         lock_timeout: float | None,
         serialization_retries: int,
+        claims: str,
         pool_size: int,
         connection_budget: int,
         connect_timeout: float,
@@ -146,6 +146,7 @@ class _Routes:
             "naming": self.naming,
             "lock_timeout": lock_timeout,
             "serialization_retries": serialization_retries,
+            "claims": claims,
         }
         self._lock = threading.Lock()
         self._open: OrderedDict[str, None] = OrderedDict()
@@ -414,6 +415,7 @@ class RoutedInbox(_Routes):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
         pool_size: int = DEFAULT_POOL_SIZE,
         connection_budget: int = DEFAULT_CONNECTION_BUDGET,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -428,6 +430,7 @@ class RoutedInbox(_Routes):
             naming=naming,
             lock_timeout=lock_timeout,
             serialization_retries=serialization_retries,
+            claims=claims,
             pool_size=pool_size,
             connection_budget=connection_budget,
             connect_timeout=connect_timeout,
@@ -547,6 +550,7 @@ class AsyncRoutedInbox(_Routes):
         naming: InboxSchema | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
         pool_size: int = DEFAULT_POOL_SIZE,
         connection_budget: int = DEFAULT_CONNECTION_BUDGET,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -561,6 +565,7 @@ class AsyncRoutedInbox(_Routes):
             naming=naming,
             lock_timeout=lock_timeout,
             serialization_retries=serialization_retries,
+            claims=claims,
             pool_size=pool_size,
             connection_budget=connection_budget,
             connect_timeout=connect_timeout,
@@ -693,13 +698,3 @@ def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def refuse_routed_compact(claims: str) -> None:
-    """The compact claim is offered on one database: a map of databases claims in the
-    library's table."""
-    if claims != "library":
-        raise ConfigurationError(
-            "claims='compact' is for an inbox on one engine; over a map of databases the "
-            "inbox claims in the library's table (leave claims unset)"
-        )

@@ -534,7 +534,7 @@ class CompactClaimStatements(ClaimStatements):
                 *(column == bindparam(column.name) for column in self._key_columns)
             ),
             select(*stored).where(compact.c.identity == compact_values[0]),
-        ).limit(1)
+        ).limit(literal_column("1"))
 
     def _in_library(self, key: list[Any]) -> Any:
         return (
@@ -565,7 +565,9 @@ class CompactClaimStatements(ClaimStatements):
         version."""
         compact = self._compact
         return [
-            func.replace(cast(compact.c.payload_digest, Text), "-", "").label("payload_sha256"),
+            func.replace(cast(compact.c.payload_digest, Text), _DASH, _EMPTY).label(
+                "payload_sha256"
+            ),
             (literal_column("'code:'") + cast(compact.c.hash_scheme, Text)).label("hash_scheme"),
             literal_column("''").label("handler_version"),
             compact.c.processed_at,
@@ -614,7 +616,8 @@ class CompactClaimStatements(ClaimStatements):
             )
         else:
             statement = first.returning(
-                func.replace(cast(compact.c.identity, Text), "-", "").label("identity"), mark
+                func.replace(cast(compact.c.identity, Text), _DASH, _EMPTY).label("identity"),
+                mark,
             )
         keys = [
             [
@@ -647,7 +650,7 @@ class CompactClaimStatements(ClaimStatements):
             ).where(tuple_(*self._key_columns).in_([tuple_(*key) for key in keys])),
             select(
                 *nothing,
-                func.replace(cast(compact.c.identity, Text), "-", ""),
+                func.replace(cast(compact.c.identity, Text), _DASH, _EMPTY),
                 *self._stored_columns(),
             ).where(compact.c.identity.in_(identities)),
         )
@@ -684,6 +687,10 @@ class CompactClaimStatements(ClaimStatements):
 
     def _key(self, delivery: Delivery) -> dict[str, Any]:
         return super()._key(delivery) | {"identity": _identity(delivery)}
+
+
+_DASH, _EMPTY = literal_column("'-'"), literal_column("''")
+"""A uuid's text without its dashes, written inline (no bound constants to name)."""
 
 
 def _identity(delivery: Delivery) -> str:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Table, delete, insert, select
 
+from .._core.exceptions import ConfigurationError
+from .retention import compact_rows
 from .tables import InboxSchema
 
 __all__ = ["TENANT_TABLES", "copy_tenant", "delete_tenant"]
@@ -42,6 +44,13 @@ def copy_tenant(
     transaction (commit it with the business rows); answer the rows copied per table. A
     row the target has already (the same key) makes the copy fail: nothing half-copied
     commits."""
+    if compact_rows(source, naming or InboxSchema()):
+        raise ConfigurationError(
+            "this database keeps claims in the compact row (inbox_claims), which names no "
+            "tenant: a tenant's claims cannot be told from the others', so they cannot be "
+            "moved with it (a redelivery after the move would be processed again); move "
+            "tenants of a fleet that claims in the library's table"
+        )
     copied: dict[str, int] = {}
     for name, table in _tables(naming):
         rows = [

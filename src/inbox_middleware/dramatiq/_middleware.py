@@ -82,7 +82,6 @@ from .._storage.routed import (
     DEFAULT_POOL_SIZE,
     AsyncRoutedInbox,
     RoutedInbox,
-    refuse_routed_compact,
 )
 from .._storage.startup import DEFAULT_STARTUP_PATIENCE, validate_patience
 from ._actor import SKIPPED, InboxActor, Pending
@@ -237,20 +236,20 @@ class InboxMiddleware(dramatiq.Middleware):
             "naming": naming,
             "lock_timeout": lock_timeout,
             "serialization_retries": serialization_retries,
+            "claims": claims,
         }
         self.inbox: Inbox | RoutedInbox | None = (
-            Inbox(engine, **storage, claims=claims) if engine is not None else None
+            Inbox(engine, **storage) if engine is not None else None
         )
         self.async_inbox: AsyncInbox | AsyncRoutedInbox | None = None
         if async_engine is not None:
             from .._storage.aio import AsyncInbox
 
-            self.async_inbox = AsyncInbox(async_engine, **storage, claims=claims)
+            self.async_inbox = AsyncInbox(async_engine, **storage)
         self.routed = router is not None
         if router is not None:
             if self.inbox is not None or self.async_inbox is not None:
                 raise ConfigurationError("give InboxMiddleware an engine or a router, not both")
-            refuse_routed_compact(claims)
             budget: dict[str, Any] = {
                 "pool_size": pool_size,
                 "connection_budget": connection_budget,

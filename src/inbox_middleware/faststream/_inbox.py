@@ -36,12 +36,7 @@ from .._operate.tally import (
 )
 from .._storage import InboxSchema
 from .._storage.executors import DEFAULT_LOCK_TIMEOUT, DEFAULT_SERIALIZATION_RETRIES
-from .._storage.routed import (
-    DEFAULT_CONNECTION_BUDGET,
-    DEFAULT_POOL_SIZE,
-    AsyncRoutedInbox,
-    refuse_routed_compact,
-)
+from .._storage.routed import DEFAULT_CONNECTION_BUDGET, DEFAULT_POOL_SIZE, AsyncRoutedInbox
 from .._storage.startup import DEFAULT_STARTUP_PATIENCE, StartupPatience, validate_patience
 from ._boot import refuse_start, watch_supervisor
 from ._brokers import adapter_for
@@ -141,12 +136,12 @@ class FastStreamInbox:
             raise ConfigurationError("patience is for a router (a DatabaseMap): give one")
         self.storage: AsyncInbox | AsyncRoutedInbox
         if router is not None:
-            refuse_routed_compact(claims)
             self.storage = AsyncRoutedInbox(
                 router,
                 naming=naming,
                 lock_timeout=lock_timeout,
                 serialization_retries=serialization_retries,
+                claims=claims,
                 pool_size=pool_size,
                 connection_budget=connection_budget,
                 **(patience or DatabasePatience()).options(),
