@@ -689,7 +689,8 @@ class CompactClaimStatements(ClaimStatements):
         return super()._key(delivery) | {"identity": _identity(delivery)}
 
 
-_DASH, _EMPTY = literal_column("'-'"), literal_column("''")
+_DASH: Any = literal_column("'-'")
+_EMPTY: Any = literal_column("''")
 """A uuid's text without its dashes, written inline (no bound constants to name)."""
 
 
