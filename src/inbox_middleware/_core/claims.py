@@ -51,7 +51,7 @@ KNOWN_SCHEMES = ("dramatiq.v1", "faststream-json.v1", "faststream-json.v2", "fas
 """The payload hash schemes the adapters of this version make or recompute; a compact
 row's scheme number is read back among these and the delivery's own."""
 
-_SEPARATOR = "\x1f"  # the unit separator: identity texts never hold a control character
+
 _HEX = frozenset("0123456789abcdefABCDEF")
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _CROCKFORD_VALUE = {char: value for value, char in enumerate(_CROCKFORD)}
@@ -123,7 +123,8 @@ def id_milliseconds(message_id: str) -> int | None:
 
 def claim_key(consumer: str, producer: str, tenant: str, message_id: str) -> bytes:
     """The compact row's key for one consumer's claim of one identity: 16 bytes."""
-    parts = _SEPARATOR.join((consumer, producer, tenant, message_id))
+    # the unit separator between the parts: identity texts never hold a control character
+    parts = f"{consumer}\x1f{producer}\x1f{tenant}\x1f{message_id}"
     digest = hashlib.sha256(parts.encode()).digest()
     milliseconds = id_milliseconds(message_id)
     if milliseconds is None:

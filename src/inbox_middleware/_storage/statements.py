@@ -679,11 +679,10 @@ class CompactClaimStatements(ClaimStatements):
         return ClaimStatements.result(step, result)
 
     def _claim_row(self, delivery: Delivery) -> dict[str, Any]:
-        return super()._claim_row(delivery) | {
-            "identity": _identity(delivery),
-            "payload_digest": claims.payload_digest(delivery.payload_hash.sha256),
-            "scheme_code": str(claims.scheme_code(delivery.payload_hash.scheme)),
-        }
+        row = super()._claim_row(delivery)  # its key (`_key`) holds the identity
+        row["payload_digest"] = claims.payload_digest(delivery.payload_hash.sha256)
+        row["scheme_code"] = _scheme_code(delivery.payload_hash.scheme)
+        return row
 
     def _key(self, delivery: Delivery) -> dict[str, Any]:
         return super()._key(delivery) | {"identity": _identity(delivery)}
@@ -692,6 +691,11 @@ class CompactClaimStatements(ClaimStatements):
 _DASH: Any = literal_column("'-'")
 _EMPTY: Any = literal_column("''")
 """A uuid's text without its dashes, written inline (no bound constants to name)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _scheme_code(scheme: str) -> str:
+    return str(claims.scheme_code(scheme))
 
 
 def _identity(delivery: Delivery) -> str:
