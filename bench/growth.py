@@ -210,11 +210,12 @@ def _fill_sql(shape: str, layout: str) -> str:
     rows = "FROM generate_series(%(low)s::bigint, %(high)s::bigint - 1) n"
     if layout == "library_compact":  # the key `claims.claim_key` computes
         parts = {"c": "%(consumer)s::text", "p": "%(producer)s::text", "t": "''", "m": "m"}
-        # an id in a UUIDv7's form leads its key with its time (a random id has that form
-        # one time in 64: the version digit 7 and the variant 8 to b)
-        identity = f"""CASE WHEN m ~ '{_UUID7}'
-            THEN {partitioned.ID_TIME_DIGEST_SQL.format(**parts)}
-            ELSE {partitioned.DIGEST_SQL.format(**parts)} END"""
+        digest = partitioned.IDENTITY_SHA256.format(**parts)
+        # 6 bytes of time, the id's when it is in a UUIDv7's form (a random id has that
+        # form one time in 64: the version digit 7 and the variant 8 to b), else zeros;
+        # then 10 bytes of the identity's digest
+        identity = f"""((CASE WHEN m ~ '{_UUID7}' THEN left(replace(m, '-', ''), 12)
+            ELSE '000000000000' END) || encode(substr({digest}, 1, 10), 'hex'))::uuid"""
         return f"""INSERT INTO inbox_claims (identity, payload_digest, processed_at, hash_scheme)
             SELECT {identity}, left(%(hash)s, 32)::uuid, {_SENT_SQL}, %(code)s::smallint
             {rows}, LATERAL (SELECT {_ID_SQL[shape]}) AS ids(m)"""

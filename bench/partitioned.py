@@ -153,9 +153,9 @@ CLAIMS = {
 
 # -- the compact row ---------------------------------------------------------------------------
 
-_IDENTITY_SHA256 = """pg_catalog.sha256(pg_catalog.convert_to(
+IDENTITY_SHA256 = """pg_catalog.sha256(pg_catalog.convert_to(
         {c} || chr(31) || {p} || chr(31) || {t} || chr(31) || {m}, 'UTF8'))"""
-DIGEST_SQL = f"""pg_catalog.encode(pg_catalog.substr({_IDENTITY_SHA256}, 1, 16), 'hex')::uuid"""
+DIGEST_SQL = f"""pg_catalog.encode(pg_catalog.substr({IDENTITY_SHA256}, 1, 16), 'hex')::uuid"""
 """The identity's digest: the first 16 bytes of SHA-256 over its four parts (the unit
 separator between them), as a ``uuid`` (16 bytes, no length header)."""
 
@@ -222,7 +222,7 @@ holds only for ids with a time in them; a copy whose id is older than the retent
 window is an expired copy (`docs/how-to/retention.md`), and the claim time is not kept."""
 
 ID_TIME_DIGEST_SQL = f"""(pg_catalog.left(pg_catalog.replace({{m}}, '-', ''), 12)
-        || pg_catalog.encode(pg_catalog.substr({_IDENTITY_SHA256}, 1, 10), 'hex'))::uuid"""
+        || pg_catalog.encode(pg_catalog.substr({IDENTITY_SHA256}, 1, 10), 'hex'))::uuid"""
 """The id-time layout's key: the 6 bytes of milliseconds the UUIDv7 id begins with, then
 the first 10 bytes of the identity's SHA-256 (`DIGEST_SQL`'s). Still 16 bytes, and still
 one value an identity (its id names the time): but the keys a partition's index receives

@@ -165,7 +165,7 @@ def test_compact__the_key_carries_the_time_of_a_uuid7_id():
     assert int.from_bytes(key[:6], "big") == millis
     assert claim_key("billing", "orders", "", message_id) == key
     assert claim_key("shipping", "orders", "", message_id) != key
-    assert claim_key("billing", "orders", "", "order-1")[:6] != key[:6]
+    assert claim_key("billing", "orders", "", "order-1")[:6] == bytes(6)  # no time: zeros
 
 
 def _concurrent(engine, inboxes, ids, copies=3, workers=8):

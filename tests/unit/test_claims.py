@@ -66,6 +66,12 @@ def test_claim_key__time_first_then_the_identity_digest():
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
 
 
+def test_claim_key__an_id_without_a_time_leads_with_zeros_before_every_timed_key():
+    key = claims.claim_key("billing", "orders", "", "order-1")
+    assert key[:6] == bytes(6)
+    assert key < claims.claim_key("billing", "orders", "", uuid7(1))
+
+
 def delivery(sha: str, scheme: str = "faststream-json.v2", rehash=None) -> Delivery:
     return Delivery(
         "billing", MessageIdentity("orders", "m-1"), PayloadHash(scheme, sha), rehash=rehash

@@ -6,12 +6,15 @@ in its primary key, the payload's SHA-256 as 64 hex characters, the scheme's nam
 handler version, three times and the trace: about 290 bytes a remembered message. The
 compact row keeps what deciding a redelivery needs, in fixed sizes:
 
-- ``identity``: 16 bytes, the key (`claim_key`). For a message id with a time in it (a
-  UUIDv7, a ULID), the 6 bytes of that time in milliseconds, then the first 10 bytes of
-  the SHA-256 of the identity's four parts; for any other id, the first 16 bytes of that
-  SHA-256. Keys led by the time rise with it, so a claim writes near the index's right
-  edge, the pages every recent claim shares, and the index's working set stays small
-  however large the table grows; a random id has no such order to keep.
+- ``identity``: 16 bytes, the key (`claim_key`): 6 bytes of time, then the first 10 bytes
+  of the SHA-256 of the identity's four parts. The time is the one the message id carries
+  (a UUIDv7, a ULID), in milliseconds, or zero for any other id. Keys led by the time rise
+  with it, so a claim writes near the index's right edge, the pages every recent claim
+  shares, and the index's working set stays small however large the table grows. A random
+  id has no order to keep: its claims sort before every timed one, each on a random page
+  of their part of the index. The time leading every key is also what a table
+  partitioned by range of it would need: the ids of an hour in a partition of their own,
+  those without a time in one more.
 - ``payload_digest``: the first 16 bytes of the payload's SHA-256 (`payload_digest`),
   compared with the delivery's own (`same_payload`).
 - ``hash_scheme``: a small number for the scheme's name (`scheme_code`), read back by
@@ -127,9 +130,7 @@ def claim_key(consumer: str, producer: str, tenant: str, message_id: str) -> byt
     parts = f"{consumer}\x1f{producer}\x1f{tenant}\x1f{message_id}"
     digest = hashlib.sha256(parts.encode()).digest()
     milliseconds = id_milliseconds(message_id)
-    if milliseconds is None:
-        return digest[:16]
-    return milliseconds.to_bytes(6, "big") + digest[:10]
+    return (milliseconds or 0).to_bytes(6, "big") + digest[:10]
 
 
 def payload_digest(sha256_hex: str) -> str:
