@@ -34,8 +34,10 @@ version 7, the time the message was sent first), a partition an hour, whose clai
 plain insert, its key led by that time.
 
 With ``--layouts library_compact``, the library's compact claim (``claims="compact"``, the
-switch recorded): its own table, ``inbox_claims``, not partitioned, purged by the library's
-`purge` of every consumer (``docs/how-to/compact-claims.md``).
+switch recorded): its own table, ``inbox_claims``, an hour of id time a partition over the
+window and the prepared hours ahead (the ids without a time in a partition of their own),
+purged by the library's `purge` of every consumer, which empties whole hours and walks the
+rest (``docs/how-to/compact-claims.md``).
 
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
@@ -65,7 +67,7 @@ from bench import partitioned
 from bench.common import PG, ROOT, percentile
 from inbox_middleware._core import claims
 from inbox_middleware._operate.retention import DEFAULT_PURGE_RATE, purge
-from inbox_middleware._storage import InboxSchema, migrate
+from inbox_middleware._storage import InboxSchema, migrate, partitions
 from inbox_middleware._storage.statements import ClaimStatements, CompactClaimStatements
 
 DATABASE = os.environ.get("BENCH_GROWTH_DATABASE", "inbox_growth")
@@ -448,6 +450,11 @@ def _reset(layout: str = "plain") -> None:
         conn.execute(f'CREATE DATABASE "{DATABASE}"')
     engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
     migrate(engine)
+    if layout == "library_compact":  # an hour a partition over the window, and ahead
+        hour = CLOCK.first().replace(minute=0, second=0, microsecond=0)
+        while hour <= datetime.now(UTC) + timedelta(hours=partitions.PREPARE_HOURS):
+            partitions.add(engine, InboxSchema(), hour)
+            hour += partitions.HOUR
     engine.dispose()
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         if layout not in ("plain", "library_compact"):

@@ -148,12 +148,18 @@ def test_growth__the_librarys_compact_claim_in_its_own_table(
     }
     sizes = report["sizes"][f"{name}/20000"]
     assert sizes["rows"] > 20000
-    assert 80 < sizes["bytes_per_row"] < 200
+    assert 80 < sizes["bytes_per_row"] < 2000  # the few rows share ~400 hourly partitions
     purges = report["purge"][name]
     assert set(purges["alone"]) == {"new"}
     assert set(purges["under_load"]) == {"new", "paced"}
     for result in [*purges["alone"].values(), *purges["under_load"].values()]:
-        assert result["rows"] in (2000, 2001)
+        # random ids: walked, a tenth exactly; UUIDv7 ids: the hours wholly past the
+        # tenth's end emptied (its last hour, partly younger, stays for the next purge)
+        hour = 20000 / (14 * 24)
+        if shape == "random":
+            assert result["rows"] in (2000, 2001)
+        else:
+            assert 2000 - 2 * hour < result["rows"] < 2000 + 2 * hour
         assert result["dead_tuples_after_vacuum"] == 0
     with psycopg.connect(f"{PG}/{database}") as conn:
         compact = conn.execute("SELECT count(*) FROM inbox_claims").fetchone()

@@ -116,4 +116,14 @@ def truncate(engine_url: str) -> None:
             ]
         )
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
+        # the compact claims table's hourly partitions (`partitions.prepare`)
+        conn.execute(
+            text(
+                "DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.relname "
+                "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = 'inbox_claims'::regclass "
+                "AND c.relname ~ '^inbox_claims_[0-9]{10}$' "
+                "LOOP EXECUTE format('DROP TABLE %I', r.relname); END LOOP; END $$"
+            )
+        )
     engine.dispose()

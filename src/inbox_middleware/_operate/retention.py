@@ -35,6 +35,7 @@ from .._core.exceptions import ConfigurationError, PermanentError
 from .._core.policy import ExpiredPolicy
 from .._core.protocol import Delivery, ReasonCode
 from .._observe.instruments import metrics
+from .._storage import partitions
 from .._storage.counts import purge_counts
 from .._storage.retention import (
     TID_RANGE_SCAN,
@@ -46,7 +47,7 @@ from .._storage.retention import (
     purge_statements,
     write_policy,
 )
-from .._storage.tables import ALL_CONSUMERS, InboxSchema
+from .._storage.tables import ALL_CONSUMERS, CLAIMS_PARTITIONS, InboxSchema
 
 logger = logging.getLogger("inbox_middleware")
 
@@ -362,8 +363,13 @@ def purge(
             time.sleep(wait)
 
     if engine.dialect.name == "postgresql":
-        # The compact claims (no consumer in their rows) go in a purge of every consumer.
-        for compact in (False, True) if consumer is None else (False,):
+        # The compact claims (no consumer in their rows) go in a purge of every consumer:
+        # the hours past the window emptied whole, then the lasting partitions walked.
+        lasting: tuple[int | None, ...] = (None,)
+        if consumer is None:
+            lasting = (None, *range(len(CLAIMS_PARTITIONS)))
+            batch_done(partitions.purge_hours(engine, naming, older_than))
+        for compact in lasting:
             with engine.connect() as conn:
                 statements = _postgresql_statements(conn, naming, compact=compact)
                 blocks, density = conn.execute(statements.extent).one()
@@ -397,7 +403,7 @@ def purge(
 
 
 def _postgresql_statements(
-    conn: Connection, naming: InboxSchema, *, compact: bool = False
+    conn: Connection, naming: InboxSchema, *, compact: int | None = None
 ) -> PurgeStatements:
     version = conn.dialect.server_version_info or TID_RANGE_SCAN
     return purge_statements(
@@ -419,7 +425,11 @@ def purgeable(
         statement = purge_statements(naming, conn.dialect.name).count
         return int(conn.execute(statement, params).scalar_one())
     total = 0
-    for compact in (False, True) if consumer is None else (False,):
+    lasting: tuple[int | None, ...] = (None,)
+    if consumer is None:
+        lasting = (None, *range(len(CLAIMS_PARTITIONS)))
+        total += partitions.expired_claims(conn, naming, older_than)
+    for compact in lasting:
         statements = _postgresql_statements(conn, naming, compact=compact)
         blocks = int(conn.execute(statements.extent).one()[0])
         total += sum(

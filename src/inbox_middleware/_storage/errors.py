@@ -25,6 +25,11 @@ __all__ = ["Failure", "as_transient", "classify", "from_driver", "sqlstate", "tr
 
 _SERIALIZATION = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _LOCK_TIMEOUT = "55P03"  # lock_not_available
+# check_violation outside the handler: the inbox's tables have no CHECK constraint but the
+# compact claims table's partition bounds, which a claim routed to the default partition
+# meets when the partition of its hour was attached meanwhile (`partitions.add`): the
+# same claim, run again, goes to that partition.
+_PARTITION_MOVED = "23514"
 _CONNECTION_CLASSES = ("08", "57P")  # connection exceptions, admin/crash shutdown
 
 
@@ -84,7 +89,7 @@ def classify(exc: BaseException, *, from_handler: bool = False) -> Failure:
     if exc.connection_invalidated:
         return Failure.DISCONNECTED
     code = sqlstate(exc)
-    if code in _SERIALIZATION:
+    if code in _SERIALIZATION or (code == _PARTITION_MOVED and not from_handler):
         return Failure.SERIALIZATION
     if code == _LOCK_TIMEOUT:
         return Failure.LOCK_TIMEOUT

@@ -113,13 +113,19 @@ def table_sizes(conn: Connection, naming: InboxSchema, *, exact: bool = False) -
     tables = _tables(naming)
     catalog: dict[str, tuple[float, int, int]] = {}
     if conn.dialect.name == "postgresql":
+        # A partitioned table (the compact claims') is the sum of its partitions.
         rows = conn.execute(
             text(
-                "SELECT c.relname, c.reltuples, pg_total_relation_size(c.oid), "
-                "pg_relation_size(c.oid) FROM pg_class c "
-                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "SELECT c.relname, CASE WHEN bool_and(l.reltuples < 0) THEN -1 "
+                "ELSE sum(greatest(l.reltuples, 0)) END, "
+                "sum(pg_total_relation_size(l.oid)), sum(pg_relation_size(l.oid)) "
+                "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(c.oid) WHERE isleaf "
+                "UNION ALL SELECT c.oid WHERE c.relkind = 'r') AS t(relid) "
+                "JOIN pg_class l ON l.oid = t.relid "
                 "WHERE n.nspname = coalesce(:schema, current_schema()) "
-                "AND c.relname = ANY(:names) AND c.relkind IN ('r', 'p')"
+                "AND c.relname = ANY(:names) AND c.relkind IN ('r', 'p') "
+                "GROUP BY c.relname"
             ),
             {"schema": naming.schema, "names": [naming.name(name) for name in TABLES]},
         )

@@ -19,6 +19,7 @@ from sqlalchemy.dialects import postgresql
 
 from .._core.claims import ClaimsTable
 from .._core.exceptions import ConfigurationError, PrerequisiteError
+from . import partitions
 from .tables import InboxSchema
 
 __all__ = ["ClaimsRecord", "check_claims", "claims_record", "switch_claims"]
@@ -34,6 +35,7 @@ class ClaimsRecord:
     switched_by: str | None
     library_rows: int
     compact_rows: int
+    hourly_partitions: int = 0
 
     @property
     def switched(self) -> bool:
@@ -51,8 +53,9 @@ def claims_record(conn: Connection, naming: InboxSchema) -> ClaimsRecord:
     ).first()
     library = conn.scalar(select(func.count()).select_from(tables.inbox)) or 0
     compact = conn.scalar(select(func.count()).select_from(tables.claims)) or 0
+    hours = len(partitions.hourly(conn, naming)) if conn.dialect.name == "postgresql" else 0
     return ClaimsRecord(
-        None if row is None else row[0], None if row is None else row[1], library, compact
+        None if row is None else row[0], None if row is None else row[1], library, compact, hours
     )
 
 

@@ -28,7 +28,7 @@ from sqlalchemy.engine.mock import MockConnection
 from sqlalchemy.schema import CreateTable
 
 from .._core.exceptions import ConfigurationError, SchemaError
-from .tables import TABLES, InboxSchema
+from .tables import CLAIMS_PARTITIONS, HOURLY, TABLES, InboxSchema
 
 __all__ = [
     "LATEST_VERSION",
@@ -67,7 +67,7 @@ def _has_code(chunk: str) -> bool:
 def _placeholders(naming: InboxSchema, dialect: str) -> dict[str, str]:
     if naming.schema is not None and dialect == "sqlite":
         raise ConfigurationError("SQLite has no schemas; leave schema unset and use a prefix")
-    names = {table: _qualified(naming, table) for table in TABLES}
+    names = {table: _qualified(naming, table) for table in (*TABLES, *CLAIMS_PARTITIONS)}
     return {**names, "prefix": naming.prefix}
 
 
@@ -211,14 +211,18 @@ def exclude_inbox_tables(
     (and their columns, indexes and constraints), so it never proposes to drop or alter
     them: the library's migrations own them."""
     naming = naming or InboxSchema()
-    ours = {naming.name(table) for table in TABLES}
+    ours = {naming.name(table) for table in (*TABLES, *CLAIMS_PARTITIONS)}
+    hourly = re.compile(re.escape(naming.name(HOURLY)) + r"\d{10}")
+
+    def is_ours(name: str | None) -> bool:
+        return name in ours or (name is not None and hourly.fullmatch(name) is not None)
 
     def owned(obj: Any, name: str | None, type_: str) -> bool:
         if type_ == "table":
             schema = getattr(obj, "schema", None)
-            return name in ours and schema in (naming.schema, None)
+            return is_ours(name) and schema in (naming.schema, None)
         table = getattr(obj, "table", None)
-        return table is not None and table.name in ours
+        return table is not None and is_ours(table.name)
 
     def include_object(obj: Any, name: str | None, type_: str, reflected: bool, _: Any) -> bool:
         return not owned(obj, name, type_)

@@ -153,12 +153,13 @@ def compact_rows(conn: Connection, naming: InboxSchema) -> bool:
 
 @cache
 def purge_statements(
-    naming: InboxSchema, dialect: str, *, tid_range_scan: bool = True, compact: bool = False
+    naming: InboxSchema, dialect: str, *, tid_range_scan: bool = True, compact: int | None = None
 ) -> PurgeStatements:
     """The purge's statements for one naming and dialect, built once; ``tid_range_scan``
     False: for a PostgreSQL before 14, which has none. ``compact``: the batches, count and
-    extent are those of the compact claims table (PostgreSQL), whose rows name no
-    consumer: every consumer's claims older than the window go."""
+    extent are those of that lasting partition of the compact claims table
+    (``tables.claims_partitions``, PostgreSQL), whose rows name no consumer: every
+    consumer's claims older than the window go."""
     inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
     if dialect == "sqlite":
@@ -168,8 +169,8 @@ def purge_statements(
         inbox.c.processed_at < cutoff,
         or_(consumer.is_(None), inbox.c.consumer_name == consumer),
     )
-    if compact:
-        inbox = naming.tables.claims
+    if compact is not None:
+        inbox = naming.tables.claims_partitions[compact]
         old = inbox.c.processed_at < cutoff
     limit = bindparam("limit", type_=Integer)
     extent: Any = None

@@ -27,7 +27,14 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from .._core.exceptions import ConfigurationError
 
-__all__ = ["ALL_CONSUMERS", "TABLES", "InboxSchema", "InboxTables"]
+__all__ = [
+    "ALL_CONSUMERS",
+    "CLAIMS_PARTITIONS",
+    "HOURLY",
+    "TABLES",
+    "InboxSchema",
+    "InboxTables",
+]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently
@@ -46,6 +53,13 @@ TABLES = (
     "inbox_layout",
 )
 """Every table the library owns, without prefix."""
+
+CLAIMS_PARTITIONS = ("inbox_claims_untimed", "inbox_claims_other")
+"""The lasting partitions of ``inbox_claims`` (PostgreSQL): the ids without a time, and the
+default one; the hourly ones are named by `InboxSchema.hourly_partition`."""
+HOURLY = "inbox_claims_"
+"""The hourly partitions' names: the prefix, this, then the hour (``YYYYMMDDHH``, UTC)."""
+_LONGEST = HOURLY + "2026120100"
 
 ALL_CONSUMERS = "*"
 """The consumer name of an ``inbox_retention`` row that applies to every consumer without
@@ -70,7 +84,7 @@ class InboxSchema:
         if self.schema is not None:
             _check_identifier(self.schema, "schema")
         if self.prefix:
-            longest = self.prefix + max(TABLES, key=len)
+            longest = self.prefix + max((*TABLES, _LONGEST), key=len)
             _check_identifier(longest, "prefix", shown=self.prefix)
 
     def name(self, table: str) -> str:
@@ -80,6 +94,11 @@ class InboxSchema:
     @property
     def tables(self) -> InboxTables:
         return _tables(self)
+
+    def hourly_partition(self, hour: str) -> str:
+        """The unqualified name of the partition of ``inbox_claims`` for the ids of one
+        hour (``YYYYMMDDHH``, UTC)."""
+        return f"{self.prefix}{HOURLY}{hour}"
 
 
 def _check_identifier(value: str, what: str, *, shown: str | None = None) -> None:
@@ -250,6 +269,15 @@ class InboxTables:
             Column("payload_digest", Uuid(as_uuid=False), nullable=False),
             Column("processed_at", _TIMESTAMP, nullable=False),
             Column("hash_scheme", SmallInteger, nullable=False),
+        )
+        # Its lasting partitions, each purged row by row (`CLAIMS_PARTITIONS`).
+        self.claims_partitions = tuple(
+            Table(
+                name(partition),
+                self.metadata,
+                *(Column(c.name, c.type, nullable=c.nullable) for c in self.claims.c),
+            )
+            for partition in CLAIMS_PARTITIONS
         )
         self.layout = Table(
             name("inbox_layout"),

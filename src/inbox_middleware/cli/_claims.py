@@ -1,11 +1,15 @@
-"""``inbox-middleware claims show`` and ``claims switch``: where the workers claim."""
+"""``inbox-middleware claims show``, ``claims switch`` and ``claims prepare``: where the
+workers claim, and the compact claims table's partitions."""
 
 from __future__ import annotations
 
 import click
 
+from .._core.exceptions import ConfigurationError
+from .._storage import partitions
 from .._storage.layout import ClaimsRecord, claims_record, switch_claims
-from ._options import database, database_options
+from .._storage.migrate import check_schema
+from ._options import connect, database, database_options, naming_from
 from ._retention import who
 
 __all__ = ["claims_group"]
@@ -33,7 +37,9 @@ def _show(record: ClaimsRecord) -> None:
             "tables, the others in the library's table (consumer_inbox)"
         )
     click.echo(f"consumer_inbox: {record.library_rows} rows")
-    click.echo(f"inbox_claims: {record.compact_rows} rows")
+    click.echo(
+        f"inbox_claims: {record.compact_rows} rows, {record.hourly_partitions} hourly partitions"
+    )
 
 
 @claims_group.command("show")
@@ -68,3 +74,36 @@ def switch_command(
         )
     with database(database_url, schema, prefix, write=True) as (conn, naming):
         _show(switch_claims(conn, naming, by=who(by)))
+
+
+@claims_group.command("prepare")
+@database_options
+@click.option(
+    "--hours",
+    type=click.IntRange(1, 24 * 31),
+    default=partitions.PREPARE_HOURS,
+    show_default=True,
+    help="Hours of partitions to have ahead.",
+)
+def prepare_command(database_url: str, schema: str | None, prefix: str, hours: int) -> None:
+    """Make the compact claims table's hourly partitions ahead of time.
+
+    The purge does it too; run this after `migrate`, and whenever no purge has run for
+    longer than the hours it makes. Claims never wait for it: an hour without its
+    partition keeps its claims in the default partition.
+    """
+    naming = naming_from(schema, prefix)
+    engine = connect(database_url)
+    try:
+        if engine.dialect.name != "postgresql":
+            raise ConfigurationError("the compact claims table is PostgreSQL's: nothing to prepare")
+        with engine.connect() as conn:
+            check_schema(conn, naming)
+        made = partitions.prepare(engine, naming, hours=hours)
+        with engine.connect() as conn:
+            ahead = partitions.hourly(conn, naming)
+    finally:
+        engine.dispose()
+    click.echo(f"made {len(made)} partitions; {len(ahead)} hourly partitions in all")
+    if ahead:
+        click.echo(f"the last one holds the ids of {ahead[-1].hour:%Y-%m-%d %H}:00 UTC")
