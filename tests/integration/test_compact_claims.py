@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import text
@@ -331,3 +333,61 @@ async def test_compact__asyncio_gather_of_copies_applies_once(pg_engine, pg_asyn
     assert decided.count(Decision.FIRST) == len(ids)
     with pg_engine.connect() as conn:
         assert balance(conn, 3) == len(ids)
+
+
+def test_compact__migrated_under_load_from_the_schema_before_it(pg_engine):
+    # Given the inbox tables at the version before the compact claim, in a schema of
+    # their own, and workers of that time claiming on four threads
+    from inbox_middleware._storage.migrate import migrate, migrations
+
+    naming = InboxSchema(schema="before_compact")
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql('DROP SCHEMA IF EXISTS "before_compact" CASCADE')
+        conn.exec_driver_sql('CREATE SCHEMA "before_compact"')
+        naming.tables.version.create(conn)
+        for migration in migrations("postgresql")[:9]:
+            for statement in migration.statements(naming, "postgresql"):
+                conn.exec_driver_sql(statement)
+            conn.execute(
+                naming.tables.version.insert().values(
+                    version=migration.version, name=migration.name, applied_at=datetime.now(UTC)
+                )
+            )
+    old = Inbox(pg_engine, naming=naming)
+    ids = [str(uuid.uuid4()) for _ in range(120)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def claim_old() -> None:
+        while not stop.is_set():
+            try:
+                old.process(delivery(random.choice(ids)), credit(account=4, delta=1))
+            except ClaimInProgress:
+                continue
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=claim_old) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        # When migration 10 is applied while they claim, and new workers join them
+        time.sleep(0.3)
+        applied = migrate(pg_engine, naming)
+        new = Inbox(pg_engine, naming=naming, claims="compact")
+        new.check()
+        for message_id in ids:
+            new.process(delivery(message_id), credit(account=4, delta=1))
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    # Then the migration applied without stopping them, and each message applied once
+    assert [migration.version for migration in applied] == [10]
+    assert errors == []
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 4), balance(conn, 4)) == (120, 120)
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql('DROP SCHEMA "before_compact" CASCADE')
