@@ -391,3 +391,28 @@ def test_compact__migrated_under_load_from_the_schema_before_it(pg_engine):
         assert (effects(conn, 4), balance(conn, 4)) == (120, 120)
     with pg_engine.begin() as conn:
         conn.exec_driver_sql('DROP SCHEMA "before_compact" CASCADE')
+
+
+def test_compact__status_counts_the_compact_claims_apart(pg_engine, pg_url):
+    import json
+    import subprocess
+    import sys
+
+    enter(pg_engine, ClaimsPhase.COMPACT)
+    inbox = Inbox(pg_engine, claims="compact")
+    for index in range(3):
+        inbox.process(delivery(f"order-{index}"), credit())
+    command = [sys.executable, "-c", "from inbox_middleware.cli import run; run()", "status"]
+    shown = subprocess.run(
+        [*command, "--database-url", pg_url], capture_output=True, text=True, check=False
+    )
+    data = json.loads(
+        subprocess.run(
+            [*command, "--json", "--database-url", pg_url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert (data["inbox"]["rows"], data["inbox"]["compact_rows"]) == (0, 3)
+    assert "3 in the compact claims table (inbox_claims)" in shown.stdout, shown.stderr

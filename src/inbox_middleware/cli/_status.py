@@ -234,10 +234,14 @@ def _print_status(data: dict[str, Any]) -> None:
     out = console()
     window = _age(data["window_seconds"])
     inbox = data["inbox"]
+    compact = ""
+    if inbox["compact_rows"]:
+        rows = _n(inbox["compact_rows"], inbox["compact_rows_estimated"])
+        compact = f"; {rows} in the compact claims table (inbox_claims), not counted below"
     out.print(
         f"[bold]inbox[/bold]: {_n(inbox['rows'], inbox['rows_estimated'])} claims; oldest "
         f"{when(inbox['oldest_claim_at'])} ({_age(inbox['oldest_claim_age_seconds'])} ago"
-        f"{', estimate' if inbox['oldest_claim_estimated'] else ''})"
+        f"{', estimate' if inbox['oldest_claim_estimated'] else ''}){compact}"
     )
     table = Table(title=f"claims by consumer and producer (last {window})", title_justify="left")
     for column in ("consumer", "producer", "claims", f"last {window}", "per s", "last claim"):
