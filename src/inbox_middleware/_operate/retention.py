@@ -349,16 +349,21 @@ def purge(
     began = time.monotonic()
     total = 0
 
-    def batch_done(deleted: int) -> None:
-        nonlocal total
+    paced = 0  # rows deleted one by one: what the pace bounds
+
+    def batch_done(deleted: int, *, truncated: bool = False) -> None:
+        nonlocal total, paced
         if not deleted:  # a block range without old claims: nothing done, nothing to wait
             return
         total += deleted
         if on_batch is not None:
             on_batch(deleted)
+        if truncated:  # whole hours emptied: no row dirtied, no WAL a row, nothing to pace
+            return
+        paced += deleted
         wait = pause
         if rows_per_second is not None:
-            wait = max(wait, total / rows_per_second - (time.monotonic() - began))
+            wait = max(wait, paced / rows_per_second - (time.monotonic() - began))
         if wait > 0:
             time.sleep(wait)
 
@@ -368,24 +373,11 @@ def purge(
         lasting: tuple[int | None, ...] = (None,)
         if consumer is None:
             lasting = (None, *range(len(CLAIMS_PARTITIONS)))
-            batch_done(partitions.purge_hours(engine, naming, older_than))
+            batch_done(partitions.purge_hours(engine, naming, older_than), truncated=True)
         for compact in lasting:
             with engine.connect() as conn:
                 statements = _postgresql_statements(conn, naming, compact=compact)
-                blocks, density = conn.execute(statements.extent).one()
-            base = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
-            low, step = 0, base
-            while low < blocks:
-                with engine.begin() as conn:
-                    ranged = params | {"low": low, "high": low + step}
-                    deleted = conn.execute(statements.batch, ranged).rowcount
-                if deleted < batch_size:  # else the range may hold more: take it again
-                    low += step
-                # Across young blocks (no old claim) the ranges grow, up to _MAX_RANGE
-                # blocks, so that a mostly young table costs few statements; a range that
-                # held old claims brings them back to a batch's worth.
-                step = min(max(step * 2, base), _MAX_RANGE) if not deleted else base
-                batch_done(deleted)
+            _walk(engine, statements, params, batch_done)
     else:
         statements = purge_statements(naming, engine.dialect.name)
         while True:
@@ -400,6 +392,32 @@ def purge(
         # the settlement counts of workers not heard from for the whole window
         conn.execute(purge_counts(naming, engine.dialect.name), _count_params(params))
     return total
+
+
+def _walk(
+    engine: Engine,
+    statements: PurgeStatements,
+    params: dict[str, Any],
+    batch_done: Callable[[int], None],
+) -> None:
+    """One table's heap walked by block ranges, from its first block to the last it had
+    when the walk began (rows added since are younger than the window)."""
+    batch_size = params["limit"]
+    with engine.connect() as conn:
+        blocks, density = conn.execute(statements.extent).one()
+    base = max(1, math.ceil(batch_size / float(density or _ROWS_PER_BLOCK)))
+    low, step = 0, base
+    while low < blocks:
+        with engine.begin() as conn:
+            ranged = params | {"low": low, "high": low + step}
+            deleted = conn.execute(statements.batch, ranged).rowcount
+        if deleted < batch_size:  # else the range may hold more: take it again
+            low += step
+        # Across young blocks (no old claim) the ranges grow, up to _MAX_RANGE blocks, so
+        # that a mostly young table costs few statements; a range that held old claims
+        # brings them back to a batch's worth.
+        step = min(max(step * 2, base), _MAX_RANGE) if not deleted else base
+        batch_done(deleted)
 
 
 def _postgresql_statements(
