@@ -173,33 +173,30 @@ def empty_expired(
 ) -> int:
     """Empty the hourly partitions whose hour and youngest claim are older than
     ``cutoff``, and drop up to ``drops`` emptied ones when the table is free; answer the
-    claims removed."""
+    claims removed.
+
+    Every such hour is emptied in one transaction, one ``TRUNCATE`` of them all: each
+    commit that truncates a partition makes every connection rebuild what it caches of
+    the partitioned table, so a purge catching up on many hours pays that once. When one
+    of them is busy (its lock not free at once), they are taken one by one instead."""
     with engine.connect() as conn:
-        partitions = hourly(conn, naming)
-    removed, emptied = 0, []
-    for partition in partitions:
-        if partition.hour + HOUR > cutoff:
-            break
-        table = _quoted(naming, partition.name)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
-                             {"wait": LOCK_WAIT})  # fmt: skip
-                # Locked first: a claim landing between the look and the TRUNCATE would
-                # be removed younger than the window.
-                conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
-                count, youngest = conn.execute(
-                    text(f"SELECT count(*), max(processed_at) FROM {table}")
-                ).one()
-                if youngest is not None and youngest >= cutoff:
-                    continue  # a late first delivery of an old id: its hour stays
-                if count:
-                    conn.exec_driver_sql(f"TRUNCATE {table}")
-                    removed += int(count)
-        except OperationalError as exc:
-            logger.info("the claims partition %s was not emptied now: %s", partition.name, exc.orig)
-            continue
-        emptied.append(table)
+        expired = [p for p in hourly(conn, naming) if p.hour + HOUR <= cutoff]
+    if not expired:
+        return 0
+    try:
+        removed, emptied = _empty(engine, naming, expired, cutoff)
+    except OperationalError:
+        removed, emptied = 0, []
+        for partition in expired:
+            try:
+                one, done = _empty(engine, naming, [partition], cutoff)
+            except OperationalError as exc:
+                logger.info(
+                    "the claims partition %s was not emptied now: %s", partition.name, exc.orig
+                )
+                continue
+            removed += one
+            emptied += done
     for table in emptied[:drops]:
         try:
             with engine.begin() as conn:
@@ -209,6 +206,35 @@ def empty_expired(
         except OperationalError:
             break  # claims are running: the table is not free, try at a later purge
     return removed
+
+
+def _empty(
+    engine: Engine, naming: InboxSchema, expired: list[Partition], cutoff: datetime
+) -> tuple[int, list[str]]:
+    """Empty these partitions in one transaction, those whose youngest claim is older
+    than ``cutoff``: the claims removed and the tables emptied."""
+    tables = [_quoted(naming, partition.name) for partition in expired]
+    removed, emptied = 0, []
+    with engine.begin() as conn:
+        conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
+                     {"wait": LOCK_WAIT})  # fmt: skip
+        # Locked first: a claim landing between the look and the TRUNCATE would be
+        # removed younger than the window.
+        conn.exec_driver_sql(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE")
+        full = []
+        for table in tables:
+            count, youngest = conn.execute(
+                text(f"SELECT count(*), max(processed_at) FROM {table}")
+            ).one()
+            if youngest is not None and youngest >= cutoff:
+                continue  # a late first delivery of an old id: its hour stays
+            emptied.append(table)
+            if count:
+                full.append(table)
+                removed += int(count)
+        if full:
+            conn.exec_driver_sql(f"TRUNCATE {', '.join(full)}")
+    return removed, emptied
 
 
 def expired_claims(conn: Connection, naming: InboxSchema, older_than: timedelta) -> int:
