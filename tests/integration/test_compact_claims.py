@@ -27,6 +27,7 @@ from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
 from inbox_middleware._storage.layout import check_claims, claims_record, switch_claims
 
 from ..apps.domain import apply_credit, apply_credit_async, balance, effects
+from ..support.handing_back import process_until_settled
 
 PHASES = [ClaimsPhase.BOTH, ClaimsPhase.COMPACT_CHECKING, ClaimsPhase.COMPACT]
 
@@ -181,12 +182,7 @@ def _concurrent(engine, inboxes, ids, copies=3, workers=8):
     def deliver(job):
         message_id, copy = job
         inbox = inboxes[(hash(message_id) + copy) % len(inboxes)]
-        while True:
-            try:
-                decided = inbox.process(delivery(message_id), credit(account=2, delta=1))
-                break
-            except ClaimInProgress:
-                continue
+        decided = process_until_settled(inbox, delivery(message_id), credit(account=2, delta=1))
         if decided.decision is Decision.FIRST:
             with lock:
                 firsts[message_id] = firsts.get(message_id, 0) + 1

@@ -17,7 +17,6 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from inbox_middleware._core.claims import claim_key
-from inbox_middleware._core.exceptions import ClaimInProgress
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
 from inbox_middleware._operate.retention import purge, purgeable
@@ -25,6 +24,7 @@ from inbox_middleware._storage import Inbox, InboxSchema, partitions
 from inbox_middleware._storage.layout import switch_claims
 
 from ..apps.domain import apply_credit, balance, effects
+from ..support.handing_back import process_until_settled
 
 NAMING = InboxSchema()
 HOUR = timedelta(hours=1)
@@ -136,12 +136,7 @@ def test_partitions__copies_claimed_while_partitions_are_made_and_emptied_apply_
     done = threading.Event()
 
     def deliver(message_id: str) -> None:
-        while True:
-            try:
-                decided = inbox.process(delivery(message_id), credit)
-                break
-            except ClaimInProgress:
-                continue
+        decided = process_until_settled(inbox, delivery(message_id), credit)
         if decided.decision is Decision.FIRST:
             with lock:
                 firsts[message_id] = firsts.get(message_id, 0) + 1
