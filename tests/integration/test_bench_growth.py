@@ -21,6 +21,7 @@ def database(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     name = f"inbox_growth_{uuid.uuid4().hex[:8]}"
     monkeypatch.setattr(growth, "DATABASE", name)
     monkeypatch.setattr(growth, "DURING", 1.5)
+    monkeypatch.setattr(growth, "ROUNDS", 1)
     yield name
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -220,3 +220,60 @@ def test_partitions__a_busy_hour_is_left_and_the_others_emptied(pg_engine):
             for name in map(hour_name, hours)
         }
     assert left == {hour_name(hours[0]): 0, hour_name(hours[1]): 1, hour_name(hours[2]): 0}
+
+
+def test_partitions__a_purge_catching_up_empties_an_hour_a_transaction_paced(
+    pg_engine, monkeypatch
+):
+    inbox = switched(pg_engine)
+    now = datetime.now(UTC)
+    hours = [(now - k * HOUR).replace(minute=0, second=0, microsecond=0) for k in range(40, 34, -1)]
+    for n, hour in enumerate(hours):
+        assert partitions.add(pg_engine, NAMING, hour)
+        for _ in range(n + 1):
+            inbox.process(delivery(uuid7(hour)), credit)
+    with pg_engine.begin() as conn:
+        conn.execute(text("UPDATE inbox_claims SET processed_at = now() - interval '3 days'"))
+    waits: list[float] = []
+    monkeypatch.setattr(partitions.time, "sleep", waits.append)
+    heard: list[int] = []
+
+    removed = partitions.empty_expired(
+        pg_engine, NAMING, now - timedelta(days=1), share=0.25, on_hour=heard.append
+    )
+
+    # Each hour in a transaction of its own, oldest first, each followed by its pause:
+    # three times what it took (it takes a quarter of the time)
+    assert (removed, heard) == (21, [1, 2, 3, 4, 5, 6])
+    assert len(waits) == 6 and all(wait > 0 for wait in waits), waits
+    # The four oldest emptied partitions dropped together, the others left empty
+    with pg_engine.connect() as conn:
+        left = [partition.name for partition in partitions.hourly(conn, NAMING)]
+        assert left == [hour_name(hour) for hour in hours[4:]]
+        assert [conn.scalar(text(f"SELECT count(*) FROM {name}")) for name in left] == [0, 0]
+    # and the next purge drops those (nothing to empty: no pause)
+    assert partitions.empty_expired(pg_engine, NAMING, now - timedelta(days=1), share=0.25) == 0
+    assert len(waits) == 6
+    with pg_engine.connect() as conn:
+        assert partitions.hourly(conn, NAMING) == []
+
+
+def test_partitions__the_unpaced_purge_empties_hours_back_to_back(pg_engine, monkeypatch):
+    inbox = switched(pg_engine)
+    now = datetime.now(UTC)
+    hour = (now - 40 * HOUR).replace(minute=0, second=0, microsecond=0)
+    assert partitions.add(pg_engine, NAMING, hour)
+    inbox.process(delivery(uuid7(hour)), credit)
+    with pg_engine.begin() as conn:
+        conn.execute(text("UPDATE inbox_claims SET processed_at = now() - interval '3 days'"))
+    waits: list[float] = []
+    monkeypatch.setattr(partitions.time, "sleep", waits.append)
+
+    assert purge(pg_engine, NAMING, timedelta(days=1), rows_per_second=None) == 1
+    assert waits == []
+    assert partitions.add(pg_engine, NAMING, hour)  # the purge dropped it, emptied
+    inbox.process(delivery(uuid7(hour)), credit)
+    with pg_engine.begin() as conn:
+        conn.execute(text("UPDATE inbox_claims SET processed_at = now() - interval '3 days'"))
+    assert purge(pg_engine, NAMING, timedelta(days=1)) == 1  # paced, the default
+    assert len(waits) == 1

@@ -18,9 +18,16 @@ Each step takes only locks that leave claims running, as measured on PostgreSQL 
   partition alone, once its youngest claim is older than the window too (a late first
   delivery of an old id keeps its hour);
 - dropping a partition, even an empty one, takes the whole table in ACCESS EXCLUSIVE: it
-  waits for every open claim transaction, and every new claim waits behind it. So an
-  emptied partition is dropped only when the table is free within `DROP_WAIT`, a few at a
-  purge, and is otherwise left empty for a later purge.
+  waits for every open claim transaction, and every new claim waits behind it; and its
+  commit makes each connection rebuild what it caches of the partitioned table (about
+  2 ms with 400 partitions) at its next claim. So the emptied partitions are dropped
+  together, one statement at a purge, only when the table is free within `DROP_WAIT`,
+  and are otherwise left empty for a later purge.
+
+An hour is emptied in a transaction of its own, which reads the whole partition first
+(the check of its youngest claim): the hours of a purge that catches up are paced, so that
+this reading takes at most `EMPTY_SHARE` of the time (each hour's commit also frees its
+files at once; see the performance page on the freed files' stall).
 
 Every statement runs under a short ``lock_timeout``: a step that cannot take its lock at
 once gives up, and the next `prepare` or purge takes it up again. Nothing depends on it
@@ -32,6 +39,8 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -58,8 +67,12 @@ LOCK_WAIT = "200ms"
 """How long a step of `prepare` or `empty_expired` waits for its lock before giving up."""
 DROP_WAIT = "20ms"
 """How long dropping an emptied partition waits for the table (claims wait behind it)."""
-DROPS_A_PURGE = 3
-"""Emptied partitions a purge tries to drop."""
+DROPS_A_PURGE = 4
+"""Emptied partitions a purge drops at most, in one statement (claims wait while it
+runs: a purge catching up on many hours leaves the rest to the purges after it)."""
+EMPTY_SHARE = 0.2
+"""The share of a paced purge's time spent emptying hours: after an hour that took ``t``
+seconds, the purge waits ``t * (1 / EMPTY_SHARE - 1)``."""
 HOUR = timedelta(hours=1)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -158,83 +171,93 @@ def add(engine: Engine, naming: InboxSchema, hour: datetime) -> bool:
     return True
 
 
-def purge_hours(engine: Engine, naming: InboxSchema, older_than: timedelta) -> int:
+def purge_hours(
+    engine: Engine,
+    naming: InboxSchema,
+    older_than: timedelta,
+    *,
+    paced: bool = True,
+    on_hour: Callable[[int], None] | None = None,
+) -> int:
     """The purge's part of the hourly partitions: the coming hours made (`prepare`), the
     hours past the window emptied (`empty_expired`); answers the claims removed."""
     prepare(engine, naming)
     with engine.connect() as conn:
         now = conn.scalar(text("SELECT now()"))
     assert isinstance(now, datetime)
-    return empty_expired(engine, naming, now - older_than)
+    share = EMPTY_SHARE if paced else None
+    return empty_expired(engine, naming, now - older_than, share=share, on_hour=on_hour)
 
 
 def empty_expired(
-    engine: Engine, naming: InboxSchema, cutoff: datetime, *, drops: int = DROPS_A_PURGE
+    engine: Engine,
+    naming: InboxSchema,
+    cutoff: datetime,
+    *,
+    drops: int = DROPS_A_PURGE,
+    share: float | None = None,
+    on_hour: Callable[[int], None] | None = None,
 ) -> int:
     """Empty the hourly partitions whose hour and youngest claim are older than
-    ``cutoff``, and drop up to ``drops`` emptied ones when the table is free; answer the
-    claims removed.
+    ``cutoff``, an hour a transaction, and drop up to ``drops`` emptied ones in one
+    statement when the table is free; answer the claims removed.
 
-    Every such hour is emptied in one transaction, one ``TRUNCATE`` of them all: each
-    commit that truncates a partition makes every connection rebuild what it caches of
-    the partitioned table, so a purge catching up on many hours pays that once. When one
-    of them is busy (its lock not free at once), they are taken one by one instead."""
+    With ``share``, the hours are paced: each hour's reading and ``TRUNCATE`` take at most
+    that share of the time. A busy hour (its lock not free at once) is left to a later
+    purge. ``on_hour`` hears the claims each emptied hour removed."""
     with engine.connect() as conn:
         expired = [p for p in hourly(conn, naming) if p.hour + HOUR <= cutoff]
-    if not expired:
-        return 0
-    try:
-        removed, emptied = _empty(engine, naming, expired, cutoff)
-    except OperationalError:
-        removed, emptied = 0, []
-        for partition in expired:
-            try:
-                one, done = _empty(engine, naming, [partition], cutoff)
-            except OperationalError as exc:
-                logger.info(
-                    "the claims partition %s was not emptied now: %s", partition.name, exc.orig
-                )
-                continue
-            removed += one
-            emptied += done
-    for table in emptied[:drops]:
+    removed, emptied = 0, []
+    for partition in expired:
+        began = time.monotonic()
         try:
-            with engine.begin() as conn:
-                conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
-                             {"wait": DROP_WAIT})  # fmt: skip
-                conn.exec_driver_sql(f"DROP TABLE {table}")
-        except OperationalError:
-            break  # claims are running: the table is not free, try at a later purge
+            one, done = _empty(engine, naming, partition, cutoff)
+        except OperationalError as exc:  # 55P03: a lock not free within LOCK_WAIT
+            logger.info("the claims partition %s was not emptied now: %s", partition.name, exc.orig)
+            continue
+        removed += one
+        emptied += done
+        if one and on_hour is not None:
+            on_hour(one)
+        if one and share is not None:
+            time.sleep((time.monotonic() - began) * (1 / share - 1))
+    if emptied[:drops]:
+        _drop(engine, emptied[:drops])
     return removed
 
 
+def _drop(engine: Engine, tables: list[str]) -> None:
+    """Drop these emptied partitions in one statement (one wait for the table, one
+    rebuild of each connection's cache of it), if the table is free within `DROP_WAIT`."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
+                         {"wait": DROP_WAIT})  # fmt: skip
+            conn.exec_driver_sql(f"DROP TABLE {', '.join(tables)}")
+    except OperationalError as exc:  # claims are running: try at a later purge
+        logger.info("the emptied claims partitions were not dropped now: %s", exc.orig)
+
+
 def _empty(
-    engine: Engine, naming: InboxSchema, expired: list[Partition], cutoff: datetime
+    engine: Engine, naming: InboxSchema, partition: Partition, cutoff: datetime
 ) -> tuple[int, list[str]]:
-    """Empty these partitions in one transaction, those whose youngest claim is older
-    than ``cutoff``: the claims removed and the tables emptied."""
-    tables = [_quoted(naming, partition.name) for partition in expired]
-    removed, emptied = 0, []
+    """Empty this partition if its youngest claim is older than ``cutoff``: the claims
+    removed and the table emptied (none when a claim keeps it)."""
+    table = _quoted(naming, partition.name)
     with engine.begin() as conn:
         conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
                      {"wait": LOCK_WAIT})  # fmt: skip
         # Locked first: a claim landing between the look and the TRUNCATE would be
         # removed younger than the window.
-        conn.exec_driver_sql(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE")
-        full = []
-        for table in tables:
-            count, youngest = conn.execute(
-                text(f"SELECT count(*), max(processed_at) FROM {table}")
-            ).one()
-            if youngest is not None and youngest >= cutoff:
-                continue  # a late first delivery of an old id: its hour stays
-            emptied.append(table)
-            if count:
-                full.append(table)
-                removed += int(count)
-        if full:
-            conn.exec_driver_sql(f"TRUNCATE {', '.join(full)}")
-    return removed, emptied
+        conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        count, youngest = conn.execute(
+            text(f"SELECT count(*), max(processed_at) FROM {table}")
+        ).one()
+        if youngest is not None and youngest >= cutoff:
+            return 0, []  # a late first delivery of an old id: its hour stays
+        if count:
+            conn.exec_driver_sql(f"TRUNCATE {table}")
+    return int(count), [table]
 
 
 def expired_claims(conn: Connection, naming: InboxSchema, older_than: timedelta) -> int:
