@@ -523,6 +523,7 @@ SHORT = {
     "old": "old: a seq scan per batch",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
+    "hour": "an hour, paced",
 }
 PURGES = {
     "drop": "the partitioned layouts': the oldest partition detached concurrently and dropped",
@@ -530,6 +531,7 @@ PURGES = {
     "old": "the old purge: a sequential scan per batch, unpaced",
     "new": "block ranges, unpaced",
     "paced": f"block ranges, paced at {DEFAULT_PURGE_RATE:,.0f} rows a second (the default)",
+    "hour": "the steady case: the default purge, run every hour, one hour past the window",
 }
 
 
@@ -551,6 +553,8 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
     # Row n was processed at epoch + n * WINDOW / top (`CLOCK`): keep what is younger than the end
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
+    if how == "hour":  # the steady case: the hour past the last purge's end, no more
+        older_than = WINDOW * (1 - tenth / 10) - timedelta(hours=1)
     began = time.monotonic()
     if how in ("drop", "drops"):
         with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
@@ -565,7 +569,7 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
         return _old_purge(older_than), time.monotonic() - began
     engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
     try:
-        rate = DEFAULT_PURGE_RATE if how == "paced" else None
+        rate = DEFAULT_PURGE_RATE if how in ("paced", "hour") else None
         deleted = purge(engine, InboxSchema(), older_than, rows_per_second=rate)
         return deleted, time.monotonic() - began
     finally:
@@ -705,7 +709,8 @@ def measure_purge(
     alone, loaded = {
         "plain": PLAIN_PURGES,
         # the old purge is the library's table's: the compact claims have known none
-        "library_compact": (("new",), ("new", "paced")),
+        # "hour": the steady case, a purge that runs every hour (one hour past the window)
+        "library_compact": (("new",), ("hour", "new", "paced")),
     }.get(layout, (("drop",), ("drops",)))
     purger = Purger()
     try:
@@ -735,7 +740,8 @@ def _purge_under_load(
     fresh = Counter(top * 2)
     half = claim_rate / 2
     drops = all(how in ("drop", "drops") for how in loaded)
-    rounds = ROUNDS if drops else max(1, min(ROUNDS, (10 - tenth) // len(loaded)))
+    tenths = sum(how not in STEADY for how in loaded)  # a round's
+    rounds = ROUNDS if drops else max(1, min(ROUNDS, (10 - tenth) // tenths))
     windows: dict[str, list[Load]] = {"": [], **{how: [] for how in loaded}}
     purges: dict[str, list[dict[str, Any]]] = {how: [] for how in loaded}
 
@@ -762,7 +768,7 @@ def _purge_under_load(
                 time.sleep(max(0.0, began + DURING - time.monotonic()))
 
             windows[how].append(window(0, purge_now))
-            tenth += 1
+            tenth += how not in STEADY
             purges[how].append(purged | _left_behind())
 
     def median_of(loads: list[Load], share: float) -> float:
@@ -796,6 +802,8 @@ def _purge_under_load(
 
 
 ROUNDS = 3
+STEADY = ("hour",)
+"""Purges that take an hour of the next tenth, not a tenth: the next purge takes the rest."""
 """Windows of claims alone and under each purge (`_purge_under_load`)."""
 PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
 LAYOUTS = ("plain", "partitioned", "compact", "idtime", "library_compact")
@@ -905,6 +913,7 @@ def purge_table(report: dict[str, Any]) -> Iterator[str]:
         "old": "old",
         "new": "ranges",
         "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
+        "hour": "an hour",
     }
     purges = report["purge"]
     yield "| ids, purge | rows/s | vacuum: s, WAL MB | with the vacuum, rows/s | ÷ claims/s |"
