@@ -588,7 +588,7 @@ class Purger:
             1,
             mp_context=context,
             initializer=_purger_started,
-            initargs=(SERVER, DATABASE, TABLE, CLOCK),
+            initargs=(SERVER, DATABASE, TABLE, CLOCK, partitions.EMPTY_SHARE),
         )
         self._pool.submit(_purger_warm).result()
 
@@ -599,9 +599,12 @@ class Purger:
         self._pool.shutdown()
 
 
-def _purger_started(server: str, database: str, table: str, clock: Clock) -> None:
+def _purger_started(
+    server: str, database: str, table: str, clock: Clock, empty_share: float
+) -> None:
     global SERVER, DATABASE, TABLE  # the parent run's, in the purge's process
     SERVER, DATABASE, TABLE = server, database, table
+    partitions.EMPTY_SHARE = empty_share
     CLOCK.epoch_ms, CLOCK.step_ms, CLOCK.top = clock.epoch_ms, clock.step_ms, clock.top
 
 
@@ -1033,6 +1036,12 @@ def main(argv: list[str] | None = None) -> None:
         help="PostgreSQL URL without a database (default: BENCH_GROWTH_POSTGRES, else "
         "BENCH_POSTGRES, else 127.0.0.1:5432)",
     )
+    parser.add_argument(
+        "--empty-share",
+        type=float,
+        default=partitions.EMPTY_SHARE,
+        help="library_compact: the share of a paced purge's time spent emptying hours",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
@@ -1047,12 +1056,16 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
     if "idtime" in layouts and shapes != ["uuid7"]:
         parser.error("the idtime layout partitions by the id's time: --shapes uuid7")
+    if not 0 < args.empty_share <= 1:
+        parser.error("--empty-share is a share of the time: above 0, at most 1")
+    partitions.EMPTY_SHARE = args.empty_share
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")
     began = time.monotonic()
     report = run(shapes, sizes, seconds, args.threads, layouts)
     report["settings"] = {
+        "empty_share": args.empty_share,
         "sizes": sizes,
         "seconds": seconds,
         "threads": args.threads,
