@@ -137,6 +137,7 @@ def test_growth__the_librarys_compact_claim_in_its_own_table(
         [
             *("--sizes", "0,20000", "--seconds", "0.5", "--threads", "2"),
             *("--shapes", shape, "--layouts", "library_compact", "--out", str(tmp_path)),
+            *("--empty-share", "0.5"),  # the hours' pace: a few ms of pause an hour
         ]
     )
     report = json.loads((tmp_path / "growth.json").read_text())

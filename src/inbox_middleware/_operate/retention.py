@@ -341,7 +341,7 @@ def purge(
     average (None: as fast as it can): the purge's cost to live claims is the rate at
     which it dirties pages and writes WAL, not its duration. The compact claims' hours
     past the window are emptied whole, an hour a transaction; paced, that takes at most
-    a fifth of the time (`partitions.EMPTY_SHARE`).
+    a fiftieth of the time (`partitions.EMPTY_SHARE`).
     """
     if batch_size <= 0:
         raise ConfigurationError("batch_size must be positive")

@@ -70,7 +70,7 @@ DROP_WAIT = "20ms"
 DROPS_A_PURGE = 4
 """Emptied partitions a purge drops at most, in one statement (claims wait while it
 runs: a purge catching up on many hours leaves the rest to the purges after it)."""
-EMPTY_SHARE = 0.2
+EMPTY_SHARE = 0.02
 """The share of a paced purge's time spent emptying hours: after an hour that took ``t``
 seconds, the purge waits ``t * (1 / EMPTY_SHARE - 1)``."""
 HOUR = timedelta(hours=1)
