@@ -517,6 +517,14 @@ OLD_PURGE_SQL = """DELETE FROM consumer_inbox WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM consumer_inbox
     WHERE processed_at < now() - make_interval(secs => %(seconds)s::float8)
     LIMIT %(limit)s FOR UPDATE SKIP LOCKED))"""
+CONTROL = False
+"""Whether the purges under load are measured beside the control (``--control``)."""
+BURN_SHARE, BURN_SECONDS = 0.05, 3.0
+"""The control (``--control``): in place of a purge, a connection of the purge's process
+keeps its server backend busy this share of the time (a computation that reads and writes
+nothing), for this long."""
+
+
 SHORT = {
     "drop": "the oldest partition dropped",
     "drops": f"{DROPS} partitions dropped, {DROP_PACE:g} s apart",
@@ -524,6 +532,7 @@ SHORT = {
     "new": "block ranges, unpaced",
     "paced": f"block ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
     "hour": "an hour, paced",
+    "burn": "no purge: 5% of a core burnt",
 }
 PURGES = {
     "drop": "the partitioned layouts': the oldest partition detached concurrently and dropped",
@@ -532,6 +541,7 @@ PURGES = {
     "new": "block ranges, unpaced",
     "paced": f"block ranges, paced at {DEFAULT_PURGE_RATE:,.0f} rows a second (the default)",
     "hour": "the steady case: the default purge, run every hour, one hour past the window",
+    "burn": f"the control: no purge, a server backend kept busy {BURN_SHARE:.0%} of the time",
 }
 
 
@@ -544,6 +554,16 @@ def _old_purge(older_than: timedelta, batch_size: int = 5000) -> int:
             total += deleted
             if deleted < batch_size:
                 return total
+
+
+def _burn(seconds: float) -> float:
+    with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
+        began = time.monotonic()
+        while time.monotonic() - began < seconds:
+            busy = time.monotonic()
+            conn.execute("SELECT count(*) FROM generate_series(1, 100000)")
+            time.sleep((time.monotonic() - busy) * (1 / BURN_SHARE - 1))
+        return time.monotonic() - began
 
 
 def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
@@ -565,6 +585,8 @@ def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
                 time.sleep(max(0.0, began + n * DROP_PACE - time.monotonic()))
                 partitioned.drop(conn, name)
         return rows, time.monotonic() - began
+    if how == "burn":
+        return 0, _burn(BURN_SECONDS)
     if how == "old":
         return _old_purge(older_than), time.monotonic() - began
     engine = create_engine(_url(DATABASE).replace("postgresql://", "postgresql+psycopg://"))
@@ -715,6 +737,8 @@ def measure_purge(
         # "hour": the steady case, a purge that runs every hour (one hour past the window)
         "library_compact": (("new",), ("hour", "new", "paced")),
     }.get(layout, (("drop",), ("drops",)))
+    if CONTROL:
+        loaded = (*loaded, "burn")
     purger = Purger()
     try:
         for how in alone:
@@ -805,7 +829,7 @@ def _purge_under_load(
 
 
 ROUNDS = 3
-STEADY = ("hour",)
+STEADY = ("hour", "burn")
 """Purges that take an hour of the next tenth, not a tenth: the next purge takes the rest."""
 """Windows of claims alone and under each purge (`_purge_under_load`)."""
 PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
@@ -917,6 +941,7 @@ def purge_table(report: dict[str, Any]) -> Iterator[str]:
         "new": "ranges",
         "paced": f"ranges, {DEFAULT_PURGE_RATE:,.0f}/s",
         "hour": "an hour",
+        "burn": "no purge, 5% of a core",
     }
     purges = report["purge"]
     yield "| ids, purge | rows/s | vacuum: s, WAL MB | with the vacuum, rows/s | ÷ claims/s |"
@@ -1042,6 +1067,12 @@ def main(argv: list[str] | None = None) -> None:
         default=partitions.EMPTY_SHARE,
         help="library_compact: the share of a paced purge's time spent emptying hours",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="beside the purges under load, windows with no purge and a server backend "
+        "busy 5%% of the time (what any small work beside the claims does to their p99)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
@@ -1059,6 +1090,8 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.empty_share <= 1:
         parser.error("--empty-share is a share of the time: above 0, at most 1")
     partitions.EMPTY_SHARE = args.empty_share
+    global CONTROL  # noqa: PLW0603 (the run's purges under load)
+    CONTROL = args.control
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")
