@@ -131,13 +131,15 @@ def test_growth__a_partitioned_layout_claims_in_its_partition_and_drops_the_olde
 
 @pytest.mark.parametrize("shape", ["random", "uuid7"])
 def test_growth__the_librarys_compact_claim_in_its_own_table(
-    database: str, tmp_path: Path, shape: str
+    database: str, tmp_path: Path, shape: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(growth, "BURN_SECONDS", 0.3)
     growth.main(
         [
             *("--sizes", "0,20000", "--seconds", "0.5", "--threads", "2"),
             *("--shapes", shape, "--layouts", "library_compact", "--out", str(tmp_path)),
             *("--empty-share", "0.5"),  # the hours' pace: a few ms of pause an hour
+            *(["--control"] if shape == "uuid7" else []),
         ]
     )
     report = json.loads((tmp_path / "growth.json").read_text())
@@ -153,7 +155,12 @@ def test_growth__the_librarys_compact_claim_in_its_own_table(
     assert 80 < sizes["bytes_per_row"] < 2000  # the few rows share ~400 hourly partitions
     purges = report["purge"][name]
     assert set(purges["alone"]) == {"new"}
-    assert set(purges["under_load"]) == {"hour", "new", "paced"}
+    control = {"burn"} if shape == "uuid7" else set()
+    assert set(purges["under_load"]) == {"hour", "new", "paced", *control}
+    if control:  # no purge: the claims beside a busy backend alone
+        assert purges["under_load"]["burn"]["rows"] == 0
+        assert purges["under_load"]["burn"]["seconds"] >= 0.3
+        assert len(purges["under_load"]["burn"]["claim_p99_ms_windows_during"]) == 1
     # random ids: walked, a tenth exactly; UUIDv7 ids: the hours wholly past the tenth's
     # end emptied (its last hour, partly younger, stays for the next purge). The steady
     # case (an hour past the last purge's end) takes the first of the next tenth's
