@@ -90,6 +90,11 @@ def _quoted(naming: InboxSchema, name: str) -> str:
     return f'"{naming.schema}"."{name}"' if naming.schema else f'"{name}"'
 
 
+def _wait_for_locks(conn: Connection, wait: str) -> None:
+    """This transaction's statements give up on a lock not free within ``wait``."""
+    conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"), {"wait": wait})
+
+
 def _bounds(hour: datetime) -> tuple[str, str]:
     """The keys of an hour's ids, as uuid text: from its first millisecond's to the next
     hour's (6 bytes of milliseconds since the epoch, then zeros)."""
@@ -148,8 +153,7 @@ def add(engine: Engine, naming: InboxSchema, hour: datetime) -> bool:
     low, high = _bounds(hour)
     try:
         with engine.begin() as conn:
-            conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
-                         {"wait": LOCK_WAIT})  # fmt: skip
+            _wait_for_locks(conn, LOCK_WAIT)
             conn.exec_driver_sql(f"LOCK TABLE {other} IN ACCESS EXCLUSIVE MODE")
             if any(partition.hour == hour for partition in hourly(conn, naming)):
                 return False
@@ -231,8 +235,7 @@ def _drop(engine: Engine, tables: list[str]) -> None:
     rebuild of each connection's cache of it), if the table is free within `DROP_WAIT`."""
     try:
         with engine.begin() as conn:
-            conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
-                         {"wait": DROP_WAIT})  # fmt: skip
+            _wait_for_locks(conn, DROP_WAIT)
             conn.exec_driver_sql(f"DROP TABLE {', '.join(tables)}")
     except OperationalError as exc:  # claims are running: try at a later purge
         logger.info("the emptied claims partitions were not dropped now: %s", exc.orig)
@@ -245,8 +248,7 @@ def _empty(
     removed and the table emptied (none when a claim keeps it)."""
     table = _quoted(naming, partition.name)
     with engine.begin() as conn:
-        conn.execute(text("SELECT pg_catalog.set_config('lock_timeout', :wait, true)"),
-                     {"wait": LOCK_WAIT})  # fmt: skip
+        _wait_for_locks(conn, LOCK_WAIT)
         # Locked first: a claim landing between the look and the TRUNCATE would be
         # removed younger than the window.
         conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
