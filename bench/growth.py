@@ -51,6 +51,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import random
 import statistics
 import threading
 import time
@@ -331,8 +332,6 @@ class Counter:
 def _transaction(
     mode: str, shape: str, stored: int, fresh: Counter, layout: str = "plain"
 ) -> Callable[..., None]:
-    import random
-
     claim_sql, look_up_sql, shaped = {
         "plain": (CLAIM_SQL, LOOK_UP_SQL, dict),
         "library_compact": (COMPACT_CLAIM_SQL, COMPACT_LOOK_UP_SQL, _library_compact),
@@ -566,15 +565,16 @@ def _burn(seconds: float) -> float:
         return time.monotonic() - began
 
 
-def _purge_tenth(tenth: int, how: str = "new") -> tuple[int, float]:
+def _purge_tenth(tenth: int, how: str = "new", hours: int = 1) -> tuple[int, float]:
     """Purge the ``tenth``-th oldest tenth of the generated rows, ``how``: one of `PURGES`;
     answer (rows deleted, seconds). A drop's rows are counted before it starts (a count
-    of a day's partition is a scan of it, which is no part of the purge)."""
+    of a day's partition is a scan of it, which is no part of the purge). The steady
+    purge (``hour``) takes the ``hours``-th hour of the tenth."""
     # Row n was processed at epoch + n * WINDOW / top (`CLOCK`): keep what is younger than the end
     # of this tenth.
     older_than = WINDOW * (1 - (tenth + 1) / 10)
     if how == "hour":  # the steady case: the hour past the last purge's end, no more
-        older_than = WINDOW * (1 - tenth / 10) - timedelta(hours=1)
+        older_than = WINDOW * (1 - tenth / 10) - timedelta(hours=hours)
     began = time.monotonic()
     if how in ("drop", "drops"):
         with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
@@ -614,8 +614,8 @@ class Purger:
         )
         self._pool.submit(_purger_warm).result()
 
-    def run(self, tenth: int, how: str) -> tuple[int, float]:
-        return self._pool.submit(_purge_tenth, tenth, how).result()
+    def run(self, tenth: int, how: str, hours: int = 1) -> tuple[int, float]:
+        return self._pool.submit(_purge_tenth, tenth, how, hours).result()
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -701,10 +701,10 @@ def _free_fraction(conn: psycopg.Connection[Any]) -> float | None:
     return round(float(row[0]), 3) if row and row[0] is not None else None
 
 
-def _one_purge(purger: Purger, tenth: int, how: str) -> dict[str, Any]:
+def _one_purge(purger: Purger, tenth: int, how: str, hours: int = 1) -> dict[str, Any]:
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         wal0, _ = _server_counters(conn)
-        deleted, seconds = purger.run(tenth, how)
+        deleted, seconds = purger.run(tenth, how, hours)
         wal1, _ = _server_counters(conn)
         result: dict[str, Any] = {
             "purge": how,
@@ -761,16 +761,23 @@ def _purge_under_load(
     tenth: int,
     loaded: tuple[str, ...],
 ) -> None:
-    """Rounds of a window of claims alone, then a window for each purge (`ROUNDS`, as many
-    as the tenths left allow): the p99 of a window moves by tens of percent from one to
-    the next on this machine, so each side is the median of its windows."""
+    """Rounds of a window of claims alone and a window for each purge (`ROUNDS`; a purge
+    that takes a tenth runs in as many rounds as the tenths left allow), in an order
+    drawn anew each round (`SEED`): the p99 of a window moves by tens of percent from one
+    to the next on this machine, and with the place a window has in its round. Each side
+    is the median of its windows; the paired rise is the median over rounds of a purge's
+    window against the window alone of the same round."""
     fresh = Counter(top * 2)
     half = claim_rate / 2
     drops = all(how in ("drop", "drops") for how in loaded)
     tenths = sum(how not in STEADY for how in loaded)  # a round's
-    rounds = ROUNDS if drops else max(1, min(ROUNDS, (10 - tenth) // tenths))
+    rounds = ROUNDS if drops or not tenths else max(1, min(ROUNDS, (10 - tenth) // tenths))
     windows: dict[str, list[Load]] = {"": [], **{how: [] for how in loaded}}
     purges: dict[str, list[dict[str, Any]]] = {how: [] for how in loaded}
+    paired: dict[str, list[float]] = {how: [] for how in loaded}
+    orders: list[list[str]] = []
+    draw = random.Random(SEED)
+    hours = 0  # the steady purges' since the last tenth
 
     def window(seconds: float, during: Callable[[], None] | None = None) -> Load:
         return run_load(
@@ -778,25 +785,44 @@ def _purge_under_load(
             during=during, layout=layout,
         )  # fmt: skip
 
-    for _ in range(rounds):
-        windows[""].append(window(DURING))
-        for how in loaded:
+    for number in range(ROUNDS):
+        # past the rounds the tenths allow, the steady purges and the windows alone go on
+        order = ["", *(how for how in loaded if number < rounds or how in STEADY)]
+        if len(order) == 1:
+            break
+        draw.shuffle(order)
+        orders.append(order)
+        p99s: dict[str, float] = {}
+        for how in order:
+            if not how:
+                windows[""].append(window(DURING))
+                p99s[""] = percentile(windows[""][-1].latencies_ms, 0.99)
+                continue
             purged: dict[str, Any] = {}
+            hours += how == "hour"
 
             def purge_now(
-                tenth: int = tenth, how: str = how, purged: dict[str, Any] = purged
+                tenth: int = tenth,
+                how: str = how,
+                purged: dict[str, Any] = purged,
+                hours: int = hours,
             ) -> None:
                 # The claims' connections are warm before the purge starts, and the window
                 # lasts at least DURING seconds: a purge shorter than a second (a dropped
                 # day) would otherwise be measured on the claims' first transactions.
                 began = time.monotonic()
                 time.sleep(1.0)
-                purged.update(_one_purge(purger, tenth, how))
+                purged.update(_one_purge(purger, tenth, how, hours))
                 time.sleep(max(0.0, began + DURING - time.monotonic()))
 
             windows[how].append(window(0, purge_now))
-            tenth += how not in STEADY
+            if how not in STEADY:  # the next tenth: the steady purge takes its first hour
+                tenth, hours = tenth + 1, 0
             purges[how].append(purged | _left_behind())
+            p99s[how] = percentile(windows[how][-1].latencies_ms, 0.99)
+        for how, p99 in p99s.items():
+            if how and p99s[""]:
+                paired[how].append(p99 / p99s[""] - 1)
 
     def median_of(loads: list[Load], share: float) -> float:
         return statistics.median(percentile(load.latencies_ms, share) for load in loads)
@@ -808,8 +834,10 @@ def _purge_under_load(
         ingest = statistics.median(load.rate for load in windows[how])
         with_vacuum = statistics.median(x["rows_per_second_with_vacuum"] or 0 for x in purges[how])
         result["under_load"][how] = first | {
-            "rounds": rounds,
+            "rounds": len(windows[how]),
+            "orders": orders,
             "rows_per_second": statistics.median(x["rows_per_second"] or 0 for x in purges[how]),
+            "rows_each": [x["rows"] for x in purges[how]],
             "rows_per_second_with_vacuum": with_vacuum,
             "claim_rate": round(half, 1),
             "claim_p50_ms_without": round(base_p50, 3),
@@ -817,6 +845,8 @@ def _purge_under_load(
             "claim_p50_ms_during": round(p50, 3),
             "claim_p99_ms_during": round(p99, 3),
             "claim_p99_rise": round(p99 / base_p99 - 1, 3) if base_p99 else None,
+            "claim_p99_rise_paired": round(statistics.median(paired[how]), 3),
+            "claim_p99_rises_paired": [round(rise, 3) for rise in paired[how]],
             "claim_p99_ms_windows_without": [
                 round(percentile(load.latencies_ms, 0.99), 2) for load in windows[""]
             ],
@@ -829,9 +859,11 @@ def _purge_under_load(
 
 
 ROUNDS = 3
+"""Rounds of windows of claims alone and under each purge (`_purge_under_load`)."""
+SEED = 0
+"""The seed of the windows' order in each round (`--seed`)."""
 STEADY = ("hour", "burn")
 """Purges that take an hour of the next tenth, not a tenth: the next purge takes the rest."""
-"""Windows of claims alone and under each purge (`_purge_under_load`)."""
 PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
 LAYOUTS = ("plain", "partitioned", "compact", "idtime", "library_compact")
 
@@ -958,15 +990,15 @@ def purge_table(report: dict[str, Any]) -> Iterator[str]:
                     f"| {x['purge_and_vacuum_over_ingest'] if loaded else '-'} |"
                 )
     yield ""
-    yield "| ids, purge | claims/s | p50 ms | p99 ms | p99 |"
-    yield "|---|---|---|---|---|"
+    yield "| ids, purge | claims/s | windows | p50 ms | p99 ms | p99 | p99, paired by round |"
+    yield "|---|---|---|---|---|---|---|"
     for shape in purges:
         for how, x in purges[shape]["under_load"].items():
             yield (
-                f"| {shape}, {brief[how]} | {x['claim_rate']:.0f} "
+                f"| {shape}, {brief[how]} | {x['claim_rate']:.0f} | {x['rounds']} "
                 f"| {x['claim_p50_ms_without']:.1f} → {x['claim_p50_ms_during']:.1f} "
                 f"| {x['claim_p99_ms_without']:.1f} → {x['claim_p99_ms_during']:.1f} "
-                f"| {x['claim_p99_rise']:+.0%} |"
+                f"| {x['claim_p99_rise']:+.0%} | {x['claim_p99_rise_paired']:+.0%} |"
             )
     yield ""
     yield "| ids, purge | dead tuples before the vacuum | bytes a live row after it |"
@@ -1040,6 +1072,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global CONTROL, ROUNDS, SEED  # the run's purges under load
     parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="empty and 10^6 rows, 3 s loads")
     parser.add_argument("--sizes", type=_sizes, default=None, help="e.g. 0,1e6,1e7")
@@ -1073,6 +1106,14 @@ def main(argv: list[str] | None = None) -> None:
         help="beside the purges under load, windows with no purge and a server backend "
         "busy 5%% of the time (what any small work beside the claims does to their p99)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="rounds of windows beside the purges under load, each in an order of its own "
+        "(a purge taking a tenth runs in as many as the tenths left allow)",
+    )
+    parser.add_argument("--seed", type=int, default=SEED, help="of the windows' order")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
@@ -1090,8 +1131,9 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.empty_share <= 1:
         parser.error("--empty-share is a share of the time: above 0, at most 1")
     partitions.EMPTY_SHARE = args.empty_share
-    global CONTROL  # noqa: PLW0603 (the run's purges under load)
-    CONTROL = args.control
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
+    CONTROL, ROUNDS, SEED = args.control, args.rounds, args.seed
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")
@@ -1099,6 +1141,8 @@ def main(argv: list[str] | None = None) -> None:
     report = run(shapes, sizes, seconds, args.threads, layouts)
     report["settings"] = {
         "empty_share": args.empty_share,
+        "rounds": args.rounds,
+        "seed": args.seed,
         "sizes": sizes,
         "seconds": seconds,
         "threads": args.threads,
