@@ -1072,7 +1072,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global CONTROL, ROUNDS, SEED  # the run's purges under load
+    global CONTROL, DURING, ROUNDS, SEED  # noqa: PLW0603 (the run's purges under load)
     parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="empty and 10^6 rows, 3 s loads")
     parser.add_argument("--sizes", type=_sizes, default=None, help="e.g. 0,1e6,1e7")
@@ -1114,6 +1114,12 @@ def main(argv: list[str] | None = None) -> None:
         "(a purge taking a tenth runs in as many as the tenths left allow)",
     )
     parser.add_argument("--seed", type=int, default=SEED, help="of the windows' order")
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=DURING,
+        help="seconds of claims a window of the purges under load lasts at least",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
@@ -1133,6 +1139,9 @@ def main(argv: list[str] | None = None) -> None:
     partitions.EMPTY_SHARE = args.empty_share
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
+    if args.window <= 1:
+        parser.error("--window: over a second (the claims warm a second before a purge)")
+    DURING = args.window
     CONTROL, ROUNDS, SEED = args.control, args.rounds, args.seed
     if args.server:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
@@ -1143,6 +1152,7 @@ def main(argv: list[str] | None = None) -> None:
         "empty_share": args.empty_share,
         "rounds": args.rounds,
         "seed": args.seed,
+        "window_seconds": args.window,
         "sizes": sizes,
         "seconds": seconds,
         "threads": args.threads,
