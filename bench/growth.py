@@ -23,7 +23,10 @@ costs. Then, at the largest size: bytes per remembered message (table, primary k
 other indexes), the library's `purge` of the oldest tenth alone (rows a second, WAL) and
 the VACUUM it leaves, and a second tenth purged while claims run at half of their
 measured rate (their p99 during the purge against the same rate without it; the window
-lasts at least `DURING` seconds, the claims' connections warm a second before the purge).
+lasts at least `DURING` seconds, ``--window``, the claims' connections warm a second
+before the purge). The windows run in rounds (``--rounds``), each round's in an order
+drawn from ``--seed``, and each purge's rise is also told paired with the window without
+a purge of its own round.
 
 With ``--layouts plain,partitioned,compact`` each shape runs again on `bench.partitioned`'s
 claims table (a partition a day of arrival, the claim under an advisory lock on the
