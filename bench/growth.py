@@ -663,6 +663,7 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         "SELECT relkind = 'p' FROM pg_class WHERE oid = 'consumer_inbox'::regclass"
     ).fetchone() == (True,):
         dirty = []  # the partitioned prototypes: their purge drops partitions
+    _older_transactions_ended(conn)
     wal0, _ = _server_counters(conn)
     began = time.monotonic()
     if dirty:
@@ -674,6 +675,24 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         "vacuum_seconds": seconds,
         "vacuum_wal_bytes": wal1 - wal0,
     }
+
+
+def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 5.0) -> None:
+    """Wait, at most ``patience`` seconds, until no other transaction of the database began
+    before now: a claim's transaction open since before the purge's commit would keep the
+    rows it deleted from this VACUUM (autovacuum, later, never meets one)."""
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        older = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND xact_start < %s",
+            (row[0],),
+        ).fetchone()
+        if older == (0,):
+            return
+        time.sleep(0.005)
 
 
 def _left_behind() -> dict[str, Any]:
