@@ -13,7 +13,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.orm import Session
 
 from inbox_middleware._core.claims import claim_key
@@ -114,7 +114,9 @@ def test_partitions__the_purge_empties_and_drops_the_hours_past_the_window(pg_en
     assert removed == 6
     with pg_engine.connect() as conn:
         hours = [partition.name for partition in partitions.hourly(conn, NAMING)]
-    assert hour_name(old) not in hours  # emptied, then dropped: no claim was open
+        # emptied, and kept until a day's worth of emptied hours has gathered
+        assert conn.scalar(text(f"SELECT count(*) FROM {hour_name(old)}")) == 0
+    assert hour_name(old) in hours
     assert hour_name(late) in hours  # its young claim keeps it
     assert partitions.prepare(pg_engine, NAMING, hours=2) == []  # the purge made them
     assert inbox.process(delivery(late_ids[0]), credit).decision is Decision.DUPLICATE
@@ -209,7 +211,7 @@ def test_partitions__a_busy_hour_is_left_and_the_others_emptied(pg_engine):
     try:
         # a transaction holding the middle hour (a claim of an old id, not yet committed)
         busy.execute(text(f"SELECT count(*) FROM {hour_name(hours[1])}"))
-        removed = partitions.empty_expired(pg_engine, NAMING, now - timedelta(days=1), drops=0)
+        removed = partitions.empty_expired(pg_engine, NAMING, now - timedelta(days=1))
     finally:
         busy.rollback()
         busy.close()
@@ -239,21 +241,38 @@ def test_partitions__a_purge_catching_up_empties_an_hour_a_transaction_paced(
     heard: list[int] = []
 
     removed = partitions.empty_expired(
-        pg_engine, NAMING, now - timedelta(days=1), share=0.25, on_hour=heard.append
+        pg_engine, NAMING, now - timedelta(days=1), gather=7, share=0.25, on_hour=heard.append
     )
 
     # Each hour in a transaction of its own, oldest first, each followed by its pause:
     # three times what it took (it takes a quarter of the time)
     assert (removed, heard) == (21, [1, 2, 3, 4, 5, 6])
     assert len(waits) == 6 and all(wait > 0 for wait in waits), waits
-    # The four oldest emptied partitions dropped together, the others left empty
+    # Fewer emptied partitions than gather: all left empty
     with pg_engine.connect() as conn:
         left = [partition.name for partition in partitions.hourly(conn, NAMING)]
-        assert left == [hour_name(hour) for hour in hours[4:]]
-        assert [conn.scalar(text(f"SELECT count(*) FROM {name}")) for name in left] == [0, 0]
-    # and the next purge drops those (nothing to empty: no pause)
-    assert partitions.empty_expired(pg_engine, NAMING, now - timedelta(days=1), share=0.25) == 0
-    assert len(waits) == 6
+        assert left == [hour_name(hour) for hour in hours]
+        assert {conn.scalar(text(f"SELECT count(*) FROM {name}")) for name in left} == {0}
+    # Once enough have gathered, a purge drops them all, at most four a statement here,
+    # oldest first, each statement followed by its pause (nothing to empty: no other)
+    monkeypatch.setattr(partitions, "DROPS_A_STATEMENT", 4)
+    dropped: list[str] = []
+
+    def seen(conn, cursor, statement, *rest):
+        if statement.startswith("DROP TABLE"):
+            dropped.append(statement)
+
+    event.listen(pg_engine, "before_cursor_execute", seen)
+    try:
+        removed = partitions.empty_expired(
+            pg_engine, NAMING, now - timedelta(days=1), gather=4, share=0.25
+        )
+    finally:
+        event.remove(pg_engine, "before_cursor_execute", seen)
+    assert removed == 0
+    names = [f'"{hour_name(hour)}"' for hour in hours]
+    assert dropped == [f"DROP TABLE {', '.join(names[:4])}", f"DROP TABLE {', '.join(names[4:])}"]
+    assert len(waits) == 8
     with pg_engine.connect() as conn:
         assert partitions.hourly(conn, NAMING) == []
 
@@ -269,6 +288,7 @@ def test_partitions__the_unpaced_purge_empties_hours_back_to_back(pg_engine, mon
     waits: list[float] = []
     monkeypatch.setattr(partitions.time, "sleep", waits.append)
 
+    monkeypatch.setattr(partitions, "DROP_GATHER", 1)
     assert purge(pg_engine, NAMING, timedelta(days=1), rows_per_second=None) == 1
     assert waits == []
     assert partitions.add(pg_engine, NAMING, hour)  # the purge dropped it, emptied
@@ -276,4 +296,4 @@ def test_partitions__the_unpaced_purge_empties_hours_back_to_back(pg_engine, mon
     with pg_engine.begin() as conn:
         conn.execute(text("UPDATE inbox_claims SET processed_at = now() - interval '3 days'"))
     assert purge(pg_engine, NAMING, timedelta(days=1)) == 1  # paced, the default
-    assert len(waits) == 1
+    assert len(waits) == 2  # after the hour, and after the drop
