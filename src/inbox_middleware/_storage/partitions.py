@@ -229,17 +229,23 @@ def empty_expired(
         emptied += done
         if one and on_hour is not None:
             on_hour(one)
-        if one and share is not None:
-            time.sleep((time.monotonic() - began) * (1 / share - 1))
+        if one:
+            _pace(began, share)
     if len(emptied) < (DROP_GATHER if gather is None else gather):
         return removed
     for start in range(0, len(emptied), DROPS_A_STATEMENT):
         began = time.monotonic()
         if not _drop(engine, emptied[start : start + DROPS_A_STATEMENT]):
             break
-        if share is not None:
-            time.sleep((time.monotonic() - began) * (1 / share - 1))
+        _pace(began, share)
     return removed
+
+
+def _pace(began: float, share: float | None) -> None:
+    """After a step that began at ``began`` (monotonic), wait so that the steps take
+    ``share`` of the time (None: no wait)."""
+    if share is not None:
+        time.sleep((time.monotonic() - began) * (1 / share - 1))
 
 
 def _drop(engine: Engine, tables: list[str]) -> bool:
