@@ -629,6 +629,7 @@ def _purger_started(
 ) -> None:
     global SERVER, DATABASE, TABLE  # the parent run's, in the purge's process
     SERVER, DATABASE, TABLE = server, database, table
+    os.environ["PGAPPNAME"] = PURGER_NAME  # every connection of the purges (libpq's)
     partitions.EMPTY_SHARE = empty_share
     CLOCK.epoch_ms, CLOCK.step_ms, CLOCK.top = clock.epoch_ms, clock.step_ms, clock.top
 
@@ -677,18 +678,25 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     }
 
 
+PURGER_NAME = "inbox-growth-purge"
+"""The application name of the purges' connections (`Purger`)."""
+
+
 def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 5.0) -> None:
     """Wait, at most ``patience`` seconds, until no other transaction of the database began
-    before now: a claim's transaction open since before the purge's commit would keep the
-    rows it deleted from this VACUUM (autovacuum, later, never meets one)."""
+    before now, and the purge's connections are gone: a claim's transaction open since
+    before the purge's commit would keep the rows it deleted from this VACUUM (autovacuum,
+    later, never meets one), and a purge's backend reports its deletions to the
+    statistics when it ends, after this VACUUM's report of the dead tuples left, unless
+    waited for (a backend leaves pg_stat_activity after its statistics are written)."""
     row = conn.execute("SELECT clock_timestamp()").fetchone()
     assert row is not None
     deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
         older = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND xact_start < %s",
-            (row[0],),
+            " AND pid <> pg_backend_pid() AND (xact_start < %s OR application_name = %s)",
+            (row[0], PURGER_NAME),
         ).fetchone()
         if older == (0,):
             return
