@@ -169,6 +169,8 @@ def test_growth__the_librarys_compact_claim_in_its_own_table(
         assert len(x["claim_p99_rises_paired"]) == rounds
         paired = statistics.median(x["claim_p99_rises_paired"])
         assert x["claim_p99_rise_paired"] == pytest.approx(paired, abs=0.001)
+        low, high = x["claim_p99_rise_pooled_interval"]
+        assert low <= high and x["claim_p99_rise_pooled"] > -1
     if control:  # no purge: the claims beside a busy backend alone
         assert loaded["burn"]["rows_each"] == [0, 0]
         assert loaded["burn"]["seconds"] >= 0.3
@@ -199,3 +201,25 @@ def test_growth__the_librarys_compact_claim_in_its_own_table(
         library = conn.execute("SELECT count(*) FROM consumer_inbox").fetchone()
     assert compact is not None and library is not None
     assert (compact[0] > 20000 - 3 * 2001, library[0]) == (True, 0)
+
+
+def test_pooled_rise__every_claim_of_the_rounds_and_an_interval_from_drawing_them_again() -> None:
+    without = [[float(n) for n in range(1, 101)], [float(n) for n in range(101, 201)]]
+    # every claim of a purge's windows half as slow again: +50% whichever rounds are drawn
+    during = [[value * 1.5 for value in window] for window in without]
+    assert growth.pooled_rise(without, during) == {
+        "claim_p99_rise_pooled": 0.5,
+        "claim_p99_rise_pooled_interval": [0.5, 0.5],
+    }
+    # the pooled p99 is that of every claim together: the 199th slowest of 200 (199 ms
+    # without; the second round's five slowest 100 ms slower with: 299)
+    slower = [without[0], [value + (100 if value > 195 else 0) for value in without[1]]]
+    pooled = growth.pooled_rise(without, slower)
+    assert pooled["claim_p99_rise_pooled"] == pytest.approx(299 / 199 - 1, abs=0.001)
+    low, high = pooled["claim_p99_rise_pooled_interval"]
+    assert 0 <= low < high <= 200 / 100 - 1  # rounds drawn again: one, the other, both
+    # a purge that ran in the first round only is set beside that round's window alone
+    assert growth.pooled_rise(without, [[value * 2 for value in without[0]]]) == {
+        "claim_p99_rise_pooled": 1.0,
+        "claim_p99_rise_pooled_interval": [1.0, 1.0],
+    }
