@@ -5,6 +5,7 @@
     python -m bench.hotpath --breakdown     # the CPU the inbox adds, part by part
     python -m bench.hotpath --driver asyncpg   # AsyncInbox on asyncpg (FastStream's path)
     python -m bench.hotpath --claims compact   # the compact claim (the switch recorded)
+    python -m bench.hotpath --floor         # and the least a claim can add (below)
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
 benchmark's actor (one account update on the benchmark database): each message goes
@@ -20,6 +21,15 @@ takes: `AsyncInbox.process` with a handler running the update on its `AsyncSessi
 message after another on one event loop, against the update in an `AsyncSession`
 transaction of its own (FastStream's own part is not in it: ``python -m bench.profile
 faststream`` shows that one).
+
+With ``--floor``, a third mode runs beside the two: the least the guarantee itself costs
+on this path, written out in one function (`_floor`): the identity read from the
+message's options, the payload hashed as the inbox hashes it, the claim sent with the
+transaction's BEGIN in one round trip, the update in the same session when the claim is
+first seen, the checked COMMIT; no core, no settlement, no metrics, no logs, no traces, no
+guard on the handler's transaction. Its CPU above bare is what a leaner inbox could come
+down to with the same statements, the same round trips and the same session; the inbox's
+above it is what its layers cost.
 
 With ``--breakdown``, one more inbox repetition runs under cProfile (on CPU time) and the
 message's CPU is told part by part (`PARTS`): each part's time as cProfile measured it
@@ -47,13 +57,20 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from bench.common import admin, prepare_database, reset_database, sqlalchemy_url
-from inbox_middleware._core.identity import MessageIdentity, hash_json
-from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._core.canonical import canonical_json
+from inbox_middleware._core.identity import MessageIdentity, hash_bytes, hash_json
+from inbox_middleware._core.protocol import Claim, Delivery, LookUp
+from inbox_middleware._storage import InboxSchema
+from inbox_middleware._storage.driver import claim_with_begin, commit_checked, on_driver
+from inbox_middleware._storage.statements import ClaimStatements
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
+from inbox_middleware.dramatiq._payload import SCHEME, identity_options
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 CLAIMS = "library"
 """The inbox's claims table (``--claims``); with "compact", the switch is recorded."""
+MODES = ("bare", "inbox")
+"""The modes `measure` runs by default (``--floor`` adds "floor")."""
 
 
 def _reset() -> None:
@@ -76,13 +93,61 @@ def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
         def credit(account: int) -> None:
             current_session().execute(UPDATE, {"account": account})
 
+    elif mode == "floor":
+        credit = _floor(engine, f"credit_{mode}")
     else:
 
         def credit(account: int) -> None:
             with Session(engine) as session, session.begin():
                 session.execute(UPDATE, {"account": account})
 
-    return broker, dramatiq.actor(credit, actor_name=f"credit_{mode}", **options)
+    actor = dramatiq.actor(credit, actor_name=f"credit_{mode}", **options)
+    if mode == "floor":
+        broker.add_middleware(_FloorMessage())
+    return broker, actor
+
+
+class _FloorMessage(dramatiq.Middleware):
+    """Hands the floor's actor its message (`FLOOR_MESSAGE`), as the inbox's middleware
+    hands its actor the message's delivery."""
+
+    def before_process_message(self, broker: dramatiq.Broker, message: MessageProxy) -> None:
+        FLOOR_MESSAGE[0] = message
+
+
+FLOOR_MESSAGE: list[Any] = [None]
+
+
+def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
+    """The least a claim adds to the bare update on psycopg (``--floor``): what the
+    guarantee needs and nothing else, in one function."""
+    statements = ClaimStatements(InboxSchema(), "postgresql", 5.0)
+    compiled = statements.driver_sql(engine.dialect)
+
+    def credit(account: int) -> None:
+        message = FLOOR_MESSAGE[0]
+        form = {"actor": actor_name, "args": {"account": account}}
+        delivery = Delivery(
+            "hotpath",
+            identity_options(message._message.options),
+            hash_bytes(canonical_json(form), SCHEME),
+        )
+        with Session(engine) as session:
+            conn = session.connection()
+            dbapi = conn.connection.dbapi_connection
+            claim = Claim(delivery)
+            _, params = statements.statement(claim)
+            found = claim_with_begin(dbapi, compiled[Claim], compiled[Claim].parameters(params))
+            if found:  # the claim's row: first seen (``()``, none: a duplicate)
+                session.execute(UPDATE, {"account": account})
+            else:  # the stored claim, looked up (its mark lets the checked COMMIT pass)
+                look_up = LookUp(delivery)
+                _, params = statements.statement(look_up)
+                on_driver(conn, dbapi, compiled[LookUp], look_up, params)
+            commit_checked(conn)
+            session.commit()
+
+    return credit
 
 
 def _messages(actor: dramatiq.Actor[Any, Any], count: int) -> list[MessageProxy]:
@@ -211,10 +276,12 @@ def _package(filename: str, function: str) -> str:
     return "standard library (" + path.rsplit("/", 1)[-1].removesuffix(".py") + ")"
 
 
-def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
+def measure(
+    count: int, reps: int, profile: bool, parts: bool = False, modes: tuple[str, ...] = MODES
+) -> None:
     prepare_database()
     _reset()
-    engines = _engines()
+    engines = _engines(modes)
     setups = _setups(engines)
     cpu: dict[str, list[float]] = {mode: [] for mode in setups}
     # CPU time, not wall time: a wait on the database costs nothing here
@@ -236,10 +303,7 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
         alone = _arrival_alone(*setups["inbox"], count)
     for engine in engines.values():
         engine.dispose()
-    added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
-    for mode, values in cpu.items():
-        print(f"{mode:6} {statistics.median(values):7.1f} µs CPU/msg  runs {_runs(values)}")
-    print(f"added  {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
+    _report(cpu)
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(30)
@@ -255,9 +319,9 @@ def measure(count: int, reps: int, profile: bool, parts: bool = False) -> None:
 Setups = dict[str, tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]]
 
 
-def _engines() -> dict[str, Any]:
+def _engines(modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     """An engine a mode: bare runs on one the inbox does not guard, as it would without it."""
-    return {mode: create_engine(sqlalchemy_url(), pool_size=2) for mode in ("bare", "inbox")}
+    return {mode: create_engine(sqlalchemy_url(), pool_size=2) for mode in modes}
 
 
 def _setups(engines: dict[str, Any]) -> Setups:
@@ -389,10 +453,13 @@ async def _measure_async(
 
 
 def _report(cpu: dict[str, list[float]]) -> None:
-    added = [i - b for i, b in zip(cpu["inbox"], cpu["bare"], strict=True)]
     for mode, values in cpu.items():
         print(f"{mode:6} {statistics.median(values):7.1f} µs CPU/msg  runs {_runs(values)}")
-    print(f"added  {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
+    for mode in ("inbox", "floor"):
+        if mode in cpu:  # above bare, in the same repetitions
+            added = [m - b for m, b in zip(cpu[mode], cpu["bare"], strict=True)]
+            label = "added" if mode == "inbox" else "floor+"
+            print(f"{label:6} {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
 
 
 def _runs(values: list[float]) -> str:
@@ -409,13 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
     parser.add_argument("--claims", choices=("library", "compact"), default="library")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="a third mode: the claim, the update and the checked COMMIT alone (psycopg)",
+    )
     args = parser.parse_args(argv)
+    if args.floor and args.driver != "psycopg":
+        parser.error("--floor is the psycopg path's")
+    modes = (*MODES, "floor") if args.floor else MODES
     global CLAIMS  # noqa: PLW0603 (the setting every inbox of the run is made with)
     CLAIMS = args.claims
     if args.driver == "asyncpg":
         measure_async(args.messages, args.reps, args.profile, args.breakdown)
     else:
-        measure(args.messages, args.reps, args.profile, args.breakdown)
+        measure(args.messages, args.reps, args.profile, args.breakdown, modes)
     return 0
 
 

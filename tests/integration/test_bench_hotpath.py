@@ -8,7 +8,8 @@ import re
 import pytest
 from bench import hotpath
 from bench.__main__ import CALLS_CEILING, QUICK_FLOOR, quick_checks
-from bench.common import Report
+from bench.common import Report, prepare_database, sqlalchemy_url
+from sqlalchemy import create_engine, text
 
 pytestmark = pytest.mark.postgres
 
@@ -26,6 +27,40 @@ def test_hotpath__the_breakdown_tells_the_parts_the_calls_and_the_arrival_alone(
     inbox, bare, arrival = int(calls[1]), int(calls[2]), float(calls[3])
     assert inbox > bare > 100  # the inbox's own steps come on top of the bare transaction
     assert arrival > 0
+
+
+def test_hotpath__the_floor_runs_beside_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert hotpath.main(["--messages", "40", "--reps", "1", "--floor"]) == 0
+
+    out = capsys.readouterr().out
+    assert re.search(r"^floor\s+\d+\.\d µs CPU/msg", out, re.MULTILINE)
+    assert re.search(r"^floor\+\s+-?\d+\.\d µs CPU/msg", out, re.MULTILINE)
+
+
+def test_hotpath__the_floor_claims_and_commits_the_update_once() -> None:
+    # Given the floor's actor (the claim, the update, the checked COMMIT, nothing else)
+    prepare_database()
+    hotpath._reset()
+    engine = create_engine(sqlalchemy_url(), pool_size=1)
+    try:
+        broker, actor = hotpath._broker("floor", engine)
+        consume = hotpath._consume(broker, actor)
+        message = hotpath._messages(actor, 1)[0]  # account 1
+        with engine.connect() as conn:
+            before = conn.execute(text("SELECT balance FROM bench_accounts WHERE id = 1")).scalar()
+        # When the same message arrives twice
+        consume(message)
+        consume(message)
+        # Then its claim committed, and the update with it, once
+        with engine.connect() as conn:
+            after = conn.execute(text("SELECT balance FROM bench_accounts WHERE id = 1")).scalar()
+            claims = conn.execute(
+                text("SELECT count(*) FROM consumer_inbox WHERE message_id = :id"),
+                {"id": message.options["inbox_message_id"]},
+            ).scalar()
+    finally:
+        engine.dispose()
+    assert (after - before, claims) == (1, 1)
 
 
 def test_hotpath__the_calls_a_message_are_the_same_in_every_run() -> None:
