@@ -26,7 +26,9 @@ measured rate (their p99 during the purge against the same rate without it; the 
 lasts at least `DURING` seconds, ``--window``, the claims' connections warm a second
 before the purge). The windows run in rounds (``--rounds``), each round's in an order
 drawn from ``--seed``, and each purge's rise is also told paired with the window without
-a purge of its own round.
+a purge of its own round, and pooled: the p99 of every claim of its windows against that
+of every claim of the windows without a purge of the same rounds, with a 95% interval from
+drawing the rounds again (`pooled_rise`).
 
 With ``--layouts plain,partitioned,compact`` each shape runs again on `bench.partitioned`'s
 claims table (a partition a day of arrival, the claim under an advisory lock on the
