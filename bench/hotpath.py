@@ -53,18 +53,19 @@ from typing import Any
 import dramatiq
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import CurrentMessage
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from bench.common import admin, prepare_database, reset_database, sqlalchemy_url
-from inbox_middleware._core.canonical import canonical_json
-from inbox_middleware._core.identity import MessageIdentity, hash_bytes, hash_json
+from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Claim, Delivery, LookUp
 from inbox_middleware._storage import InboxSchema
 from inbox_middleware._storage.driver import claim_with_begin, commit_checked, on_driver
+from inbox_middleware._storage.executors import DEFAULT_LOCK_TIMEOUT
 from inbox_middleware._storage.statements import ClaimStatements
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
-from inbox_middleware.dramatiq._payload import SCHEME, identity_options
+from inbox_middleware.dramatiq._payload import ActorPayload
 
 UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :account")
 CLAIMS = "library"
@@ -102,35 +103,25 @@ def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
                 session.execute(UPDATE, {"account": account})
 
     actor = dramatiq.actor(credit, actor_name=f"credit_{mode}", **options)
-    if mode == "floor":
-        broker.add_middleware(_FloorMessage())
+    if mode == "floor":  # hands the floor's actor its message, as the inbox's middleware does
+        broker.add_middleware(CurrentMessage())
     return broker, actor
-
-
-class _FloorMessage(dramatiq.Middleware):
-    """Hands the floor's actor its message (`FLOOR_MESSAGE`), as the inbox's middleware
-    hands its actor the message's delivery."""
-
-    def before_process_message(self, broker: dramatiq.Broker, message: MessageProxy) -> None:
-        FLOOR_MESSAGE[0] = message
-
-
-FLOOR_MESSAGE: list[Any] = [None]
 
 
 def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
     """The least a claim adds to the bare update on psycopg (``--floor``): what the
     guarantee needs and nothing else, in one function."""
-    statements = ClaimStatements(InboxSchema(), "postgresql", 5.0)
+    statements = ClaimStatements(InboxSchema(), "postgresql", DEFAULT_LOCK_TIMEOUT)
     compiled = statements.driver_sql(engine.dialect)
 
     def credit(account: int) -> None:
-        message = FLOOR_MESSAGE[0]
-        form = {"actor": actor_name, "args": {"account": account}}
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        # the identity and the hash as the inbox's Dramatiq adapter reads and computes them
         delivery = Delivery(
             "hotpath",
-            identity_options(message._message.options),
-            hash_bytes(canonical_json(form), SCHEME),
+            payload.message_identity(message),
+            payload.hash(payload.arguments(message)),
         )
         with Session(engine) as session:
             conn = session.connection()
@@ -147,6 +138,7 @@ def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
             commit_checked(conn)
             session.commit()
 
+    payload = ActorPayload(actor_name, credit, None)
     return credit
 
 

@@ -45,6 +45,12 @@ STEPS = (
     "ATTACH of a new hour",
     "VACUUM of the whole table",
 )
+DROPPED = {
+    "DROP of an emptied hour": 1,
+    "DROP of four emptied hours, one statement": 4,
+    "DROP of a day of emptied hours, one statement": 24,
+}
+"""The emptied hours each DROP step drops, oldest first."""
 
 
 def _url(server: str, database: str) -> str:
@@ -123,10 +129,8 @@ def run(server: str, hours: int, rounds: int) -> dict[str, Any]:
                     purger.execute(f"TRUNCATE {table(hour)}")
                 elif step == "VACUUM of an hour":
                     purger.execute(f"VACUUM {table(made[-3])}")
-                elif step.startswith("DROP of an"):
-                    purger.execute(f"DROP TABLE {table(next(oldest))}")
-                elif step.startswith(("DROP of four", "DROP of a day")):
-                    names = [table(next(oldest)) for _ in range(4 if "four" in step else 24)]
+                elif step in DROPPED:
+                    names = [table(next(oldest)) for _ in range(DROPPED[step])]
                     purger.execute(f"DROP TABLE {', '.join(names)}")
                 elif step.startswith("ATTACH"):
                     engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))

@@ -302,7 +302,7 @@ class FastStreamBroker(Broker):
     def close_producer(self) -> None:
         try:
             self.loop.run_until_complete(self.broker.stop())
-        except (ConnectionError, OSError) as exc:
+        except OSError as exc:
             # Every send was confirmed before (JetStream's ack, RabbitMQ's confirm): a
             # connection a broker restart reset can fail its own closing (nats-py's drain
             # flushes on it: ConnectionResetError), which loses nothing.
