@@ -685,19 +685,26 @@ PURGER_NAME = "inbox-growth-purge"
 
 
 def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 5.0) -> None:
-    """Wait, at most ``patience`` seconds, until no other transaction of the database began
-    before now, and the purge's connections are gone: a claim's transaction open since
-    before the purge's commit would keep the rows it deleted from this VACUUM (autovacuum,
-    later, never meets one), and a purge's backend reports its deletions to the
-    statistics when it ends, after this VACUUM's report of the dead tuples left, unless
-    waited for (a backend leaves pg_stat_activity after its statistics are written)."""
-    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    """Wait, at most ``patience`` seconds, until no other backend of the database holds a
+    snapshot older than now, and the purge's connections are gone. A claim's transaction
+    whose snapshot is older than the purge's commit keeps the rows it deleted from this
+    VACUUM (autovacuum, later, never meets one); so does a claim begun while such a one
+    still ran, whose snapshot's horizon (``backend_xmin``) is that one's transaction, even
+    after it ended: the horizon, not the transaction's start, is what is waited for. And a
+    purge's backend reports its deletions to the statistics when it ends, after this
+    VACUUM's report of the dead tuples left, unless waited for (a backend leaves
+    pg_stat_activity after its statistics are written)."""
+    row = conn.execute(  # the next xid, as the 32-bit xid backend_xmin is
+        "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296)::text"
+    ).fetchone()
     assert row is not None
     deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
+        # age() of both against the same reference: an older xid has the larger age
         older = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND (xact_start < %s OR application_name = %s)",
+            " AND pid <> pg_backend_pid() AND (age(backend_xmin) > age(%s::xid)"
+            " OR application_name = %s)",
             (row[0], PURGER_NAME),
         ).fetchone()
         if older == (0,):
