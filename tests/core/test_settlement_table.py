@@ -666,6 +666,52 @@ ROWS: dict[str, Row] = {
         HandedBack,
         expect={"counted": False},
     ),
+    # An interruption that lands in the inbox's own operations (counting, recording,
+    # looking up, publishing), not in the handler's: no fault of the message, handed back
+    # as the database's trouble is, never left to the framework's retries to count.
+    "a time limit while the failure is counted: handed back, uncounted": Row(
+        {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 1)},
+        {Process: [Boom()], CountFailure: [Timeout()], CountHandBack: [None]},
+        ["Process", "CountFailure", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a time limit while the last attempt's poison is recorded: handed back, uncounted": Row(
+        {"interrupts": (Timeout,), "retry_budget": RetryBudget(0, 0)},
+        {Process: [Boom()], CountFailure: [1], RecordPoison: [Timeout()], CountHandBack: [None]},
+        ["Process", "CountFailure", "RecordPoison", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a shutdown while a redelivery is counted: handed back, uncounted": Row(
+        {"shutdowns": (Shutdown,), "deliveries": 3, "redelivered": True},
+        {CountRedelivery: [Shutdown()], CountHandBack: [None]},
+        ["CountRedelivery", "CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 1},
+        expect={"counted": False},
+    ),
+    "a time limit in the hand-back's own count: handed back, uncounted": Row(
+        {"interrupts": (Timeout,)},
+        {Process: [DatabaseUnavailable()], CountHandBack: [Timeout()]},
+        ["Process", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a time limit while a duplicate's outputs are loaded: handed back, uncounted": Row(
+        {"interrupts": (Timeout,), "keeps_outputs": True},
+        {Process: [DUPLICATE], LoadOutputs: [Timeout()], CountHandBack: [None]},
+        ["Process", "LoadOutputs", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
+    "a time limit while a conflict is published to quarantine: handed back, uncounted": Row(
+        {"interrupts": (Timeout,)},
+        {Process: [CONFLICT], Publish: [Timeout()], CountHandBack: [None]},
+        ["Process", "Publish", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
     "the failure cannot be counted: handed back, uncounted": Row(
         {},
         {Process: [Boom()], CountFailure: [DatabaseUnavailable()], CountHandBack: [None]},
@@ -822,6 +868,15 @@ def test_core__the_process_is_going_down_the_core_lets_it() -> None:
                 script,
                 ConsumerPolicy(missing_identity="process"),
             )
+
+
+def test_core__the_process_going_down_in_the_inbox_s_own_record_is_let_through() -> None:
+    # Only the framework's interruptions are the inbox's to hand back; not these.
+    for exc in (KeyboardInterrupt(), SystemExit()):
+        script = Script({Process: [Boom()], CountFailure: [exc]})
+        with pytest.raises(type(exc)):
+            run(arrival(interrupts=(Timeout,), shutdowns=(Shutdown,)), script)
+        assert script.names == ["Process", "CountFailure"]
 
 
 def test_core__the_process_going_down_while_the_commit_ran_is_let_through() -> None:

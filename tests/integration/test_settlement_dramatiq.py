@@ -25,6 +25,7 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import IntegrityError
 
+from inbox_middleware._core import faults
 from inbox_middleware._operate import repair
 from inbox_middleware._storage import InboxSchema
 from inbox_middleware.dramatiq import (
@@ -317,6 +318,73 @@ def test_settlement__a_time_limit_in_the_claim_or_the_commit_of_the_last_attempt
     assert dead_letters(broker, queue) == 0
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), effects(conn, 99)) == (1, 1)
+
+
+# -- 6c. a time limit that runs out while the inbox records a failure -----------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_settlement__a_time_limit_in_the_inbox_s_own_record_spends_no_retry(
+    broker, queue, pg_engine, pg_async_engine, kind
+):
+    # Given an actor with one retry whose first two attempts fail, each time counting the
+    # failure outlasts its time limit (the inbox's record step waits, where the time limit
+    # lands), and the third succeeds
+    middleware = InboxMiddleware(pg_async_engine if kind == "async" else pg_engine)
+    broker.add_middleware(middleware)
+    attempts: list[int] = []
+    retries: list[int] = []
+    waited: set[int] = set()
+
+    def slow_record(point: str, message_id: str | None) -> None:
+        attempt = len(attempts)
+        if point != "record" or message_id != "ord-1" or attempt > 2 or attempt in waited:
+            return
+        waited.add(attempt)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # interruptible: the time limit lands here
+            time.sleep(0.02)
+
+    def attempt() -> None:
+        message = dramatiq.middleware.CurrentMessage.get_current_message()
+        attempts.append(1)
+        retries.append(message.options.get("retries", 0) if message else -1)
+        if len(attempts) <= 2:
+            raise RuntimeError(f"attempt {len(attempts)} fails")
+
+    options = {"max_retries": 1, "time_limit": 300, "min_backoff": 10, "max_backoff": 20}
+    if kind == "async":
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="billing", **options)
+        async def add_credit(account_id: int, delta: int) -> None:
+            attempt()
+            await apply_credit_async(current_async_session(), "billing", account_id, delta)
+
+    else:
+
+        @dramatiq.actor(queue_name=queue, inbox_consumer="billing", **options)
+        def add_credit(account_id: int, delta: int) -> None:
+            attempt()
+            apply_credit(current_session(), "billing", account_id, delta)
+
+    backoff = middleware.backoffs[add_credit.actor_name]
+    backoff.first = backoff.limit = 0.02
+    broker.add_middleware(dramatiq.middleware.CurrentMessage())
+    faults.hook = slow_record
+    try:
+        with running_worker(broker) as worker:
+            send(add_credit, 7, 10)
+            wait_for(lambda: _effects(pg_engine) == 1, timeout=30, what="the effect")
+            drain(broker, queue, worker)
+    finally:
+        faults.hook = None
+    # Then both interruptions were the inbox's: handed back, no retry of Dramatiq's spent,
+    # nothing dead-lettered, applied once
+    assert waited == {1, 2}
+    assert retries == [0, 0, 0]
+    assert dead_letters(broker, queue) == 0
+    assert poison_rows(pg_engine) == []
+    assert _effects(pg_engine) == 1
 
 
 # -- 7. a redrive starts again --------------------------------------------------------------------

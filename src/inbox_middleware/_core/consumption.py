@@ -36,7 +36,9 @@ commit is decided here too, from what storage saw of it (`commit_refusal`).
 
 Settlement is total: an exception from any operation (the database at any step, a
 publish, the inbox's own bug) is decided here, never passed to the framework. An error
-the inbox cannot even record is a hand-back: the message stays with the broker.
+the inbox cannot even record is a hand-back: the message stays with the broker. So is a
+framework interruption (a time limit, a shutdown) that lands in any operation but the
+handler's (`_inbox_interruptions`); only the process going down passes through.
 """
 
 from __future__ import annotations
@@ -666,6 +668,10 @@ def _transient(exc: BaseException, arrival: Arrival) -> bool:
 
 def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     """Decide one delivery; yields the operations to perform, returns its settlement."""
+    return _inbox_interruptions(arrival, _settle(arrival, rules))
+
+
+def _settle(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:
     delivery = arrival.delivery
     if arrival.held is not None:
         return (yield from _held(arrival, arrival.held))
@@ -730,6 +736,60 @@ def settle_steps(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, 
     except Exception as exc:
         return (yield from _hand_back(exc, delivery))
     return Quarantined(verdict, verdict.quarantine)
+
+
+_HANDLERS = (Process, RunUnprotected)
+"""The operations that run the handler: an interruption there is decided by the steps
+that yield them (`_failed`, `_without_identity`)."""
+
+
+def _inbox_interruptions(
+    arrival: Arrival, steps: Generator[Op, Any, Settlement]
+) -> Generator[Op, Any, Settlement]:
+    """``steps``, told of a framework interruption (``arrival.interrupts``: a time limit;
+    ``arrival.shutdowns``) that lands in one of the inbox's own operations, not in the
+    handler: counting a failure, a redelivery or a hand-back, recording poison, looking
+    a claim or its outputs up, publishing. It is no fault of the message: thrown into
+    ``steps`` as the inbox's `InboxInterrupted` (caused by it), which they hand back as
+    the database's trouble, counted against nothing; left to the framework, it would
+    count as a failed attempt, and a last one would end the message with no record.
+    Any other interruption (the process going down) goes through as it is."""
+    stops = arrival.interrupts + arrival.shutdowns
+    if not stops:
+        return (yield from steps)
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            result: Settlement = done.value
+            return result
+        try:
+            answer, error = (yield op), None
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:
+            answer, error = None, exc
+            if isinstance(exc, stops) and not isinstance(op, _HANDLERS):
+                error = _interrupted_in(op, exc)
+
+
+def _interrupted_in(op: Op, interruption: BaseException) -> InboxInterrupted:
+    """The inbox's report of ``interruption``, landed in ``op``, as storage reports one
+    landed in the claim."""
+    delivery: Delivery | None = getattr(op, "delivery", None)
+    identity = delivery.identity if delivery is not None else None
+    error = InboxInterrupted(
+        f"interrupted during the inbox's {type(op).__name__}"
+        + (f" of {identity.message_id!r}" if identity is not None else ""),
+        consumer=delivery.consumer if delivery is not None else None,
+        producer=identity.producer if identity is not None else None,
+        message_id=identity.message_id if identity is not None else None,
+    )
+    error.__cause__ = interruption
+    return error
 
 
 def _expired_refusal(
@@ -1013,6 +1073,12 @@ def outputs_failed_steps(
     duplicate that publishes them again. Counted as a failed attempt: when the attempts
     run out, the message is kept as poison (``outputs_undeliverable``) and a redrive
     publishes the outputs again."""
+    return _inbox_interruptions(arrival, _outputs_failed(arrival, rules, exc))
+
+
+def _outputs_failed(
+    arrival: Arrival, rules: ConsumerPolicy, exc: BaseException
+) -> Generator[Op, Any, Settlement]:
     delivery = arrival.delivery
     assert delivery is not None
     if _transient(exc, arrival):

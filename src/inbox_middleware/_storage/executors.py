@@ -237,13 +237,23 @@ class Inbox(Executor):
             return self._unrecorded_hand_back(op)
         try:
             with self.engine.begin() as conn:
-                return self._bookkeep(conn, op)
+                try:
+                    return self._bookkeep(conn, op)
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):
+                        # an interruption (a time limit) may have landed mid-statement: the
+                        # connection's state is unknown, so it is not used again
+                        conn.invalidate()
+                    raise
         except Exception as exc:
             self._unrecorded_hand_back(op)
             delivery = getattr(op, "delivery", None)
             if delivery is None:
                 raise
             raise as_transient(exc, delivery) from exc
+        except BaseException:
+            self._unrecorded_hand_back(op)  # the core decides what the interruption means
+            raise
 
     def transaction(self, handler: Callable[[Session], R]) -> R:
         """Run ``handler`` in a transaction of the same kind, without any claim.
