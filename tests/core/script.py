@@ -38,10 +38,12 @@ __all__ = ["Poison", "Script", "delivery", "run", "run_async"]
 
 @dataclass(frozen=True)
 class Poison:
-    """What storage answers for `RecordPoison` (a `PoisonRecord`'s ``id``, ``attempts``)."""
+    """What storage answers for `RecordPoison` (a `PoisonRecord`'s ``id``, ``attempts``,
+    and whether it was written recovered)."""
 
     id: int
     attempts: int
+    recovered: bool = False
 
 
 def delivery(*, produced_at: datetime | None = None, shadow: bool = False) -> Delivery:

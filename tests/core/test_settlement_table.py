@@ -77,6 +77,7 @@ CONFLICT = Verdict(Decision.CONFLICT, STORED, quarantine=QuarantineRecord(7, 2))
 SHADOW_DUPLICATE = Verdict(Decision.DUPLICATE, STORED, shadow=True)
 OUTPUT = Output(b'"stored"', "json")
 POISON = Poison(12, 3)
+RECOVERED = Poison(12, 3, recovered=True)  # a copy with the same payload had committed
 CONFIRMED = None  # what a confirmed publish answers
 
 
@@ -710,6 +711,46 @@ ROWS: dict[str, Row] = {
         {Process: [CONFLICT], Publish: [Timeout()], CountHandBack: [None]},
         ["Process", "Publish", "CountHandBack"],
         HandedBack,
+        expect={"counted": False},
+    ),
+    # A poison row written recovered: a copy with the same payload committed meanwhile.
+    # That copy applied the intent: this one is its duplicate, never dead-lettered.
+    "a requeued copy over the redelivery limit, the other copy applied: a duplicate": Row(
+        {"deliveries": 3, "redelivered": True},
+        {
+            CountRedelivery: [RedeliveryCount(2, 0, 0, False)],
+            RecordPoison: [RECOVERED],
+            LookUpClaim: [STORED],
+        },
+        ["CountRedelivery", "RecordPoison", "LookUpClaim"],
+        Duplicate,
+        policy={"redelivery_limit": 1},
+    ),
+    "the last attempt failed, a copy with the same payload applied: its outputs sent": Row(
+        {"keeps_outputs": True},
+        {
+            Process: [Boom()],
+            CountFailure: [1],
+            RecordPoison: [RECOVERED],
+            LookUpClaim: [STORED],
+            LoadOutputs: [OUTPUT],
+        },
+        ["Process", "CountFailure", "RecordPoison", "LookUpClaim", "LoadOutputs"],
+        Duplicate,
+        policy={"max_attempts": 1},
+        expect={"output": OUTPUT},
+    ),
+    "recorded recovered, the claim not readable now: handed back (its redelivery sees it)": Row(
+        {"deliveries": 3, "redelivered": True},
+        {
+            CountRedelivery: [RedeliveryCount(2, 0, 0, False)],
+            RecordPoison: [RECOVERED],
+            LookUpClaim: [DatabaseUnavailable()],
+            CountHandBack: [None],
+        },
+        ["CountRedelivery", "RecordPoison", "LookUpClaim", "CountHandBack"],
+        HandedBack,
+        policy={"redelivery_limit": 1},
         expect={"counted": False},
     ),
     "the failure cannot be counted: handed back, uncounted": Row(

@@ -18,9 +18,10 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from inbox_middleware._core.claims import ClaimsPhase, claim_key
+from inbox_middleware._core.consumption import CountRedelivery, LookUpClaim, RecordPoison
 from inbox_middleware._core.exceptions import ClaimInProgress, ConfigurationError, PrerequisiteError
 from inbox_middleware._core.identity import MessageIdentity, hash_json
-from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._core.protocol import Decision, Delivery, compare
 from inbox_middleware._operate.explain import explain
 from inbox_middleware._operate.retention import purge, purgeable
 from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
@@ -412,3 +413,42 @@ def test_compact__status_counts_the_compact_claims_apart(pg_engine, pg_url):
     )
     assert (data["inbox"]["rows"], data["inbox"]["compact_rows"]) == (0, 3)
     assert "3 in the compact claims table (inbox_claims)" in shown.stdout, shown.stderr
+
+
+@pytest.mark.parametrize("phase", PHASES, ids=lambda p: p.name.lower())
+def test_compact__the_inbox_s_records_find_a_compact_claim(pg_engine, phase):
+    # Given a message applied in each phase of the compact claim
+    enter(pg_engine, phase)
+    inbox = Inbox(pg_engine, claims="compact")
+    mid = str(uuid.uuid4())
+    assert inbox.process(delivery(mid), credit()).decision is Decision.FIRST
+    # When the inbox counts a redelivery of it and records a copy of it as poison (a
+    # requeued copy over the redelivery limit), and another payload's as well
+    count = inbox.bookkeep(CountRedelivery(delivery(mid), 5))
+    record = inbox.bookkeep(RecordPoison(delivery(mid), "redelivery_limit", "redelivered", 5))
+    other = delivery(mid, {"account": 1, "delta": 99})
+    conflict = inbox.bookkeep(RecordPoison(other, "redelivery_limit", "redelivered", 5))
+    # Then the count says it committed, and the copy's row is written recovered, as with
+    # the library's claims: no operator redrives an intent already applied; the other
+    # payload's row waits for one
+    assert count.claimed
+    assert (record.recovered, conflict.recovered) == (True, False)
+    with pg_engine.connect() as conn:
+        decision = conn.scalar(
+            text("SELECT decision FROM inbox_poison WHERE message_id = :m"), {"m": mid}
+        )
+    assert decision == "pending"  # the later record, the other payload's, took the row
+
+
+@pytest.mark.parametrize("phase", PHASES, ids=lambda p: p.name.lower())
+def test_compact__the_settled_look_up_reads_a_compact_claim(pg_engine, phase):
+    # What the core reads after a COMMIT whose answer was lost (`CommitUnanswered`), or
+    # once a poison row comes back recovered: the claim, once no transaction holds it
+    enter(pg_engine, phase)
+    inbox = Inbox(pg_engine, claims="compact")
+    mid = str(uuid.uuid4())
+    assert inbox.bookkeep(LookUpClaim(delivery(mid), settled=True)) is None
+    inbox.process(delivery(mid), credit())
+    stored = inbox.bookkeep(LookUpClaim(delivery(mid), settled=True))
+    assert stored is not None
+    assert compare(stored, delivery(mid)) == (Decision.DUPLICATE, True)

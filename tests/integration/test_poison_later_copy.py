@@ -8,8 +8,19 @@ import dramatiq
 import pytest
 from sqlalchemy import select, text
 
+from inbox_middleware._core.consumption import (
+    Arrival,
+    CountRedelivery,
+    Duplicate,
+    Op,
+    Publish,
+    RecordPoison,
+    drive,
+    settle_steps,
+)
 from inbox_middleware._core.exceptions import PermanentError
 from inbox_middleware._core.identity import MessageIdentity, hash_json
+from inbox_middleware._core.policy import ConsumerPolicy
 from inbox_middleware._core.protocol import Delivery
 from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
 from inbox_middleware._storage.failures import FailureRecorder
@@ -165,12 +176,13 @@ def test_a_copy_poisoned_after_a_later_copy_committed_is_written_recovered(engin
     inbox.process(_delivery("m-1", 10), lambda session: None)
     inbox.process(_delivery("m-2", 99), lambda session: None)
     # When the earlier copies' failures are recorded after that (m-2's with another payload)
-    recorder = FailureRecorder(InboxSchema(), engine.dialect.name)
-    with engine.begin() as conn:
-        for d in (_delivery("m-1", 10), _delivery("m-2", 10)):
-            recorder.record_poison(conn, d, reason_code="boom", error="boom", attempts=1)
+    records = [
+        inbox.bookkeep(RecordPoison(d, "boom", "boom", 1))
+        for d in (_delivery("m-1", 10), _delivery("m-2", 10))
+    ]
     # Then the applied one is no operator's business; the other payload's row is
     assert _decisions(engine) == {"m-1": "recovered", "m-2": "pending"}
+    assert [record.recovered for record in records] == [True, False]
 
 
 @pytest.mark.parametrize("order", ["claim_then_poison", "poison_then_copy"])
@@ -178,14 +190,39 @@ def test_outputs_that_could_not_be_sent_stay_pending_beside_their_own_claim(pg_e
     # Given m-1 applied, its outputs never sent: its row (outputs_undeliverable) waits for
     # the redrive that sends them, beside the message's own committed claim
     inbox = Inbox(pg_engine)
-    recorder = FailureRecorder(InboxSchema(), "postgresql")
     inbox.process(_delivery("m-1", 10), lambda session: None)
-    with pg_engine.begin() as conn:
-        recorder.record_poison(
-            conn, _delivery("m-1", 10), reason_code="outputs_undeliverable", error="x", attempts=2
-        )
+    inbox.bookkeep(RecordPoison(_delivery("m-1", 10), "outputs_undeliverable", "x", 2))
     if order == "poison_then_copy":
         # When a copy of it arrives (a duplicate: its claim exists)
         inbox.process(_delivery("m-1", 10), lambda session: None)
     # Then the row is still the operator's
     assert _decisions(pg_engine) == {"m-1": "pending"}
+
+
+@pytest.mark.parametrize("claims", ["library", "compact"])
+def test_a_requeued_copy_poisoned_while_the_other_copy_commits_is_a_duplicate(pg_engine, claims):
+    # Given two copies of m-1 in flight (a broker requeued it while a worker held it): the
+    # requeued one over the redelivery limit, the other one committing just after that
+    # copy's redelivery was counted, before its poison row is written
+    inbox = Inbox(pg_engine, claims=claims)
+    copy = _delivery("m-1", 10)
+    for counted in (2, 3):  # its earlier redeliveries, each ended without an outcome
+        inbox.bookkeep(CountRedelivery(copy, counted))
+    arrival = Arrival(copy, deliveries=4, redelivered=True)
+    published: list[Op] = []
+
+    def perform(op: Op) -> object:
+        if isinstance(op, RecordPoison):
+            inbox.process(_delivery("m-1", 10), lambda session: None)  # the other copy
+        if isinstance(op, Publish):
+            published.append(op)
+            return None
+        return inbox.bookkeep(op)
+
+    # When the requeued copy is settled
+    settled = drive(settle_steps(arrival, ConsumerPolicy(redelivery_limit=1)), perform)
+    # Then it is the duplicate of the copy that applied: acked, nothing dead-lettered, and
+    # its row says the intent is applied
+    assert isinstance(settled, Duplicate)
+    assert published == []
+    assert _decisions(pg_engine) == {"m-1": "recovered"}

@@ -316,7 +316,8 @@ class CountHandBack:
 @dataclass(frozen=True, slots=True)
 class RecordPoison:
     """In a short transaction of its own: keep the message as poison; answer the
-    `PoisonRecord`-like object (``id``, ``attempts``)."""
+    `PoisonRecord`-like object (``id``, ``attempts``, ``recovered``: written recovered,
+    because a copy with the same payload had committed)."""
 
     delivery: Delivery
     reason: str
@@ -697,7 +698,7 @@ def _settle(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settl
     except Exception as exc:  # the database's trouble: the same as at the claim
         return (yield from _hand_back(exc, delivery))
     if poisoned is not None:
-        return (yield from _dead_letter(poisoned, delivery))
+        return (yield from _kept_as_poison(arrival, rules, poisoned, delivery))
     if arrival.earlier_form is not None and not delivery.shadow:
         try:
             earlier = yield from _claimed_earlier(arrival, arrival.earlier_form)
@@ -899,6 +900,25 @@ def _reject(settlement: DeadLettered, details: dict[str, Any]) -> Generator[Op, 
     return settlement
 
 
+def _kept_as_poison(
+    arrival: Arrival, rules: ConsumerPolicy, poisoned: Poisoned, delivery: Delivery
+) -> Generator[Op, Any, Settlement]:
+    """Kept as poison: dead-lettered, unless its row was written recovered, because a copy
+    with the same payload had committed (a copy requeued while the other one applied,
+    over the redelivery limit; a last attempt failing beside it). That copy applied the
+    intent: this one is settled as the duplicate it is, its stored outputs sent, and
+    nothing applied is dead-lettered. A copy that commits only after the record is the
+    window that remains: its claim marks the row recovered, the dead letter is sent."""
+    if getattr(poisoned.record, "recovered", False):  # a record without it: not recovered
+        try:
+            applied = yield from _committed_after_all(arrival, rules, delivery)
+        except Exception as exc:  # the poison row stands; the redelivery finds the claim
+            return (yield from _hand_back(exc, delivery))
+        if applied is not None:
+            return applied
+    return (yield from _dead_letter(poisoned, delivery))
+
+
 def _dead_letter(poisoned: Poisoned, delivery: Delivery) -> Generator[Op, Any, Settlement]:
     try:
         yield Publish(Route.DEAD_LETTER, _poison_details(poisoned, delivery))
@@ -1006,7 +1026,7 @@ def _failed(
     # A rejection by the handler is its decision, not a failure of the attempt.
     failure = None if isinstance(exc, RejectRequested) else exc
     poisoned = Poisoned(code, record, error, failure, exhausted)
-    return (yield from _dead_letter(poisoned, delivery))
+    return (yield from _kept_as_poison(arrival, rules, poisoned, delivery))
 
 
 def _committed_after_all(

@@ -46,7 +46,7 @@ from .._core.exceptions import (
     InboxInterrupted,
     PrerequisiteError,
 )
-from .._core.outputs import Output
+from .._core.outputs import OUTPUTS_UNDELIVERABLE, Output
 from .._core.protocol import (
     ClaimBatch,
     Decision,
@@ -56,6 +56,7 @@ from .._core.protocol import (
     Verdict,
     claim_batch_steps,
     claim_steps,
+    compare,
 )
 from .._observe import tracing
 from .._observe.instruments import metrics
@@ -211,7 +212,8 @@ class Executor:
         faults.at("record", _message_id(op))
         match op:
             case CountRedelivery(delivery=delivery):
-                count = self.recorder.count_redelivery(conn, delivery)
+                claimed = self.statements.stored_claim(conn, delivery) is not None
+                count = self.recorder.count_redelivery(conn, delivery, claimed=claimed)
                 extra = self._unrecorded.get(delivery.key, 0)
                 if not extra:
                     return count
@@ -230,14 +232,28 @@ class Executor:
             case LoadOutputs(delivery=delivery):
                 return self.outputs.load(conn, delivery)
             case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
+                # Outputs that could not be sent: that message's own claim committed, and
+                # its row waits for the redrive that sends them.
+                applied = reason != OUTPUTS_UNDELIVERABLE and self._applied(conn, delivery)
                 return self.recorder.record_poison(
-                    conn, delivery, reason_code=reason, error=error, attempts=attempts
+                    conn,
+                    delivery,
+                    reason_code=reason,
+                    error=error,
+                    attempts=attempts,
+                    applied=applied,
                 )
             case QuarantineConflict(delivery=delivery, stored=stored):
                 step = RecordConflict(delivery, stored)
                 statement, params = self.statements.statement(step)
                 return self.statements.result(step, conn.execute(statement, params))
         raise TypeError(f"not a bookkeeping operation: {op!r}")
+
+    def _applied(self, conn: Connection, delivery: Delivery) -> bool:
+        """Whether a copy of ``delivery`` with the same payload committed, read where this
+        inbox claims (the library's table, the compact one, or both)."""
+        stored = self.statements.stored_claim(conn, delivery)
+        return stored is not None and compare(stored, delivery) == (Decision.DUPLICATE, True)
 
     def _unrecorded_hand_back(self, op: Op) -> None:
         if isinstance(op, CountHandBack):

@@ -25,22 +25,18 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
+    Boolean,
     Connection,
-    and_,
     bindparam,
     case,
     delete,
-    exists,
     func,
-    literal,
     or_,
-    select,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._core.consumption import RedeliveryCount
-from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import Delivery, Verdict
 from .tables import InboxSchema
 
@@ -58,6 +54,8 @@ __all__ = [
 class PoisonRecord:
     id: int
     attempts: int
+    recovered: bool = False
+    """Written recovered: a copy with the same payload had committed (see `record_poison`)."""
 
 
 class FailureRecorder:
@@ -89,19 +87,11 @@ class FailureRecorder:
         ).returning(attempts.c.attempts)
 
         poison = tables.poison
-        # A later copy of this message that committed already (same identity, same payload)
-        # applied the intent: the row is written recovered, not pending (the claim of a
-        # copy that commits later marks a pending row recovered itself: `statements`).
-        # Not for outputs that could not be sent: that message's own claim committed, and
-        # its row waits for the redrive that sends them.
-        inbox = tables.inbox
-        applied = and_(
-            exists().where(
-                *(inbox.c[name] == bindparam(name) for name in key),
-                inbox.c.payload_sha256 == bindparam("payload_sha256"),
-            ),
-            bindparam("reason_code") != OUTPUTS_UNDELIVERABLE,
-        )
+        # ``applied``: a later copy of this message (same identity, same payload) committed
+        # already, found where the inbox claims (`Inbox._applied`): the row is written
+        # recovered, not pending (the claim of a copy that commits later marks a pending
+        # row recovered itself: `statements`).
+        applied = bindparam("applied", type_=Boolean)
         decision = case((applied, "recovered"), else_="pending")
         recovered_at = case((applied, func.now()), else_=None)
         record = insert(poison).values(
@@ -150,7 +140,7 @@ class FailureRecorder:
                 "operation_id": None,
                 "published_at": None,
             },
-        ).returning(poison.c.id, poison.c.attempts)
+        ).returning(poison.c.id, poison.c.attempts, poison.c.decision)
 
         redelivery = insert(attempts).values(
             **{name: bindparam(name) for name in key},
@@ -183,22 +173,16 @@ class FailureRecorder:
         )
         self._reset = delete(attempts).where(*(attempts.c[name] == bindparam(name) for name in key))
 
-        self._claimed = select(literal(1)).where(
-            *(inbox.c[name] == bindparam(name) for name in key)
-        )
-
-    def claimed(self, conn: Connection, delivery: Delivery) -> bool:
-        """Whether ``delivery``'s processing committed (a redelivery of it is a duplicate)."""
-        return conn.execute(self._claimed, self._key(delivery)).first() is not None
-
-    def count_redelivery(self, conn: Connection, delivery: Delivery) -> RedeliveryCount:
+    def count_redelivery(
+        self, conn: Connection, delivery: Delivery, *, claimed: bool
+    ) -> RedeliveryCount:
         """Count one broker redelivery of ``delivery`` that reached the database (with
-        the failures and hand-backs counted so far); say whether its processing committed
-        already."""
+        the failures and hand-backs counted so far), with whether its processing committed
+        already (``claimed``, read by the caller where the inbox claims)."""
         params = self._key(delivery) | {"error": "redelivered"}
         row = conn.execute(self._redelivery, params).first()
         redeliveries, failures, hand_backs = (int(v) for v in row) if row else (0, 0, 0)
-        return RedeliveryCount(redeliveries, failures, hand_backs, self.claimed(conn, delivery))
+        return RedeliveryCount(redeliveries, failures, hand_backs, claimed)
 
     def count_hand_back(self, conn: Connection, delivery: Delivery, error: str) -> None:
         """Count one hand-back the inbox made (no failure of the message's own)."""
@@ -229,9 +213,12 @@ class FailureRecorder:
         reason_code: str,
         error: str,
         attempts: int,
+        applied: bool = False,
     ) -> PoisonRecord:
-        """Keep ``delivery`` with its payload as poison, pending an operator's decision."""
+        """Keep ``delivery`` with its payload as poison, pending an operator's decision;
+        written recovered when ``applied`` (a copy with the same payload committed)."""
         params = self._key(delivery) | {
+            "applied": applied,
             "payload_sha256": delivery.payload_hash.sha256,
             "hash_scheme": delivery.payload_hash.scheme,
             "payload": delivery.stored_payload(),
@@ -244,7 +231,7 @@ class FailureRecorder:
             "handler_version": delivery.handler_version,
         }
         row = conn.execute(self._poison, params).one()
-        return PoisonRecord(id=row[0], attempts=row[1])
+        return PoisonRecord(id=row[0], attempts=row[1], recovered=row[2] == "recovered")
 
     @staticmethod
     def _key(delivery: Delivery) -> dict[str, Any]:

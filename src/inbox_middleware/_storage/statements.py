@@ -437,11 +437,13 @@ class ClaimStatements:
         has ended (a COMMIT still running on the server): a claim attempt, rolled back to
         a savepoint, waits for that transaction as a claim does, within the lock_timeout
         (`LockNotAvailable` after it); then the claim is read, or None when there is none."""
+        row = self._claim_row(delivery)
         probe = conn.begin_nested()
         try:
             if self._lock_timeout is not None:
                 conn.execute(_SET_LOCK_TIMEOUT, {"lock_timeout": self._lock_timeout})
-            owned = conn.execute(self.probe, self._claim_row(delivery)).first() is not None
+                row["lock_timeout"] = self._lock_timeout  # the compact probe sets it again
+            owned = conn.execute(self.probe, row).first() is not None
         finally:
             probe.rollback()
         return None if owned else self.stored_claim(conn, delivery)
