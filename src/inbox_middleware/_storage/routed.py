@@ -113,17 +113,18 @@ class _Routes:
         self,
         router: Router,
         *,
-        naming: InboxSchema | None,
-        lock_timeout: float | None,
-        serialization_retries: int,
-        claims: str,
-        pool_size: int,
-        connection_budget: int,
-        connect_timeout: float,
-        engine_options: dict[str, Any] | None,
-        down_pause: float,
-        down_pause_limit: float,
-        busy_wait: float,
+        naming: InboxSchema | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
+        claims: str = "library",
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        engine_options: dict[str, Any] | None = None,
+        check_lazily: bool = True,
+        down_pause: float = DEFAULT_DOWN_PAUSE,
+        down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
+        busy_wait: float = DEFAULT_BUSY_WAIT,
     ) -> None:
         if not isinstance(router, Router):
             raise ConfigurationError(
@@ -162,9 +163,16 @@ class _Routes:
         self.down_pause = down_pause
         self.down_pause_limit = max(down_pause, down_pause_limit)
         self.busy_wait = busy_wait
+        self.check_lazily = check_lazily
+        self._inboxes: dict[str, Any] = {}  # each database's inbox, made at its first use
 
     routed = True
     """What the adapters read to mark their arrivals routed."""
+
+    def _busy(self, database: str) -> bool:
+        """Whether ``database``'s engine has connections checked out (not to be closed)."""
+        inbox = self._inboxes.get(database)
+        return inbox is not None and inbox.engine.pool.checkedout() > 0
 
     def route(self, delivery: Delivery) -> str:
         return self.router.route(delivery.identity)
@@ -408,40 +416,6 @@ class RoutedInbox(_Routes):
     seconds a delivery waits for a place among its database's ``pool_size`` while they
     are taken by deliveries younger than that (see ``_slot``)."""
 
-    def __init__(
-        self,
-        router: Router,
-        *,
-        naming: InboxSchema | None = None,
-        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
-        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
-        claims: str = "library",
-        pool_size: int = DEFAULT_POOL_SIZE,
-        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        engine_options: dict[str, Any] | None = None,
-        check_lazily: bool = True,
-        down_pause: float = DEFAULT_DOWN_PAUSE,
-        down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
-        busy_wait: float = DEFAULT_BUSY_WAIT,
-    ) -> None:
-        super().__init__(
-            router,
-            naming=naming,
-            lock_timeout=lock_timeout,
-            serialization_retries=serialization_retries,
-            claims=claims,
-            pool_size=pool_size,
-            connection_budget=connection_budget,
-            connect_timeout=connect_timeout,
-            engine_options=engine_options,
-            down_pause=down_pause,
-            down_pause_limit=down_pause_limit,
-            busy_wait=busy_wait,
-        )
-        self.check_lazily = check_lazily
-        self._inboxes: dict[str, Inbox] = {}
-
     def inbox(self, database: str) -> Inbox:
         """The `Inbox` of one database, its engine created at the first call."""
         with self._lock:
@@ -456,10 +430,6 @@ class RoutedInbox(_Routes):
     def engines(self) -> dict[str, Engine]:
         """The engines created so far, by database."""
         return {name: inbox.engine for name, inbox in self._inboxes.items()}
-
-    def _busy(self, database: str) -> bool:
-        inbox = self._inboxes.get(database)
-        return inbox is not None and inbox.engine.pool.checkedout() > 0  # type: ignore[attr-defined]
 
     def _use(self, delivery: Delivery) -> Inbox:
         database = self.route(delivery)
@@ -543,40 +513,6 @@ class AsyncRoutedInbox(_Routes):
     """`AsyncInbox` over the databases of a `DatabaseMap` (asyncpg); parameters as
     `RoutedInbox`."""
 
-    def __init__(
-        self,
-        router: Router,
-        *,
-        naming: InboxSchema | None = None,
-        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
-        serialization_retries: int = DEFAULT_SERIALIZATION_RETRIES,
-        claims: str = "library",
-        pool_size: int = DEFAULT_POOL_SIZE,
-        connection_budget: int = DEFAULT_CONNECTION_BUDGET,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        engine_options: dict[str, Any] | None = None,
-        check_lazily: bool = True,
-        down_pause: float = DEFAULT_DOWN_PAUSE,
-        down_pause_limit: float = DEFAULT_DOWN_PAUSE_LIMIT,
-        busy_wait: float = DEFAULT_BUSY_WAIT,
-    ) -> None:
-        super().__init__(
-            router,
-            naming=naming,
-            lock_timeout=lock_timeout,
-            serialization_retries=serialization_retries,
-            claims=claims,
-            pool_size=pool_size,
-            connection_budget=connection_budget,
-            connect_timeout=connect_timeout,
-            engine_options=engine_options,
-            down_pause=down_pause,
-            down_pause_limit=down_pause_limit,
-            busy_wait=busy_wait,
-        )
-        self.check_lazily = check_lazily
-        self._inboxes: dict[str, AsyncInbox] = {}
-
     def inbox(self, database: str) -> AsyncInbox:
         from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -593,10 +529,6 @@ class AsyncRoutedInbox(_Routes):
     @property
     def engines(self) -> dict[str, AsyncEngine]:
         return {name: inbox.engine for name, inbox in self._inboxes.items()}
-
-    def _busy(self, database: str) -> bool:
-        inbox = self._inboxes.get(database)
-        return inbox is not None and inbox.engine.pool.checkedout() > 0  # type: ignore[attr-defined]
 
     async def _use(self, delivery: Delivery) -> AsyncInbox:
         database = self.route(delivery)
