@@ -233,15 +233,19 @@ def check(history: History) -> list[Finding]:
         for r in extra.get("inbox_poison", [])
         if r.get("decided_by") == OPERATOR or r.get("decision") in ("redriven", "discarded")
     }
-    sigkilled = any(f.kind in ("worker_kill", "pg_after_start") for f in schedule.faults)
+    # A worker SIGKILLed, or SIGTERMed: FastStream's supervisor stops its forked
+    # processes one after the other, and a process can end with a batch settled but not
+    # acknowledged (seed 615205: the batch reclaimed after the restart held messages
+    # applied before the stop, and one poisoned before it, applied in that batch).
+    ended = any(f.kind in ("worker_kill", "worker_term", "pg_after_start") for f in schedule.faults)
     requeued = any(f.kind == "broker_restart" for f in schedule.faults)
-    if _stalled(schedule) or requeued or (config.batch == "on" and sigkilled):
+    if _stalled(schedule) or requeued or (config.batch == "on" and ended):
         # A delivery stalled past the broker's redelivery timer (Redis streams' reclaim,
         # JetStream's ack_wait, a Kafka member's session) is delivered again while it is
         # still in flight: two copies in flight together, of a message sent once. A batch
-        # whose worker was SIGKILLed after its poison rows, before its ack, is delivered
-        # again too, and its messages, in other batches then, may be applied (a batch's
-        # poison reason may be another message's): its claim marks the rows recovered.
+        # whose worker ended after its poison rows, before its ack, is delivered again
+        # too, and its messages, in other batches then, may be applied (a batch's poison
+        # reason may be another message's): its claim marks the rows recovered.
         # A broker restart closes the workers' connections: RabbitMQ requeues every
         # delivery they hold (JetStream redelivers it after ack_wait) while a worker may
         # still be processing its copy (seed 930033: Dramatiq on a quorum queue, a copy
