@@ -1070,6 +1070,13 @@ SEND_ROWS: dict[str, Row] = {
         ["Process", "LoadOutputs"],
         Duplicate,
     ),
+    "a time limit while the outputs are sent: handed back, uncounted (the claim stays)": Row(
+        {**SENT, "interrupts": (Timeout,)},
+        {Process: [FIRST], SendOutputs: [Timeout()], CountHandBack: [None]},
+        ["Process", "SendOutputs", "CountHandBack"],
+        HandedBack,
+        expect={"counted": False},
+    ),
     "the send failed with attempts left: handed back, counted (the claim stays)": Row(
         SENT,
         {Process: [FIRST], SendOutputs: [ConnectionError("refused")], CountFailure: [1]},
