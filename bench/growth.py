@@ -686,14 +686,18 @@ PURGER_NAME = "inbox-growth-purge"
 
 def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 5.0) -> None:
     """Wait, at most ``patience`` seconds, until no other backend of the database holds a
-    snapshot older than now, and the purge's connections are gone. A claim's transaction
-    whose snapshot is older than the purge's commit keeps the rows it deleted from this
-    VACUUM (autovacuum, later, never meets one); so does a claim begun while such a one
-    still ran, whose snapshot's horizon (``backend_xmin``) is that one's transaction, even
-    after it ended: the horizon, not the transaction's start, is what is waited for. And a
-    purge's backend reports its deletions to the statistics when it ends, after this
-    VACUUM's report of the dead tuples left, unless waited for (a backend leaves
-    pg_stat_activity after its statistics are written)."""
+    snapshot or a transaction id older than now, and the purge's connections are gone. A
+    claim's transaction whose snapshot is older than the purge's commit keeps the rows it
+    deleted from this VACUUM (autovacuum, later, never meets one); so does a claim begun
+    while such a one still ran, whose snapshot's horizon (``backend_xmin``) is that one's
+    transaction, even after it ended: the horizon, not the transaction's start, is what is
+    waited for. Between two statements a claim's transaction holds no snapshot (READ
+    COMMITTED) but still its id (``backend_xid``, assigned by its INSERT), which holds the
+    horizon back as well: both are waited for (the CI run of a purge beside claims found
+    2,000 dead tuples left with the snapshot alone waited for). And a purge's backend
+    reports its deletions to the statistics when it ends, after this VACUUM's report of
+    the dead tuples left, unless waited for (a backend leaves pg_stat_activity after its
+    statistics are written)."""
     row = conn.execute(  # the next xid, as the 32-bit xid backend_xmin is
         "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296)::text"
     ).fetchone()
@@ -703,9 +707,9 @@ def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 5
         # age() of both against the same reference: an older xid has the larger age
         older = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND (age(backend_xmin) > age(%s::xid)"
-            " OR application_name = %s)",
-            (row[0], PURGER_NAME),
+            " AND pid <> pg_backend_pid() AND (age(backend_xmin) > age(%(next)s::xid)"
+            " OR age(backend_xid) > age(%(next)s::xid) OR application_name = %(purger)s)",
+            {"next": row[0], "purger": PURGER_NAME},
         ).fetchone()
         if older == (0,):
             return
