@@ -308,6 +308,15 @@ class FastStreamBroker(Broker):
             # flushes on it: ConnectionResetError), which loses nothing.
             logger.info("the producer's connection failed as it closed: %r", exc)
         finally:
+            # A closing that failed leaves the client's tasks (nats-py's reconnect) on the
+            # loop: ended here, with their sockets, not destroyed pending with the loop
+            # (whose garbage a later test would report as its own unraisable exceptions).
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                ended = asyncio.gather(*pending, return_exceptions=True)
+                self.loop.run_until_complete(ended)
             self.loop.close()
 
     def publish(
