@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.common import ROOT, prepare_database, reset_database, wait_applied
 
-_PY_SPY = ("py-spy", "record", "--gil", "--nonblocking", "--subprocesses", "-f", "raw")
+_PY_SPY = ("record", "--gil", "--nonblocking", "--subprocesses", "-f", "raw")
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?):\d+\)$")
 
 
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=500, help="samples a second")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
-    if shutil.which("py-spy") is None:
+    py_spy = _py_spy()
+    if py_spy is None:
         parser.error("py-spy is not installed: pip install -e '.[bench]'")
 
     prepare_database()
@@ -47,14 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {}
     for mode in ("bare", "inbox"):
         output = folder / f"{args.adapter}-{mode}.txt"
-        rate = _record(args.adapter, mode, args.messages, args.rate, output)
+        rate = _record(py_spy, args.adapter, mode, args.messages, args.rate, output)
         profiles[mode] = _load(output)
         print(f"{args.adapter} {mode}: {rate:.0f} msg/s while sampled ({output})")
     print(report(profiles, args.messages, args.rate, args.top))
     return 0
 
 
-def _record(adapter: str, mode: str, messages: int, rate: int, output: Path) -> float:
+def _py_spy() -> str | None:
+    """py-spy: on PATH, else beside this interpreter (a virtual environment's ``bin``,
+    when it is run as ``.venv/bin/python -m bench.profile`` without being activated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def _record(py_spy: str, adapter: str, mode: str, messages: int, rate: int, output: Path) -> float:
     """Run ``mode``'s worker under py-spy over ``messages`` messages; msg/s while sampled."""
     queue = f"profile_{adapter}_{mode}"
     reset_database()
@@ -72,7 +80,7 @@ def _record(adapter: str, mode: str, messages: int, rate: int, output: Path) -> 
         asyncio.run(_prepare(mode, queue, messages))
         command = WORKER_ARGUMENTS
     spy = subprocess.Popen(
-        [*_PY_SPY, "-r", str(rate), "-o", str(output), "--", sys.executable, *command],
+        [py_spy, *_PY_SPY, "-r", str(rate), "-o", str(output), "--", sys.executable, *command],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
