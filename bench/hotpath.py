@@ -25,7 +25,8 @@ faststream`` shows that one).
 With ``--floor``, a third mode runs beside the two: the least the guarantee itself costs
 on this path, written out in one function (`_floor`): the identity read from the
 message's options, the payload hashed as the inbox hashes it, the claim sent with the
-transaction's BEGIN in one round trip, the update in the same session when the claim is
+transaction's BEGIN in one round trip (as the statement prepared on the server, as the
+inbox sends it), the update in the same session when the claim is
 first seen, the checked COMMIT; no core, no settlement, no metrics, no logs, no traces, no
 guard on the handler's transaction. Its CPU above bare is what a leaner inbox could come
 down to with the same statements, the same round trips and the same session; the inbox's
@@ -128,7 +129,8 @@ def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
             dbapi = conn.connection.dbapi_connection
             claim = Claim(delivery)
             _, params = statements.statement(claim)
-            found = claim_with_begin(dbapi, compiled[Claim], compiled[Claim].parameters(params))
+            args = compiled[Claim].parameters(params)
+            found = claim_with_begin(dbapi, compiled[Claim], args, conn.info)
             if found:  # the claim's row: first seen (``()``, none: a duplicate)
                 session.execute(UPDATE, {"account": account})
             else:  # the stored claim, looked up (its mark lets the checked COMMIT pass)

@@ -215,8 +215,10 @@ def _blocked_on_lock(engine) -> bool:
         return bool(
             conn.scalar(
                 text(
+                    # the claim as text, or as its prepared statement's EXECUTE
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query LIKE '%consumer_inbox%' AND datname = current_database()"
+                    "AND (query LIKE '%consumer_inbox%' OR query LIKE '%EXECUTE inbox_claim_%') "
+                    "AND datname = current_database()"
                 )
             )
         )
@@ -588,6 +590,82 @@ def test_claim__connection_cut_before_the_claim_is_transient_and_loses_nothing(
         assert effects(conn, 1) == 1
 
 
+def _prepared_claims(session: Session) -> list[str]:
+    """The claim statements prepared on the session's server session."""
+    rows = session.execute(
+        text("SELECT name FROM pg_prepared_statements WHERE name LIKE 'inbox_claim_%'")
+    )
+    return [row.name for row in rows]
+
+
+def test_claim__runs_as_the_statement_prepared_once_on_the_servers_session(
+    pg_url, pg_engine, begins
+):
+    # Given one connection, so that every delivery claims on the same server session
+    engine = sync_engine(pg_url, pool_size=1, max_overflow=0)
+    inbox = Inbox(engine)
+    seen = []
+
+    def look(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        seen.append(_prepared_claims(session))
+
+    try:
+        # When three messages are claimed there, and one of them again
+        decisions = [
+            inbox.process(delivery(message_id), look).decision
+            for message_id in ("m-1", "m-2", "m-3", "m-1")
+        ]
+        with engine.connect() as conn:
+            state = conn.info[driver.PREPARED]
+    finally:
+        engine.dispose()
+    assert decisions == [Decision.FIRST] * 3 + [Decision.DUPLICATE]
+    assert begins == [CLAIMED] * 3 + [()]
+    if not services.THROUGH_POOLER:  # a pooler hands each transaction any server session
+        # Then the claim was prepared once, and each claim ran as that statement
+        assert len(seen[0]) == 1 and seen == [seen[0]] * 3
+        assert state == frozenset(seen[0])
+
+
+@pytest.mark.parametrize("message_id", ["it's", "back\\slash", "%(message_id)s", "é€𝄞"])
+def test_claim__a_prepared_claim_the_session_lost_is_rolled_back_and_sent_as_text(
+    pg_url, pg_engine, begins, message_id
+):
+    # Given a connection whose prepared claim a handler deallocates (as a transaction
+    # pooler would hand the next transaction a server session that never prepared it)
+    engine = sync_engine(pg_url, pool_size=1, max_overflow=0)
+    inbox = Inbox(engine)
+
+    def deallocate(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        for name in _prepared_claims(session):
+            session.execute(text(f"DEALLOCATE {name}"))
+
+    try:
+        assert inbox.process(delivery("first"), deallocate).decision is Decision.FIRST
+        # When the next messages are claimed on it, one of them twice
+        decisions = [
+            inbox.process(delivery(message_id), credit()).decision,
+            inbox.process(delivery(message_id), credit()).decision,
+            inbox.process(delivery("last"), credit()).decision,
+        ]
+        with engine.connect() as conn:
+            state = conn.info[driver.PREPARED]
+    finally:
+        engine.dispose()
+    # Then the EXECUTE that found no statement was rolled back, the claim sent as text in
+    # its stead, and the connection claims as text from then on (through a pooler, any
+    # EXECUTE may have landed on a session with or without the statement)
+    assert state is False or services.THROUGH_POOLER
+    assert decisions == [Decision.FIRST, Decision.DUPLICATE, Decision.FIRST]
+    assert begins == [CLAIMED, CLAIMED, (), CLAIMED]
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 3
+        stored = conn.scalars(text("SELECT message_id FROM consumer_inbox")).all()
+    assert sorted(stored) == sorted(["first", message_id, "last"])
+
+
 def claim_step():
     return Claim(delivery())
 
@@ -646,6 +724,47 @@ async def test_async_claim__sent_with_its_begin_in_one_message(
         assert effects(conn) == 1
         stored = conn.scalar(text("SELECT message_id FROM consumer_inbox"))
     assert stored == message_id
+
+
+async def test_async_claim__runs_as_the_prepared_statement_and_as_text_once_it_is_lost(
+    pg_async_url, pg_engine
+):
+    # Given one asyncpg connection, so that every delivery claims on one server session
+    engine = async_engine(pg_async_url, pool_size=1, max_overflow=0)
+    inbox = AsyncInbox(engine)
+    seen = []
+
+    async def look(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        seen.append(await session.run_sync(_prepared_claims))
+
+    async def deallocate(session) -> None:
+        await apply_credit_async(session, "billing", 1, 10)
+        for name in await session.run_sync(_prepared_claims):
+            await session.execute(text(f"DEALLOCATE {name}"))
+
+    try:
+        # When two messages are claimed, then the prepared claim is lost, then two more
+        # (one of them twice) are claimed
+        decisions = [(await inbox.process(delivery(m), look)).decision for m in ("m-1", "m-2")]
+        decisions.append((await inbox.process(delivery("m-3"), deallocate)).decision)
+        for message_id in ("it's", "it's", "m-4"):
+            decisions.append((await inbox.process(delivery(message_id), look)).decision)
+        async with engine.connect() as conn:
+            state = (await conn.get_raw_connection()).info[driver.PREPARED]
+    finally:
+        await engine.dispose()
+
+    # Then the first claims ran as the prepared statement, the one after the loss was
+    # rolled back and sent as text, and the connection claims as text from then on
+    assert decisions == [Decision.FIRST] * 3 + [Decision.FIRST, Decision.DUPLICATE] + [
+        Decision.FIRST
+    ]
+    assert state is False or services.THROUGH_POOLER
+    if not services.THROUGH_POOLER:  # a pooler hands each transaction any server session
+        assert len(seen[0]) == 1 and seen[:2] == [seen[0]] * 2 and seen[2:] == [[], []]
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 5
 
 
 async def test_async_claim__commit_refused_and_rolled_back(pg_async_engine, pg_engine):

@@ -14,9 +14,14 @@ written as literals escaped by libpq (``PQescapeLiteral``, the escaping libpq do
 values put into a command's text), and waits once. The server runs the two as it would
 have run them apart, and the transaction they open is the one psycopg then uses: psycopg
 reads libpq's transaction status, sees it open, sends no BEGIN of its own, and commits or
-rolls it back as usual. Nothing is prepared on the server, so the same path works through
-PgBouncer in transaction mode. On the benchmark machine it saves a message about 60 µs
-of worker CPU and 70 µs of latency (``python -m bench.hotpath``).
+rolls it back as usual. On the benchmark machine it saves a message about 60 µs of worker
+CPU and 70 µs of latency (``python -m bench.hotpath``).
+
+The claim itself goes as ``EXECUTE`` of a statement prepared once on the connection's
+server session (``BEGIN ...; EXECUTE inbox_claim_...('...', ...)``), so that the server
+does not parse and plan the whole claim at every message; where the session does not have
+it (a transaction pooler such as PgBouncer in transaction mode hands out another one),
+the claim goes as text instead (see "the claim prepared on the server" below).
 
 The single round trip is taken only where it is the same transaction psycopg would have
 opened: a connection not in autocommit, with no transaction open yet, and values of the
@@ -65,11 +70,11 @@ def on_driver(
     args = compiled.parameters(params)
     try:
         if isinstance(step, Claim) and conn.dialect.driver == "psycopg":
-            found = claim_with_begin(dbapi, compiled, args)
+            found = claim_with_begin(dbapi, compiled, args, conn.info)
             if found is not None:
                 return ClaimStatements.answer(step, found or None)
         elif isinstance(step, Claim):
-            inserted = claim_with_begin_asyncpg(dbapi, compiled, args)
+            inserted = claim_with_begin_asyncpg(dbapi, compiled, args, conn.info)
             if inserted is not None:
                 return inserted
         cursor = dbapi.cursor()
@@ -83,22 +88,33 @@ def on_driver(
     return ClaimStatements.answer(step, None if row is None else tuple(row))
 
 
-def claim_with_begin(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]) -> Any:
+def claim_with_begin(
+    dbapi: Any,
+    compiled: DriverStatement,
+    args: dict[str, Any],
+    prepared: dict[str, Any] | None = None,
+) -> Any:
     """Open the transaction and claim in one round trip on a psycopg connection: the
     claim's row (``()`` when it returned none), or None when this connection or these
-    values must take the ordinary path (nothing was sent then)."""
+    values must take the ordinary path (nothing was sent then). With ``prepared`` (the
+    connection's info), the claim runs as the server's prepared statement (`_execute`)."""
     pgconn = dbapi.pgconn
     if dbapi.autocommit or pgconn.transaction_status != _IDLE:
         return None
     begin = begin_command(dbapi.isolation_level, dbapi.read_only, dbapi.deferrable)
-    command = _claim_text(pgconn, compiled, args)
-    if command is None:  # another encoding, or text no plain literal holds: libpq escapes
-        encoding = dbapi.info.encoding
-        literals = _literals(_psycopg().pq.Escaping(pgconn), args, encoding)
-        if literals is None:
+    command = None if prepared is None else _execute(pgconn, compiled, args, prepared)
+    if command is not None:
+        result = pgconn.exec_(begin + b"; " + command)
+        if result.status == _FATAL_ERROR and _not_prepared_here(result):
+            pgconn.exec_(b"ROLLBACK")  # the BEGIN ran: end its failed transaction
+            assert prepared is not None
+            prepared[PREPARED] = False
+            command = None
+    if command is None:
+        command = _claim_text(pgconn, compiled, args) or _escaped(dbapi, compiled, args)
+        if command is None:
             return None
-        command = compiled.sql_bytes % literals
-    result = pgconn.exec_(begin + b"; " + command)
+        result = pgconn.exec_(begin + b"; " + command)
     if result.status != _TUPLES_OK:
         raise _psycopg().errors.error_from_result(result, encoding=dbapi.info.encoding)
     if not result.ntuples:
@@ -106,14 +122,87 @@ def claim_with_begin(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]
     return tuple(result.get_value(0, column) for column in range(result.nfields))
 
 
+def _escaped(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]) -> bytes | None:
+    """The claim with its values escaped by libpq (another encoding, or text no plain
+    literal holds), or None for a value of another type."""
+    escaping = _psycopg().pq.Escaping(dbapi.pgconn)
+    literals = _literals(escaping, args, dbapi.info.encoding)
+    return None if literals is None else compiled.sql_bytes % literals
+
+
+# -- the claim prepared on the server ---------------------------------------------------------
+#
+# Sent as text, the claim is parsed, analysed and planned by the server at every message:
+# on the benchmark machine about 100 µs of the server's time, which a consumer that
+# handles one message after another waits for. Prepared once on the connection's server
+# session (`PreparedForm`), it is sent as ``BEGIN ...; EXECUTE name('...', ...)``, still
+# one round trip, and runs with the plan the server kept.
+#
+# A transaction pooler (PgBouncer in transaction mode) gives each transaction whichever
+# server session is free, where the statement may not be prepared: the EXECUTE then fails
+# (26000) before the claim ran, the transaction is rolled back, the claim is sent again as
+# text, and the connection sends the text from then on. A pooler that prepares
+# statements for its clients (PgBouncer's ``max_prepared_statements``) does so for the
+# protocol's own, not for PREPARE, so it ends the same way.
+
+PREPARED = "inbox_middleware.prepared"
+"""In a connection's info (kept as long as its DBAPI connection): the names of the claim
+statements prepared on its server session, or False when a prepared claim was not found
+there (a pooler): the claim goes as text on it from then on."""
+_NOT_PREPARED = "26000"  # invalid_sql_statement_name: no prepared statement of that name
+_ALREADY_PREPARED = "42P05"  # duplicate_prepared_statement
+
+
+def _execute(
+    pgconn: Any, compiled: DriverStatement, args: dict[str, Any], prepared: dict[str, Any]
+) -> bytes | None:
+    """The claim as an EXECUTE of its prepared statement, prepared first when this
+    connection has not yet (a round trip, once); None when it goes as text."""
+    names = prepared.get(PREPARED)
+    form = compiled.prepared
+    if names is False or form.names is None or not _plain_literals(pgconn):
+        return None
+    if names is None or form.name not in names:
+        if not _prepare(pgconn, form.prepare):
+            prepared[PREPARED] = False
+            return None
+        prepared[PREPARED] = (names or frozenset()) | {form.name}
+    quoted = _quoted([args[name] for name in form.names])
+    if quoted is None:
+        return None
+    try:
+        return f"EXECUTE {form.name}({', '.join(quoted)})".encode()
+    except UnicodeEncodeError:
+        return None
+
+
+def _prepare(pgconn: Any, command: str) -> bool:
+    """PREPARE on the connection's server session, outside any transaction: whether the
+    statement is prepared there now (by this call, or before it under the same name)."""
+    result = pgconn.exec_(command.encode())
+    if result.status != _FATAL_ERROR:
+        return True
+    return bool(result.error_field(_SQLSTATE) == _ALREADY_PREPARED.encode())
+
+
+def _not_prepared_here(result: Any) -> bool:
+    return bool(result.error_field(_SQLSTATE) == _NOT_PREPARED.encode())
+
+
+def _plain_literals(pgconn: Any) -> bool:
+    """Whether `_quote`'s literals are the ones libpq would write: a UTF-8 connection with
+    standard_conforming_strings on (a backslash is then no escape)."""
+    return bool(
+        pgconn.parameter_status(b"client_encoding") == b"UTF8"
+        and pgconn.parameter_status(b"standard_conforming_strings") == b"on"
+    )
+
+
 def _claim_text(pgconn: Any, compiled: DriverStatement, args: dict[str, Any]) -> bytes | None:
-    """The claim with its values as plain literals (`_quote`), encoded: on a UTF-8
-    connection with standard_conforming_strings on (a backslash is then no escape), the
-    literal libpq would write too. None otherwise, or for a value of another type."""
-    if (
-        pgconn.parameter_status(b"client_encoding") != b"UTF8"
-        or pgconn.parameter_status(b"standard_conforming_strings") != b"on"
-    ):
+    """The claim with its values as plain literals (`_quote`), encoded, where they are
+    the literals libpq would write (`_plain_literals`). None otherwise, or for a value of
+    another type."""
+    if not _plain_literals(pgconn):
         return None
     quoted = _quoted(args.values())
     if quoted is None:
@@ -159,6 +248,7 @@ def _psycopg() -> Any:
 _IDLE = 0
 _TUPLES_OK = 2
 _FATAL_ERROR = 7
+_SQLSTATE = ord("C")  # psycopg.pq.DiagnosticField.SQLSTATE
 
 
 # -- asyncpg: the inbox owns BEGIN and COMMIT ------------------------------------------------
@@ -193,23 +283,70 @@ class InboxTransaction:
             await self.connection.execute("ROLLBACK")
 
 
-def claim_with_begin_asyncpg(adapter: Any, compiled: DriverStatement, args: list[Any]) -> Any:
+def claim_with_begin_asyncpg(
+    adapter: Any,
+    compiled: DriverStatement,
+    args: list[Any],
+    prepared: dict[str, Any] | None = None,
+) -> Any:
     """Open the transaction and claim in one round trip on an asyncpg connection: whether
     the claim inserted its row. None when these values must take the parameters' path (a
     connection without standard_conforming_strings, a value no literal is written for):
     the inbox then sends its BEGIN alone, and the cursor the claim, in its transaction.
-    None, with nothing sent, when a transaction is open already or in autocommit."""
+    None, with nothing sent, when a transaction is open already or in autocommit. With
+    ``prepared`` (the connection's info), the claim runs as the server's prepared
+    statement (see `_execute`)."""
     driver = adapter._connection
     if adapter._transaction is not None or adapter.autocommit or driver.is_in_transaction():
         return None
     begin = _begin_asyncpg(adapter.isolation_level, adapter.readonly, adapter.deferrable)
-    sql = _claim_sql(driver, compiled, args)
+    sql = None if prepared is None else _execute_asyncpg(adapter, compiled, args, prepared)
     adapter._transaction = InboxTransaction(driver)
     try:
+        if sql is not None:
+            try:
+                return await_(driver.execute(begin + sql)) == "INSERT 0 1"
+            except Exception as error:
+                if _sqlstate(error) != _NOT_PREPARED:
+                    raise
+                await_(driver.execute("ROLLBACK"))  # the BEGIN ran: end its transaction
+                assert prepared is not None
+                prepared[PREPARED] = False
+        sql = _claim_sql(driver, compiled, args)
         status = await_(driver.execute(begin + sql if sql is not None else begin))
     except Exception as error:
         adapter._handle_exception(error)  # SQLAlchemy's DBAPI error, as from a cursor
     return None if sql is None else status == "INSERT 0 1"
+
+
+def _execute_asyncpg(
+    adapter: Any, compiled: DriverStatement, args: list[Any], prepared: dict[str, Any]
+) -> str | None:
+    """`_execute` on asyncpg: the claim as an EXECUTE of its prepared statement."""
+    driver = adapter._connection
+    names = prepared.get(PREPARED)
+    form = compiled.prepared
+    if names is False or driver.get_settings().standard_conforming_strings != "on":
+        return None
+    if names is None or form.name not in names:
+        try:
+            await_(driver.execute(form.prepare))
+        except Exception as error:
+            if _sqlstate(error) is None:
+                adapter._handle_exception(error)  # the connection's trouble, not PREPARE's
+            if _sqlstate(error) != _ALREADY_PREPARED:
+                prepared[PREPARED] = False
+                return None
+        prepared[PREPARED] = (names or frozenset()) | {form.name}
+    quoted = _quoted(args)
+    if quoted is None:
+        return None
+    return f"EXECUTE {form.name}({', '.join(quoted)})"
+
+
+def _sqlstate(error: BaseException) -> str | None:
+    """The SQLSTATE of an error asyncpg raised for the server's answer, else None."""
+    return getattr(error, "sqlstate", None)
 
 
 def begin_owned(conn: Connection, adapter: Any) -> None:

@@ -9,6 +9,8 @@ per delivery), and SQLAlchemy caches each size's compiled form.
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -93,6 +95,47 @@ CHECKED_COMMIT = (
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedForm:
+    """A driver statement as a prepared statement of the server session: ``PREPARE name
+    AS ...`` once on a connection, then ``EXECUTE name(...)`` with the values as literals,
+    which the server runs with the plan it kept instead of parsing and planning the whole
+    claim again (`driver.claim_with_begin`).
+
+    The name is taken from the statement's text, so that every worker names the same
+    statement alike and never names another one so: behind a pooler that hands server
+    sessions around, a name found prepared is this statement."""
+
+    name: str
+    prepare: str
+    """The PREPARE command: the statement's placeholders numbered ``$1``, ``$2``..."""
+    names: tuple[str, ...] | None
+    """For a mapping's placeholders (psycopg's ``%(name)s``), the name each ``$n`` takes
+    its value from; None when the arguments are positional already (asyncpg's)."""
+
+    @staticmethod
+    def of(sql: str, order: tuple[str, ...] | None) -> PreparedForm:
+        if order is not None:
+            text, names = sql, None
+        else:
+            found: list[str] = []
+
+            def numbered(match: re.Match[str]) -> str:
+                name = match.group(1)
+                if name is None:
+                    return "%"  # an escaped percent sign
+                if name not in found:
+                    found.append(name)
+                return f"${found.index(name) + 1}"
+
+            text, names = _PYFORMAT.sub(numbered, sql), tuple(found)
+        name = "inbox_claim_" + hashlib.sha256(text.encode()).hexdigest()[:24]
+        return PreparedForm(name, f"PREPARE {name} AS {text}", names)
+
+
+_PYFORMAT = re.compile(r"%\((\w+)\)s|%%")
+
+
+@dataclass(frozen=True, slots=True)
 class DriverStatement:
     """A step's statement compiled for one driver: its SQL, the values of its constant
     parameters and, for a positional paramstyle (asyncpg's ``$1``), the parameters'
@@ -104,9 +147,12 @@ class DriverStatement:
 
     sql_bytes: bytes = field(init=False, repr=False)
     """The SQL encoded once, for `driver.claim_with_begin` to fill with literals."""
+    prepared: PreparedForm = field(init=False, repr=False)
+    """The same statement as the server keeps it prepared (`PreparedForm`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sql_bytes", self.sql.encode())
+        object.__setattr__(self, "prepared", PreparedForm.of(self.sql, self.order))
 
     def parameters(self, params: dict[str, Any]) -> Any:
         """The step's parameters as the driver takes them: a mapping, or a sequence."""
