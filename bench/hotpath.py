@@ -6,6 +6,7 @@
     python -m bench.hotpath --driver asyncpg   # AsyncInbox on asyncpg (FastStream's path)
     python -m bench.hotpath --claims compact   # the compact claim (the switch recorded)
     python -m bench.hotpath --floor         # and the least a claim can add (below)
+    python -m bench.hotpath --latency       # and each message's wall time and server CPU
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
 benchmark's actor (one account update on the benchmark database): each message goes
@@ -32,6 +33,11 @@ guard on the handler's transaction. Its CPU above bare is what a leaner inbox co
 down to with the same statements, the same round trips and the same session; the inbox's
 above it is what its layers cost.
 
+With ``--latency``, each mode's wall time a message is told too (what a consumer that
+handles one message after another waits, round trips included), and the CPU the
+PostgreSQL server spent on it: the backends serving the mode's engine (found by their
+``application_name``), read from ``/proc`` when the server runs on this host.
+
 With ``--breakdown``, one more inbox repetition runs under cProfile (on CPU time) and the
 message's CPU is told part by part (`PARTS`): each part's time as cProfile measured it
 (inclusive of what it calls), scaled so that the whole matches the repetitions run without
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -271,13 +278,18 @@ def _package(filename: str, function: str) -> str:
 
 
 def measure(
-    count: int, reps: int, profile: bool, parts: bool = False, modes: tuple[str, ...] = MODES
+    count: int,
+    reps: int,
+    profile: bool,
+    parts: bool = False,
+    modes: tuple[str, ...] = MODES,
+    latency: bool = False,
 ) -> None:
     prepare_database()
     _reset()
     engines = _engines(modes)
     setups = _setups(engines)
-    cpu: dict[str, list[float]] = {mode: [] for mode in setups}
+    clocks = Clocks(setups)
     # CPU time, not wall time: a wait on the database costs nothing here
     profiler = cProfile.Profile(time.process_time) if profile else None
     for _ in range(reps):
@@ -286,18 +298,21 @@ def measure(
             consume = _consume(broker, actor)
             if profiler is not None and mode == "inbox":
                 profiler.enable()
-            start = time.process_time()
+            clocks.start(mode)
             for message in messages:
                 consume(message)
-            cpu[mode].append((time.process_time() - start) / count * 1e6)
+            clocks.stop(count)
             if profiler is not None:
                 profiler.disable()
+    cpu = clocks.cpu
     if parts:
         profiles, calls = _profiled(setups, count)
         alone = _arrival_alone(*setups["inbox"], count)
     for engine in engines.values():
         engine.dispose()
     _report(cpu)
+    if latency:
+        _report_latency(clocks)
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(30)
@@ -315,7 +330,64 @@ Setups = dict[str, tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]]
 
 def _engines(modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     """An engine a mode: bare runs on one the inbox does not guard, as it would without it."""
-    return {mode: create_engine(sqlalchemy_url(), pool_size=2) for mode in modes}
+    return {
+        mode: create_engine(
+            sqlalchemy_url(), pool_size=2, connect_args={"application_name": _application(mode)}
+        )
+        for mode in modes
+    }
+
+
+def _application(mode: str) -> str:
+    return f"hotpath-{mode}"
+
+
+class Clocks:
+    """A mode's clocks over its runs, a message: the process's CPU, the wall clock and the
+    CPU of the PostgreSQL backends serving the mode (None where ``/proc`` does not show
+    them: a server on another host)."""
+
+    def __init__(self, modes: Any) -> None:
+        self.cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+        self.wall: dict[str, list[float]] = {mode: [] for mode in modes}
+        self.server: dict[str, list[float]] = {mode: [] for mode in modes}
+
+    def start(self, mode: str) -> None:
+        self._mode = mode
+        self._backends = _backends(_application(mode))
+        self._server = _server_cpu(self._backends)
+        self._wall = time.perf_counter()
+        self._cpu = time.process_time()
+
+    def stop(self, count: int) -> None:
+        cpu = time.process_time() - self._cpu
+        wall = time.perf_counter() - self._wall
+        self.cpu[self._mode].append(cpu / count * 1e6)
+        self.wall[self._mode].append(wall / count * 1e6)
+        server = _server_cpu(self._backends)
+        if server is not None and self._server is not None:
+            self.server[self._mode].append((server - self._server) / count * 1e6)
+
+
+def _backends(application: str) -> list[int]:
+    with admin() as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application,)
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _server_cpu(pids: list[int]) -> float | None:
+    """The CPU seconds (user and system) the processes ``pids`` have used, from /proc."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total if pids else None
 
 
 def _setups(engines: dict[str, Any]) -> Setups:
@@ -375,12 +447,17 @@ def _arrival_alone(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any], cou
     return (time.process_time() - start) / count * 1e6
 
 
-def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> None:
+def measure_async(
+    count: int, reps: int, profile: bool, parts: bool = False, latency: bool = False
+) -> None:
     prepare_database()
     _reset()
     profiled = {mode: cProfile.Profile(time.process_time) for mode in ("bare", "inbox")}
-    cpu = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None))
+    clocks = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None))
+    cpu = clocks.cpu
     _report(cpu)
+    if latency:
+        _report_latency(clocks)
     if parts:
         breakdown(profiled["inbox"], PARTS["asyncpg"], count, statistics.median(cpu["inbox"]))
         calls = {mode: _calls(profiling, count) for mode, profiling in profiled.items()}
@@ -392,13 +469,20 @@ def measure_async(count: int, reps: int, profile: bool, parts: bool = False) -> 
 
 async def _measure_async(
     count: int, reps: int, profile: bool, profiled: dict[str, cProfile.Profile] | None = None
-) -> dict[str, list[float]]:
+) -> Clocks:
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
     from inbox_middleware._storage import AsyncInbox
 
     # An engine a mode: bare runs on one the inbox does not guard.
-    engines = [create_async_engine(sqlalchemy_url("asyncpg"), pool_size=2) for _ in range(2)]
+    engines = [
+        create_async_engine(
+            sqlalchemy_url("asyncpg"),
+            pool_size=2,
+            connect_args={"server_settings": {"application_name": _application(mode)}},
+        )
+        for mode in MODES
+    ]
     inbox = AsyncInbox(engines[1], claims=CLAIMS)
     sessions = async_sessionmaker(engines[0], expire_on_commit=False)
     run = uuid.uuid4().hex[:8]
@@ -421,17 +505,17 @@ async def _measure_async(
     for consume in modes.values():  # warm: pool, statement caches, imports
         for n in range(-200, 0):
             await consume(n)
-    cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+    clocks = Clocks(modes)
     profiler = cProfile.Profile(time.process_time) if profile else None
     for rep in range(reps):
         for mode, consume in modes.items():
             first = rep * count
             if profiler is not None and mode == "inbox":
                 profiler.enable()
-            start = time.process_time()
+            clocks.start(mode)
             for n in range(first, first + count):
                 await consume(n)
-            cpu[mode].append((time.process_time() - start) / count * 1e6)
+            clocks.stop(count)
             if profiler is not None:
                 profiler.disable()
     for mode, profiling in (profiled or {}).items():
@@ -443,7 +527,7 @@ async def _measure_async(
         await engine.dispose()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    return cpu
+    return clocks
 
 
 def _report(cpu: dict[str, list[float]]) -> None:
@@ -454,6 +538,18 @@ def _report(cpu: dict[str, list[float]]) -> None:
             added = [m - b for m, b in zip(cpu[mode], cpu["bare"], strict=True)]
             label = "added" if mode == "inbox" else "floor+"
             print(f"{label:6} {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
+
+
+def _report_latency(clocks: Clocks) -> None:
+    """Each mode's wall time and server CPU a message, and the inbox's above bare's."""
+    for name, measured in (("wall", clocks.wall), ("server", clocks.server)):
+        if not all(measured.values()):
+            print(f"{name:6} not measured (the server's processes are not on this host)")
+            continue
+        for mode, values in measured.items():
+            print(f"{mode:6} {statistics.median(values):7.1f} µs {name}/msg  runs {_runs(values)}")
+        added = [i - b for i, b in zip(measured["inbox"], measured["bare"], strict=True)]
+        print(f"{'added':6} {statistics.median(added):7.1f} µs {name}/msg  runs {_runs(added)}")
 
 
 def _runs(values: list[float]) -> str:
@@ -471,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
     parser.add_argument("--claims", choices=("library", "compact"), default="library")
     parser.add_argument(
+        "--latency", action="store_true", help="each message's wall time and server CPU too"
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="a third mode: the claim, the update and the checked COMMIT alone (psycopg)",
@@ -482,9 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     global CLAIMS  # noqa: PLW0603 (the setting every inbox of the run is made with)
     CLAIMS = args.claims
     if args.driver == "asyncpg":
-        measure_async(args.messages, args.reps, args.profile, args.breakdown)
+        measure_async(args.messages, args.reps, args.profile, args.breakdown, args.latency)
     else:
-        measure(args.messages, args.reps, args.profile, args.breakdown, modes)
+        measure(args.messages, args.reps, args.profile, args.breakdown, modes, args.latency)
     return 0
 
 
