@@ -4,8 +4,11 @@ connection each test holds as well, through PgBouncer it is the case the pooler 
 
 Through a transaction pooler each transaction may run on another server session, and
 another client's next transaction may run on this one. So nothing the library does may
-outlive its transaction in a server session: no named prepared statement (psycopg names
-one after five executions), no session-level setting.
+outlive its transaction in a server session unless it finds out it is not there: no named
+prepared statement (psycopg names one after five executions), no session-level setting.
+The one exception is the claim's own prepared statement, named after its text (so another
+client's of the same name is the same statement), whose EXECUTE that finds none is rolled
+back and sent as text.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import subprocess
 import sys
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,8 +30,9 @@ from inbox_middleware import outbox
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
 from inbox_middleware._operate.metrics import serve
-from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, engines
+from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, driver, engines
 
+from ..apps.domain import apply_credit, effects
 from ..support import services
 from ..support.dispatchers import DispatcherProcess
 from ..support.engines import pgbouncer_snippet
@@ -198,6 +204,34 @@ async def test_async_claim__lock_timeout_ends_with_the_claim_transaction(pg_asyn
             break
     assert landed == pid
     assert after == reset != "1500ms"
+
+
+def test_claim__prepared_or_as_text_four_threads_claim_each_message_once(pg_engine):
+    # Given four threads on four connections claiming 150 messages, each twice: through a
+    # pooler, a connection's prepared claim meets server sessions that never prepared it
+    inbox = Inbox(pg_engine)
+    states = []
+
+    def credit(n: int):
+        def handler(session: Session) -> None:
+            apply_credit(session, "billing", n % 10, 1)
+            states.append(session.connection().info.get(driver.PREPARED))
+
+        return handler
+
+    def claim(n: int) -> Decision:
+        return inbox.process(delivery(f"m-{n % 150}"), credit(n % 150)).decision
+
+    with ThreadPoolExecutor(4) as pool:
+        decisions = Counter(pool.map(claim, range(300)))
+
+    # Then each message was applied once, its copy a duplicate, prepared or as text
+    assert decisions == {Decision.FIRST: 150, Decision.DUPLICATE: 150}
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 150
+    assert all(state is False or isinstance(state, frozenset) for state in states)
+    if not services.THROUGH_POOLER:
+        assert all(isinstance(state, frozenset) and len(state) == 1 for state in states)
 
 
 @pytest.mark.parametrize("factories", ["the guide's snippet", "storage.engines"])
