@@ -629,41 +629,132 @@ def test_claim__runs_as_the_statement_prepared_once_on_the_servers_session(
 
 
 @pytest.mark.parametrize("message_id", ["it's", "back\\slash", "%(message_id)s", "é€𝄞"])
-def test_claim__a_prepared_claim_the_session_lost_is_rolled_back_and_sent_as_text(
+def test_claim__a_prepared_claim_the_session_lost_is_sent_as_text_then_prepared_again(
     pg_url, pg_engine, begins, message_id
 ):
-    # Given a connection whose prepared claim a handler deallocates (as a transaction
-    # pooler would hand the next transaction a server session that never prepared it)
+    # Given a connection whose prepared claim a handler deallocates after it ran
     engine = sync_engine(pg_url, pool_size=1, max_overflow=0)
     inbox = Inbox(engine)
+    seen = []
 
     def deallocate(session: Session) -> None:
         apply_credit(session, "billing", 1, 10)
         for name in _prepared_claims(session):
             session.execute(text(f"DEALLOCATE {name}"))
 
+    def look(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        seen.append(_prepared_claims(session))
+
     try:
         assert inbox.process(delivery("first"), deallocate).decision is Decision.FIRST
         # When the next messages are claimed on it, one of them twice
         decisions = [
-            inbox.process(delivery(message_id), credit()).decision,
-            inbox.process(delivery(message_id), credit()).decision,
-            inbox.process(delivery("last"), credit()).decision,
+            inbox.process(delivery(message_id), look).decision,
+            inbox.process(delivery(message_id), look).decision,
+            inbox.process(delivery("last"), look).decision,
         ]
         with engine.connect() as conn:
             state = conn.info[driver.PREPARED]
     finally:
         engine.dispose()
-    # Then the EXECUTE that found no statement was rolled back, the claim sent as text in
-    # its stead, and the connection claims as text from then on (through a pooler, any
-    # EXECUTE may have landed on a session with or without the statement)
-    assert state is False or services.THROUGH_POOLER
+    # Then each claim went with its BEGIN and was applied once
     assert decisions == [Decision.FIRST, Decision.DUPLICATE, Decision.FIRST]
     assert begins == [CLAIMED, CLAIMED, (), CLAIMED]
     with pg_engine.connect() as conn:
         assert effects(conn) == 3
         stored = conn.scalars(text("SELECT message_id FROM consumer_inbox")).all()
     assert sorted(stored) == sorted(["first", message_id, "last"])
+    if not services.THROUGH_POOLER:  # a pooler hands each transaction any server session
+        # the EXECUTE that found no statement was rolled back and the claim sent as text;
+        # the next claim prepared it again, and the one after ran it
+        assert seen[0] == [] and len(seen[1]) == 1
+        assert state == frozenset(seen[1])
+
+
+def test_claim__psycopgs_deallocate_all_after_a_rollback_costs_one_claim_as_text(pg_url, pg_engine):
+    # Given a connection where psycopg prepared a statement of its own (the handler's, run
+    # past its threshold of five), then a handler that fails: psycopg's rollback sends
+    # DEALLOCATE ALL, which takes the inbox's prepared claim too
+    engine = sync_engine(pg_url, pool_size=1, max_overflow=0)
+    inbox = Inbox(engine)
+    seen = []
+
+    def look(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        seen.append(
+            session.scalars(
+                text("SELECT name FROM pg_prepared_statements WHERE name LIKE '_pg3_%'")
+            ).all()
+        )
+        seen.append(_prepared_claims(session))
+
+    def fail(session: Session) -> None:
+        apply_credit(session, "billing", 1, 10)
+        raise RuntimeError("the handler failed")
+
+    try:
+        for n in range(6):
+            inbox.process(delivery(f"m-{n}"), look)
+        psycopgs, claims = seen[-2], seen[-1]
+        with pytest.raises(RuntimeError):
+            inbox.process(delivery("failing"), fail)
+        # When the next messages are claimed, the failed one again among them
+        decisions = [
+            inbox.process(delivery(message_id), look).decision
+            for message_id in ("failing", "m-6", "m-7")
+        ]
+        with engine.connect() as conn:
+            state = conn.info[driver.PREPARED]
+    finally:
+        engine.dispose()
+
+    # Then each was applied once; the first claim after the rollback went as text, the
+    # next prepared the claim again
+    assert decisions == [Decision.FIRST] * 3
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 9
+    if not services.THROUGH_POOLER:  # through the pooler's guide, psycopg prepares nothing
+        assert psycopgs and len(claims) == 1
+        assert seen[-5] == [] and seen[-3] == seen[-1] == claims
+        assert state == frozenset(claims)
+
+
+def test_claim__a_prepared_claim_gone_right_after_its_prepare_means_a_pooler_text_from_then_on(
+    pg_url, pg_engine, begins, monkeypatch
+):
+    # Given a connection whose PREPARE lands on another server session than the EXECUTE
+    # after it (as through a transaction pooler: here, deallocated at once)
+    prepares = []
+    real = driver._prepare
+
+    def elsewhere(pgconn, command):
+        prepares.append(command)
+        done = real(pgconn, command)
+        pgconn.exec_(b"DEALLOCATE " + command.split()[1].encode())
+        return done
+
+    monkeypatch.setattr(driver, "_prepare", elsewhere)
+    engine = sync_engine(pg_url, pool_size=1, max_overflow=0)
+    inbox = Inbox(engine)
+    try:
+        # When three messages are claimed, one of them twice
+        decisions = [
+            inbox.process(delivery(message_id), credit()).decision
+            for message_id in ("m-1", "m-2", "m-1", "m-3")
+        ]
+        with engine.connect() as conn:
+            state = conn.info[driver.PREPARED]
+    finally:
+        engine.dispose()
+
+    # Then the first claim was rolled back and sent as text, and the connection never
+    # prepared again: it claims as text
+    assert decisions == [Decision.FIRST, Decision.FIRST, Decision.DUPLICATE, Decision.FIRST]
+    assert begins == [CLAIMED, CLAIMED, (), CLAIMED]
+    assert len(prepares) == 1 and state is False
+    with pg_engine.connect() as conn:
+        assert effects(conn) == 3
 
 
 def claim_step():
@@ -726,7 +817,7 @@ async def test_async_claim__sent_with_its_begin_in_one_message(
     assert stored == message_id
 
 
-async def test_async_claim__runs_as_the_prepared_statement_and_as_text_once_it_is_lost(
+async def test_async_claim__runs_as_the_prepared_statement_as_text_once_lost_then_again(
     pg_async_url, pg_engine
 ):
     # Given one asyncpg connection, so that every delivery claims on one server session
@@ -756,13 +847,13 @@ async def test_async_claim__runs_as_the_prepared_statement_and_as_text_once_it_i
         await engine.dispose()
 
     # Then the first claims ran as the prepared statement, the one after the loss was
-    # rolled back and sent as text, and the connection claims as text from then on
+    # rolled back and sent as text, and the next prepared it again
     assert decisions == [Decision.FIRST] * 3 + [Decision.FIRST, Decision.DUPLICATE] + [
         Decision.FIRST
     ]
-    assert state is False or services.THROUGH_POOLER
     if not services.THROUGH_POOLER:  # a pooler hands each transaction any server session
-        assert len(seen[0]) == 1 and seen[:2] == [seen[0]] * 2 and seen[2:] == [[], []]
+        assert len(seen[0]) == 1 and seen == [seen[0], seen[0], [], seen[0]]
+        assert state == frozenset(seen[0])
     with pg_engine.connect() as conn:
         assert effects(conn) == 5
 

@@ -35,7 +35,7 @@ from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema, driver, en
 from ..apps.domain import apply_credit, effects
 from ..support import services
 from ..support.dispatchers import DispatcherProcess
-from ..support.engines import pgbouncer_snippet
+from ..support.engines import pgbouncer_snippet, sync_engine
 from ..support.http_remote import Remote
 from ..support.workers import wait_for
 from .test_metrics import Scrape
@@ -206,10 +206,12 @@ async def test_async_claim__lock_timeout_ends_with_the_claim_transaction(pg_asyn
     assert after == reset != "1500ms"
 
 
-def test_claim__prepared_or_as_text_four_threads_claim_each_message_once(pg_engine):
-    # Given four threads on four connections claiming 150 messages, each twice: through a
-    # pooler, a connection's prepared claim meets server sessions that never prepared it
-    inbox = Inbox(pg_engine)
+def test_claim__prepared_or_as_text_four_threads_claim_each_message_once(pg_url, pg_engine):
+    # Given four threads on four connections of their own claiming 150 messages, each
+    # twice: through a pooler, a connection's prepared claim meets server sessions that
+    # never prepared it
+    engine = sync_engine(pg_url, pool_size=4, max_overflow=0)
+    inbox = Inbox(engine)
     states = []
 
     def credit(n: int):
@@ -222,8 +224,11 @@ def test_claim__prepared_or_as_text_four_threads_claim_each_message_once(pg_engi
     def claim(n: int) -> Decision:
         return inbox.process(delivery(f"m-{n % 150}"), credit(n % 150)).decision
 
-    with ThreadPoolExecutor(4) as pool:
-        decisions = Counter(pool.map(claim, range(300)))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            decisions = Counter(pool.map(claim, range(300)))
+    finally:
+        engine.dispose()
 
     # Then each message was applied once, its copy a duplicate, prepared or as text
     assert decisions == {Decision.FIRST: 150, Decision.DUPLICATE: 150}

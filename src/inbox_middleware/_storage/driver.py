@@ -104,12 +104,14 @@ def claim_with_begin(
     begin = begin_command(dbapi.isolation_level, dbapi.read_only, dbapi.deferrable)
     command = None if prepared is None else _execute(pgconn, compiled, args, prepared)
     if command is not None:
+        assert prepared is not None
         result = pgconn.exec_(begin + b"; " + command)
         if result.status == _FATAL_ERROR and _not_prepared_here(result):
             pgconn.exec_(b"ROLLBACK")  # the BEGIN ran: end its failed transaction
-            assert prepared is not None
-            prepared[PREPARED] = False
+            _missed(prepared, compiled.prepared.name)
             command = None
+        elif FRESH in prepared:
+            del prepared[FRESH]  # found where it was prepared: no pooler between
     if command is None:
         command = _claim_text(pgconn, compiled, args) or _escaped(dbapi, compiled, args)
         if command is None:
@@ -138,17 +140,23 @@ def _escaped(dbapi: Any, compiled: DriverStatement, args: dict[str, Any]) -> byt
 # session (`PreparedForm`), it is sent as ``BEGIN ...; EXECUTE name('...', ...)``, still
 # one round trip, and runs with the plan the server kept.
 #
-# A transaction pooler (PgBouncer in transaction mode) gives each transaction whichever
-# server session is free, where the statement may not be prepared: the EXECUTE then fails
-# (26000) before the claim ran, the transaction is rolled back, the claim is sent again as
-# text, and the connection sends the text from then on. A pooler that prepares
-# statements for its clients (PgBouncer's ``max_prepared_statements``) does so for the
-# protocol's own, not for PREPARE, so it ends the same way.
+# Where the server session lacks the statement, the EXECUTE fails (26000) before the
+# claim ran: the transaction is rolled back and the claim sent again as text. Two causes:
+# - the session lost it: a DEALLOCATE ALL, which psycopg sends itself after a rollback on
+#   a connection where it prepared statements of its own. The next claim prepares it again.
+# - a transaction pooler (PgBouncer in transaction mode) gives each transaction whichever
+#   server session is free, so the EXECUTE right after this connection's PREPARE already
+#   found none: the connection sends the claim as text from then on. A pooler that
+#   prepares statements for its clients (PgBouncer's ``max_prepared_statements``) does so
+#   for the protocol's own, not for PREPARE, so it ends the same way.
 
 PREPARED = "inbox_middleware.prepared"
 """In a connection's info (kept as long as its DBAPI connection): the names of the claim
 statements prepared on its server session, or False when a prepared claim was not found
-there (a pooler): the claim goes as text on it from then on."""
+right after its PREPARE (a pooler): the claim goes as text on it from then on."""
+FRESH = "inbox_middleware.prepared_fresh"
+"""In a connection's info: the claim statement it prepared last, until an EXECUTE of it
+runs (and shows the session kept it)."""
 _NOT_PREPARED = "26000"  # invalid_sql_statement_name: no prepared statement of that name
 _ALREADY_PREPARED = "42P05"  # duplicate_prepared_statement
 
@@ -167,6 +175,7 @@ def _execute(
             prepared[PREPARED] = False
             return None
         prepared[PREPARED] = (names or frozenset()) | {form.name}
+        prepared[FRESH] = form.name
     quoted = _quoted([args[name] for name in form.names])
     if quoted is None:
         return None
@@ -183,6 +192,16 @@ def _prepare(pgconn: Any, command: str) -> bool:
     if result.status != _FATAL_ERROR:
         return True
     return bool(result.error_field(_SQLSTATE) == _ALREADY_PREPARED.encode())
+
+
+def _missed(prepared: dict[str, Any], name: str) -> None:
+    """An EXECUTE of ``name`` found no such statement in the server session: prepare it
+    again at the next claim, unless it was the first EXECUTE after this connection's own
+    PREPARE (a pooler: text from then on)."""
+    if prepared.pop(FRESH, None) == name:
+        prepared[PREPARED] = False
+    else:
+        prepared[PREPARED] = prepared[PREPARED] - {name}
 
 
 def _not_prepared_here(result: Any) -> bool:
@@ -304,14 +323,18 @@ def claim_with_begin_asyncpg(
     adapter._transaction = InboxTransaction(driver)
     try:
         if sql is not None:
+            assert prepared is not None
             try:
-                return await_(driver.execute(begin + sql)) == "INSERT 0 1"
+                status = await_(driver.execute(begin + sql))
             except Exception as error:
                 if _sqlstate(error) != _NOT_PREPARED:
                     raise
                 await_(driver.execute("ROLLBACK"))  # the BEGIN ran: end its transaction
-                assert prepared is not None
-                prepared[PREPARED] = False
+                _missed(prepared, compiled.prepared.name)
+            else:
+                if FRESH in prepared:
+                    del prepared[FRESH]  # found where it was prepared: no pooler between
+                return status == "INSERT 0 1"
         sql = _claim_sql(driver, compiled, args)
         status = await_(driver.execute(begin + sql if sql is not None else begin))
     except Exception as error:
@@ -338,6 +361,7 @@ def _execute_asyncpg(
                 prepared[PREPARED] = False
                 return None
         prepared[PREPARED] = (names or frozenset()) | {form.name}
+        prepared[FRESH] = form.name
     quoted = _quoted(args)
     if quoted is None:
         return None
