@@ -170,12 +170,10 @@ def _execute(
     form = compiled.prepared
     if names is False or form.names is None or not _plain_literals(pgconn):
         return None
-    if names is None or form.name not in names:
-        if not _prepare(pgconn, form.prepare):
-            prepared[PREPARED] = False
-            return None
-        prepared[PREPARED] = (names or frozenset()) | {form.name}
-        prepared[FRESH] = form.name
+    if (names is None or form.name not in names) and not _prepared_now(
+        prepared, form.name, _prepare(pgconn, form.prepare)
+    ):
+        return None
     quoted = _quoted([args[name] for name in form.names])
     if quoted is None:
         return None
@@ -192,6 +190,18 @@ def _prepare(pgconn: Any, command: str) -> bool:
     if result.status != _FATAL_ERROR:
         return True
     return bool(result.error_field(_SQLSTATE) == _ALREADY_PREPARED.encode())
+
+
+def _prepared_now(prepared: dict[str, Any], name: str, done: bool) -> bool:
+    """Record a PREPARE of ``name`` on the connection: prepared (and fresh, until an
+    EXECUTE runs it), or not (the claim goes as text on it from then on). Returns
+    ``done``."""
+    if done:
+        prepared[PREPARED] = (prepared.get(PREPARED) or frozenset()) | {name}
+        prepared[FRESH] = name
+    else:
+        prepared[PREPARED] = False
+    return done
 
 
 def _missed(prepared: dict[str, Any], name: str) -> None:
@@ -351,21 +361,25 @@ def _execute_asyncpg(
     form = compiled.prepared
     if names is False or driver.get_settings().standard_conforming_strings != "on":
         return None
-    if names is None or form.name not in names:
-        try:
-            await_(driver.execute(form.prepare))
-        except Exception as error:
-            if _sqlstate(error) is None:
-                adapter._handle_exception(error)  # the connection's trouble, not PREPARE's
-            if _sqlstate(error) != _ALREADY_PREPARED:
-                prepared[PREPARED] = False
-                return None
-        prepared[PREPARED] = (names or frozenset()) | {form.name}
-        prepared[FRESH] = form.name
+    if (names is None or form.name not in names) and not _prepared_now(
+        prepared, form.name, _prepare_asyncpg(adapter, form.prepare)
+    ):
+        return None
     quoted = _quoted(args)
     if quoted is None:
         return None
     return f"EXECUTE {form.name}({', '.join(quoted)})"
+
+
+def _prepare_asyncpg(adapter: Any, command: str) -> bool:
+    """`_prepare` on asyncpg: whether the statement is prepared on the session now."""
+    try:
+        await_(adapter._connection.execute(command))
+    except Exception as error:
+        if _sqlstate(error) is None:
+            adapter._handle_exception(error)  # the connection's trouble, not PREPARE's
+        return _sqlstate(error) == _ALREADY_PREPARED
+    return True
 
 
 def _sqlstate(error: BaseException) -> str | None:
