@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -409,8 +410,12 @@ async def test_metrics__faststream_worker_processes_are_aggregated(
             def counted() -> Scrape | None:
                 # The collector reads each process's files one after another, so a scrape
                 # taken while the last commit is recorded may hold one of its series and
-                # not the other: wait for both.
-                scrape = Scrape(server.url)
+                # not the other: wait for both. A file a worker has just made may still be
+                # empty, which the collector fails to read (HTTP 500): scrape again.
+                try:
+                    scrape = Scrape(server.url)
+                except urllib.error.HTTPError:
+                    return None
                 total = scrape.value("inbox_messages_total", consumer="billing")
                 commits = scrape.value("inbox_commit_seconds_count", consumer="billing")
                 return scrape if (total, commits) == (25, 25) else None
