@@ -52,8 +52,14 @@ def test_growth__measures_claims_duplicates_and_the_purge_on_a_filled_table(
         assert set(purges["under_load"]) == {"old", "new", "paced"}
         for result in [*purges["alone"].values(), *purges["under_load"].values()]:
             assert result["rows"] in (2000, 2001)
+            # the VACUUM's own account: none left; all removed by it, or, under claims,
+            # some pruned before it by the claims' own visits to those pages
             assert result["dead_tuples_after_vacuum"] == 0
+            assert 0 < result["vacuum_removed_tuples"] <= result["rows"]
             assert result["vacuum_wal_bytes"] > 0
+        for result in purges["alone"].values():
+            assert result["vacuum_removed_tuples"] == result["rows"]
+            assert result["vacuum_passes"] == 1
         assert purges["under_load"]["paced"]["ingest_rows_per_second"] > 0
     assert (tmp_path / "purge-rate.png").stat().st_size > 0
     assert (tmp_path / "purge-p99.png").stat().st_size > 0
@@ -223,3 +229,15 @@ def test_pooled_rise__every_claim_of_the_rounds_and_an_interval_from_drawing_the
         "claim_p99_rise_pooled": 1.0,
         "claim_p99_rise_pooled_interval": [1.0, 1.0],
     }
+
+
+def test_vacuum_counts__the_tuples_a_verbose_vacuum_removed_and_left_over_its_tables() -> None:
+    def finished(removed: int, left: int, tail: str = "") -> str:
+        return (
+            'finished vacuuming "db.public.t": index scans: 1\npages: 0 removed, 9 remain\n'
+            f"tuples: {removed} removed, 70 remain, {left} are dead but not yet removable{tail}\n"
+        )
+
+    said = ['vacuuming "db.public.t"', finished(2000, 3), finished(5, 0, ", oldest xmin: 7")]
+    assert growth.vacuum_counts(said) == (2005, 3)
+    assert growth.vacuum_counts(['vacuuming "db.public.t"']) is None
