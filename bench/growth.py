@@ -763,14 +763,19 @@ def _older_transactions_ended(conn: psycopg.Connection[Any], patience: float = 3
     print(f"the VACUUM did not wait for {holders} after {patience:.0f} s", file=sys.stderr)
 
 
-def _left_behind() -> dict[str, Any]:
-    """The table after a purge and its vacuum: dead tuples, bytes, free space. Measured
-    after the claims' window: the free space map's walk reads an entry for each of the
-    table's blocks (about a million at 10^8 rows), which is no part of the purge."""
+def _left_behind(purged: dict[str, Any]) -> dict[str, Any]:
+    """A purge's figures (`_one_purge`) and the table after it and its vacuum: dead tuples
+    (in the statistics), bytes, free space. Measured after the claims' window: the free
+    space map's walk reads an entry for each of the table's blocks (about a million at
+    10^8 rows), which is no part of the purge."""
     with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
         sizes = sizes_of(conn)
-        return {
-            "dead_tuples_in_statistics_after": _dead_tuples(conn),
+        dead = _dead_tuples(conn)
+        if dead != purged["dead_tuples_after_vacuum"]:
+            told = f"the statistics hold {dead} dead tuples; the purge and its VACUUM: {purged}"
+            print(told, file=sys.stderr)
+        return purged | {
+            "dead_tuples_in_statistics_after": dead,
             "bytes_per_live_row_after": sizes["bytes_per_row"],
             "table_bytes_per_live_row_after": sizes["table_bytes_per_row"],
             "index_bytes_per_live_row_after": round(
@@ -832,7 +837,7 @@ def measure_purge(
     purger = Purger()
     try:
         for how in alone:
-            result["alone"][how] = _one_purge(purger, tenth, how) | _left_behind()
+            result["alone"][how] = _left_behind(_one_purge(purger, tenth, how))
             tenth += 1
         _purge_under_load(result, purger, shape, top, claim_rate, threads, layout, tenth, loaded)
     finally:
@@ -908,7 +913,7 @@ def _purge_under_load(
             windows[how].append(window(0, purge_now))
             if how not in STEADY:  # the next tenth: the steady purge takes its first hour
                 tenth, hours = tenth + 1, 0
-            purges[how].append(purged | _left_behind())
+            purges[how].append(_left_behind(purged))
             p99s[how] = percentile(windows[how][-1].latencies_ms, 0.99)
         for how, p99 in p99s.items():
             if how and p99s[""]:
