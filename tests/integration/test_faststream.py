@@ -22,6 +22,7 @@ from inbox_middleware.faststream import (
     StampIdentity,
     identity_headers,
 )
+from inbox_middleware.faststream._consumer import InboxConsumer
 
 from ..apps.domain import apply_credit_async, balance, effects
 from ..support import services
@@ -110,6 +111,43 @@ async def test_faststream__sequential_duplicate_has_one_effect(h, inbox, pg_engi
     )
     assert (row["handler_version"], row["hash_scheme"]) == ("3", "faststream-json.v2")
     assert await h.leftover() == 0
+
+
+@pytest.mark.parametrize("kind", ["rabbit"])
+async def test_faststream__the_consumer_dependency_checks_until_the_middleware_settles_it(
+    h, inbox, pg_engine, seen, monkeypatch
+):
+    # Given the consumer dependency's own check counted, and one handler subscribed
+    # on a broker the inbox's middleware runs and on one without it
+    resolved: list[str] = []
+    check = InboxConsumer.__call__
+
+    async def counted(self: InboxConsumer) -> None:
+        resolved.append(self.name)
+        await check(self)
+
+    monkeypatch.setattr(InboxConsumer, "__call__", counted)
+    handle = credit(h, inbox)
+    bare = Harness("rabbit", [])
+    bare.broker.subscriber(bare.source, dependencies=[inbox.consumer("billing")])(handle)
+    async with h.broker:
+        await h.broker.start()
+        # When three messages run through the inbox
+        for n in range(3):
+            await h.publish(ORDER, ident(f"ord-{n}"))
+        await eventually(lambda: applied(pg_engine) == 3, what="three effects")
+    # Then each applied once, and the dependency never resolved: the middleware settles
+    # every message of this subscriber, and took it off the subscriber's calls first
+    assert seen.count("processed") == 3
+    assert resolved == []
+    # And on the broker without the middleware the same handler resolves it, and refuses
+    from faststream.rabbit import TestRabbitBroker
+
+    async with TestRabbitBroker(bare.broker) as broker:
+        with pytest.raises(ConfigurationError, match="not running under the inbox middleware"):
+            await broker.publish(ORDER, bare.source, headers=ident("ord-9"))
+    assert resolved == ["billing"]
+    assert applied(pg_engine) == 3
 
 
 # Kafka reads each partition one message at a time: its concurrent duplicates are two

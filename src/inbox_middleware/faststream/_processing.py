@@ -82,7 +82,7 @@ from .._observe.tracing import OFF, NoTracing, Tracing
 from .._operate.reporting import report
 from ._batch import consume_batch, hold_batch
 from ._brokers import BrokerAdapter, Item
-from ._consumer import InboxConsumer, _Unset
+from ._consumer import InboxConsumer, _Unset, resolved_no_more
 from ._context import (
     Attempt,
     BatchItem,
@@ -146,6 +146,7 @@ class Subscription:
         subscriber = adapter.subscriber
         self.publishes = any(call.handler._publishers for call in getattr(subscriber, "calls", ()))
         self.replies = not getattr(subscriber, "_no_reply", False)
+        self.resolves_consumer = True  # until `resolved_no_more` took it off its calls
 
     @property
     def missing_identity(self) -> str:
@@ -170,6 +171,10 @@ class Subscription:
         """Settle one message. Where the handler's result is published (publishers, a
         reply), the ack waits for the publish: a ``finish`` callback is appended, which the
         middleware awaits once FastStream has published, with the error if it failed."""
+        if self.resolves_consumer:
+            self.resolves_consumer = not resolved_no_more(
+                self.adapter.subscriber, self.consumer.inbox
+            )
         if self.adapter.batch:
             return await consume_batch(self, call_next, message)
         (item,) = self.adapter.items(message)
