@@ -24,11 +24,12 @@ UNSET = _Unset()
 
 @dataclass(frozen=True, slots=True, eq=False)
 class InboxConsumer:
-    """A subscriber's inbox declaration; also the dependency FastStream resolves per call.
+    """A subscriber's inbox declaration; also a dependency FastStream resolves per call.
 
     Resolving it checks that the inbox middleware is running this message, so a handler
     whose broker lacks ``middlewares=[inbox.middleware]`` fails instead of running
-    unprotected.
+    unprotected. Where the middleware runs the subscriber's messages, it takes the
+    dependency off the subscriber's calls at the first one (`resolved_no_more`).
     """
 
     inbox: object
