@@ -11,7 +11,7 @@ from .._core.policy import MissingIdentityPolicy
 from ._context import current_attempt
 from ._payload import CanonicalForm
 
-__all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "resolved_no_more"]
+__all__ = ["UNSET", "InboxConsumer", "MissingIdentityPolicy", "declared_by", "resolved_no_more"]
 
 
 class _Unset:
@@ -53,6 +53,11 @@ class InboxConsumer:
         return f"inbox.consumer({self.name!r})"
 
 
+def declared_by(value: object, owner: object) -> bool:
+    """Whether ``value`` is an `InboxConsumer` that ``owner`` (a `FastStreamInbox`) made."""
+    return isinstance(value, InboxConsumer) and value.inbox is owner
+
+
 def resolved_no_more(subscriber: Any, owner: object) -> bool:
     """Stop FastStream resolving ``owner``'s `InboxConsumer` for each message of
     ``subscriber``, a subscriber whose messages the inbox's middleware settles: whether
@@ -72,7 +77,5 @@ def resolved_no_more(subscriber: Any, owner: object) -> bool:
     for model in models:
         keys = getattr(model, "extra_dependencies", None)
         if isinstance(keys, tuple):
-            model.extra_dependencies = tuple(
-                key for key in keys if not (isinstance(key, InboxConsumer) and key.inbox is owner)
-            )
+            model.extra_dependencies = tuple(key for key in keys if not declared_by(key, owner))
     return True

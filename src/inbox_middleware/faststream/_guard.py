@@ -17,7 +17,7 @@ from typing import Any
 from faststream.middlewares import AckPolicy
 
 from ._brokers import BrokerAdapter, Peer, adapter_for
-from ._consumer import InboxConsumer
+from ._consumer import InboxConsumer, declared_by
 
 __all__ = ["Found", "find", "refusals"]
 
@@ -127,8 +127,7 @@ def _consumers(dependencies: Iterable[Any], owner: object) -> list[InboxConsumer
     return [
         dependant.dependency
         for dependant in dependencies
-        if isinstance(getattr(dependant, "dependency", None), InboxConsumer)
-        and dependant.dependency.inbox is owner
+        if declared_by(getattr(dependant, "dependency", None), owner)
     ]
 
 
