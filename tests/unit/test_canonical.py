@@ -19,6 +19,8 @@ import inbox_middleware
 from inbox_middleware._core.canonical import NotJSON, canonical_json, digest, loads
 from inbox_middleware._core.canonical_v1 import canonical_json as canonical_v1
 from inbox_middleware._core.exceptions import PayloadNotHashable
+from inbox_middleware._core.identity import MessageIdentity
+from inbox_middleware._core.protocol import Decision, Delivery, StoredClaim, compare
 from inbox_middleware.dramatiq._payload import SCHEME, V1_SCHEME, ActorPayload, CanonicalForm
 from inbox_middleware.faststream import _payload as faststream_payload
 from inbox_middleware.faststream._payload import JSON_SCHEME, JSON_V1_SCHEME, RAW_SCHEME
@@ -294,6 +296,21 @@ def test_faststream_rehash__a_v1_claim_is_compared_under_v1():
     assert rehash(JSON_V1_SCHEME) == v1
     assert rehash(JSON_SCHEME) == digest_v2.sha256
     assert rehash(RAW_SCHEME) == hashlib.sha256(body).hexdigest()
+
+
+@pytest.mark.parametrize("body", [b"", b"\xff\xfe", b"plain text", b"[1,"])
+def test_faststream_rehash__a_body_that_is_not_json_is_not_the_payload_of_a_json_claim(body):
+    # A copy that is not JSON met a claim hashed as JSON: no form under that scheme, so a
+    # conflict, where it used to raise NotJSON and fail at every redelivery.
+    ours, rehash = faststream_payload.payload_hash(body, {}, None)
+    assert ours.scheme == RAW_SCHEME
+    assert rehash(JSON_SCHEME) == ""
+    assert rehash(JSON_V1_SCHEME) == ""
+    json_claim = faststream_payload.builtin_hash(b'{"delta":2}')
+    assert json_claim.scheme == JSON_SCHEME
+    copy = Delivery("billing", MessageIdentity("orders", "o-1"), ours, rehash=rehash)
+    stored = StoredClaim(json_claim.sha256, JSON_SCHEME, "1", datetime.now(UTC))
+    assert compare(stored, copy) == (Decision.CONFLICT, True)
 
 
 def test_custom_forms__a_json_valued_form_is_versioned_with_the_canonical_json():

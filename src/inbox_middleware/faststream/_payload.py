@@ -203,7 +203,11 @@ def _rehash(
     body: bytes, headers: Mapping[str, Any], canonical: CanonicalForm | None, scheme: str
 ) -> str | None:
     if scheme == JSON_SCHEME:
-        return hash_bytes(canonical_json(loads(body)), scheme).sha256
+        try:
+            value = loads(body)
+        except NotJSON:
+            return ""  # not JSON: not the payload a claim hashed as JSON holds
+        return hash_bytes(canonical_json(value), scheme).sha256
     if scheme == JSON_V1_SCHEME:
         value = _v1_json(body)
         if value is _NOT_JSON:
