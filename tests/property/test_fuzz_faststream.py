@@ -4,10 +4,14 @@ Each example publishes a batch of messages whose identity headers hold values dr
 `strategies` (text that is empty, huge, with control characters, SQL metacharacters; and
 other AMQP types: bytes, invalid UTF-8, numbers, booleans, void, arrays, tables) and whose
 body is hostile too (empty, huge, not UTF-8, not JSON, NaN, nested JSON, SQL), through one
-subscriber that handles one message at a time. A header that tags each message lets the
-test follow it. Then every message must have exactly one fate, the one the rules say
-(applied once, skipped as a duplicate, quarantined, or dead-lettered with a reason naming
-the header), and be where that fate puts it; no message lost, none failing unhandled.
+subscriber. A header that tags each message lets the test follow it. Then every message
+must have exactly one fate, the one the rules say (applied once, skipped as a duplicate,
+quarantined, or dead-lettered with a reason naming the header), and be where that fate
+puts it; no message lost, none failing unhandled. The subscriber runs the deliveries in
+its prefetch window at once, as FastStream's RabbitMQ subscriber does by default, and
+each message is held back a drawn few milliseconds, so copies of one intent reach the
+inbox in any order: of each intent's copies exactly one is applied, and the rest are
+duplicates or conflicts of that one.
 
 The rules read the headers as the subscriber received them, after AMQP's encoding.
 """
@@ -52,6 +56,7 @@ SETTINGS = settings(
     ],
 )
 TAG = "x-fuzz-seq"
+LAG = "x-fuzz-lag"  # milliseconds the test holds a delivery back before the inbox
 LIMITS = {PRODUCER: s.NAME_LIMIT, MESSAGE_ID: s.MESSAGE_ID_LIMIT, TENANT: s.NAME_LIMIT}
 INT64 = 2**63 - 1
 
@@ -114,6 +119,31 @@ def messages(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
         headers["x-note"] = draw(hostile(64))
     raw = draw(body() if fault == "payload" else st.sampled_from([b'{"delta":1}', b'{"delta":2}']))
     return headers, raw
+
+
+# aio-pika runs the deliveries in a subscriber's prefetch window at once, so which copy of
+# an intent claims first is not the order they were sent in. Each message waits a drawn
+# number of milliseconds before the inbox, so that the examples try many orders.
+LAGS = st.lists(st.integers(0, 15), min_size=16, max_size=16)
+
+# A CI run's failure: the third copy of ("o'brien", "o-2") claimed before the second, which
+# the rules, reading the batch in the order sent, had expected to be applied.
+LATER_COPY_FIRST = [
+    ({PRODUCER: "o'brien", MESSAGE_ID: "o-2", TENANT: "", PRODUCED_AT: 616}, b'{"delta":2}'),
+    ({PRODUCER: "orders", MESSAGE_ID: "emoji-\U0001f642", TENANT: ""}, b'{"delta":1}'),
+    ({PRODUCER: "orders", MESSAGE_ID: "o-2"}, b'{"delta":2}'),
+    ({PRODUCER: "o'brien", MESSAGE_ID: "o-2"}, b'{"delta":1}'),
+    ({PRODUCER: "orders", MESSAGE_ID: "emoji-\U0001f642", TENANT: ""}, b'{"delta":1}'),
+    ({PRODUCER: "o'brien", MESSAGE_ID: "o-2"}, b'{"delta":1}'),
+    ({PRODUCER: "orders", MESSAGE_ID: "o-1", PRODUCED_AT: 97}, b'{"delta":2}'),
+]
+
+# A copy whose body is not JSON met a claim hashed as JSON: a conflict (it failed with
+# NotJSON at every redelivery before).
+NOT_JSON_AFTER_JSON = [
+    ({PRODUCER: "orders", MESSAGE_ID: "o-1"}, b'{"delta":2}'),
+    ({PRODUCER: "orders", MESSAGE_ID: "o-1"}, b""),
+]
 
 
 def usable(received: dict[str, Any]) -> bool:
@@ -189,6 +219,7 @@ class Follow:
                 if tag is None:
                     return await call_next(msg)
                 follow.received[tag] = dict(msg.headers)
+                await asyncio.sleep(int(msg.headers[LAG]) / 1000)
                 try:
                     result = await call_next(msg)
                 except AckMessage as exc:
@@ -230,12 +261,15 @@ def test_fuzz_faststream__every_message_is_applied_skipped_quarantined_or_dead_l
         await inbox.check(broker)
         await broker.start()
 
-    async def publish_batch(batch: list[tuple[dict[str, Any], bytes]]) -> list[str]:
+    async def publish_batch(
+        batch: list[tuple[dict[str, Any], bytes]], lags: list[int]
+    ) -> list[str]:
         tags = []
-        for headers, raw in batch:
+        for (headers, raw), lag in zip(batch, lags, strict=False):
             tag = str(next(numbers))
             tags.append(tag)
-            await broker.publish(raw, source, headers={**headers, TAG: tag}, persist=True)
+            marks = {TAG: tag, LAG: str(lag)}
+            await broker.publish(raw, source, headers={**headers, **marks}, persist=True)
         await eventually(
             lambda: all(t in follow.outcomes for t in tags), timeout=30, what="every outcome"
         )
@@ -245,7 +279,7 @@ def test_fuzz_faststream__every_message_is_applied_skipped_quarantined_or_dead_l
     try:
 
         @SETTINGS
-        @given(batch=st.lists(messages(), min_size=1, max_size=16))
+        @given(batch=st.lists(messages(), min_size=1, max_size=16), lags=LAGS)
         @example(
             batch=[
                 ({PRODUCER: "orders", MESSAGE_ID: "o-1"}, b'{"delta":1}'),
@@ -253,15 +287,18 @@ def test_fuzz_faststream__every_message_is_applied_skipped_quarantined_or_dead_l
                     {PRODUCER: "orders", MESSAGE_ID: "o-1", "x-note": "nul\x00inside"},
                     b'{"delta":2}',
                 ),
-            ]
+            ],
+            lags=[0] * 16,
         )
-        def check(batch: list[tuple[dict[str, Any], bytes]]) -> None:
+        @example(batch=NOT_JSON_AFTER_JSON, lags=[0, 10])
+        @example(batch=LATER_COPY_FIRST, lags=[8, 8, 8, 12, 8, 0, 8])
+        def check(batch: list[tuple[dict[str, Any], bytes]], lags: list[int]) -> None:
             with pg_engine.begin() as conn:
                 conn.exec_driver_sql(
                     "TRUNCATE consumer_inbox, inbox_quarantine, inbox_attempts, inbox_poison, "
                     "fuzz_effects"
                 )
-            tags = loop.run_until_complete(publish_batch(batch))
+            tags = loop.run_until_complete(publish_batch(batch, lags))
             dead, quarantined = loop.run_until_complete(_destinations(broker, source))
             _check_fates(tags, batch, follow, pg_engine, dead, quarantined)
 
@@ -304,8 +341,7 @@ def _check_fates(tags, batch, follow, pg_engine, dead, quarantined) -> None:
         applied = [tag for (tag,) in conn.execute(text("SELECT message_id FROM fuzz_effects"))]
         rows = conn.execute(text("SELECT message_id FROM inbox_quarantine")).all()
     assert len(applied) == len(set(applied)), "a message was applied twice"
-    first: dict[tuple[str, str, str], str] = {}
-    conflicts: set[tuple[tuple[str, str, str], str]] = set()
+    usable_tags: list[tuple[str, tuple[str, str, str], str]] = []
     for tag, (sent, raw) in zip(tags, batch, strict=True):
         outcomes = follow.outcomes[tag]
         assert len(outcomes) == 1, f"{sent!r}: delivered {len(outcomes)} times: {outcomes}"
@@ -321,16 +357,26 @@ def _check_fates(tags, batch, follow, pg_engine, dead, quarantined) -> None:
             else:
                 assert any(name in reason["detail"] for name in (*LIMITS, PRODUCED_AT)), reason
             continue
-        key, form = intent(received), builtin_hash(raw).sha256
-        if key not in first:
-            first[key] = form
+        usable_tags.append((tag, intent(received), builtin_hash(raw).sha256))
+    # Of each intent's copies exactly one is applied, whichever claimed first; the others
+    # are duplicates if they carry its payload, conflicts if not.
+    applied_form: dict[tuple[str, str, str], str] = {}
+    for tag, key, form in usable_tags:
+        if follow.outcomes[tag][0] == "processed":
+            assert key not in applied_form, f"{key!r} applied twice"
+            applied_form[key] = form
+    conflicts: set[tuple[tuple[str, str, str], str]] = set()
+    for tag, key, form in usable_tags:
+        (outcome,) = follow.outcomes[tag]
+        assert key in applied_form, f"no copy of {key!r} applied"
+        if outcome == "processed":
             expected = "processed"
-        elif first[key] == form:
+        elif applied_form[key] == form:
             expected = "skipped: duplicate"
         else:
             expected = "skipped: conflict"
             conflicts.add((key, form))
-        assert outcome.startswith(expected), f"{received!r} {raw[:40]!r}: {outcome}"
+        assert outcome.startswith(expected), f"{follow.received[tag]!r}: {outcome}"
         assert (tag in applied) == (expected == "processed")
         assert (tag in quarantined) == (expected == "skipped: conflict")
         assert tag not in dead
