@@ -78,3 +78,15 @@ def test_backoff__rabbitmqs_wait_queues_round_a_delay_up_to_a_few_steps() -> Non
     spread = {_wait_step(5 + n / 100) for n in range(500)}  # a pause of 5 s, spread
     assert spread == {5000, 6000, 7000, 8000, 10000}
     assert all(_wait_step(ms / 1000) >= ms for ms in range(1, 100_000, 7))
+
+
+def test_backoff__a_claim_in_progress_comes_back_after_the_consumer_s_in_progress_delay():
+    from inbox_middleware._core.consumption import HandedBack
+    from inbox_middleware._core.exceptions import ClaimInProgress, DatabaseUnavailable
+
+    held = HandedBack(ClaimInProgress("another delivery holds it"), counted=False)
+    assert held.wait(7, lambda: 0.2, in_progress=0.3) == 0.3
+    assert held.wait(7, lambda: 0.2) == 0.2  # none set: the hand-back backoff
+    # other hand-backs keep the backoff whatever in_progress says
+    down = HandedBack(DatabaseUnavailable("x"), counted=False)
+    assert down.wait(7, lambda: 0.2, in_progress=0.3) == 0.2

@@ -52,6 +52,7 @@ from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
 from .exceptions import (
+    ClaimInProgress,
     ClaimNotCommitted,
     CommitUnanswered,
     DatabaseUnavailable,
@@ -534,9 +535,13 @@ class HandedBack:
     delay: float | None = None
     """Seconds requested by the handler; None: the adapter's backoff decides."""
 
-    def wait(self, key: Hashable, backoff: Callable[[], float]) -> float:
-        """Seconds before the message comes back: the handler's requested delay, else the
-        adapter's ``backoff``, but never sooner than its database is tried again.
+    def wait(
+        self, key: Hashable, backoff: Callable[[], float], in_progress: float | None = None
+    ) -> float:
+        """Seconds before the message comes back: the handler's requested delay; for a
+        claim another delivery holds (`ClaimInProgress`), ``in_progress`` when the consumer
+        sets one; else the adapter's ``backoff``, but never sooner than its database is
+        tried again.
 
         A database found down (``DatabaseUnavailable.retry_after``) is not tried again for
         a pause that grows while it stays down; its deliveries come back after that pause,
@@ -546,6 +551,8 @@ class HandedBack:
         deliveries) nor all come back in the same instant."""
         if self.delay is not None:
             return self.delay
+        if in_progress is not None and isinstance(self.error, ClaimInProgress):
+            return in_progress
         wait = backoff()
         after = getattr(self.error, "retry_after", None)
         if isinstance(after, int | float) and after > 0:

@@ -58,7 +58,6 @@ from .._core.consumption import (
     backoff_delay,
 )
 from .._core.exceptions import (
-    ClaimInProgress,
     ConfigurationError,
     DirectPublishRefused,
     IdentityError,
@@ -571,12 +570,11 @@ class InboxMiddleware(dramatiq.Middleware):
                 self.broker_of(bound).enqueue(message._message, delay=round(delay * 1000))
 
     def _hand_back_delay(self, settlement: HandedBack, pending: Pending) -> float:
-        if isinstance(settlement.error, ClaimInProgress) and self.in_progress_delay is not None:
-            return self.in_progress_delay / 1000
         delivery = pending.arrival.delivery if pending.arrival else None
         backoff = self.backoffs[pending.message.actor_name]
         key = delivery.key if delivery else pending.message.message_id
-        return settlement.wait(key, lambda: backoff.next(key))
+        in_progress = None if self.in_progress_delay is None else self.in_progress_delay / 1000
+        return settlement.wait(key, lambda: backoff.next(key), in_progress)
 
     def broker_of(self, bound: InboxActor) -> Broker:
         return bound.actor.broker
