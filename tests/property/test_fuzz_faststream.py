@@ -124,7 +124,7 @@ def messages(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     return headers, raw
 
 
-# aio-pika runs the deliveries in a subscriber's prefetch window at once, so which copy of
+# aio-pika (aiormq) runs the deliveries of a prefetch window at once, so which copy of
 # an intent claims first is not the order they were sent in. Each message waits a drawn
 # number of milliseconds before the inbox, so that the examples try many orders.
 LAGS = st.lists(st.integers(0, 15), min_size=16, max_size=16)
