@@ -3,14 +3,16 @@
 Each example sends a batch of messages whose identity options and argument are drawn
 from `strategies` (empty, huge, not text, control characters, lone surrogates, SQL
 metacharacters, nested and deeply nested JSON, keys that collide once normalised, odd
-producer timestamps), with an extra option of the same kind, through one worker thread
-(so the order, and which payload of an intent comes first, is the sending order). Then
-every message must have exactly one fate, the one the rules say:
+producer timestamps), with an extra option of the same kind, through a worker of four
+threads; each message waits a drawn few milliseconds before the inbox, so copies of one
+intent reach their claim in any order. Then every message must have exactly one fate,
+the one the rules say:
 
 * unusable identity or payload: dead-lettered, with a log line that names the message
   and says what is wrong (the option, or the JSON path);
-* usable, first of its intent: applied once; same intent again with an equal canonical
-  payload: skipped; with another payload: quarantined (table row and queue);
+* usable: of an intent's copies exactly one is applied, whichever claimed first; the
+  others with an equal canonical payload are skipped, with another payload quarantined
+  (table row and queue);
 * nothing else: no message lost, none failing with an unhandled error.
 """
 
@@ -109,6 +111,18 @@ def intent(options: dict[str, Any]) -> tuple[str, str, str]:
     )
 
 
+LAG = "fuzz_lag"
+"""The option holding the milliseconds a message waits before the inbox (`Lag`)."""
+LAGS = st.lists(st.integers(0, 15), min_size=16, max_size=16)
+
+
+class Lag(Middleware):
+    """Holds each message back its drawn milliseconds, before the inbox's hook runs."""
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        time.sleep(message.options.get(LAG, 0) / 1000)
+
+
 class Outcomes(Middleware):
     """What the worker did with each message (each ends in exactly one of these calls)."""
 
@@ -163,6 +177,7 @@ def test_fuzz_dramatiq__every_message_is_applied_skipped_quarantined_or_dead_let
     broker = rabbitmq_broker
     outcomes = Outcomes()
     broker.add_middleware(outcomes)
+    broker.add_middleware(Lag())
     broker.add_middleware(CurrentMessage())
     broker.add_middleware(InboxMiddleware(pg_engine))
     with pg_engine.begin() as conn:
@@ -180,12 +195,13 @@ def test_fuzz_dramatiq__every_message_is_applied_skipped_quarantined_or_dead_let
 
     caplog.set_level(logging.ERROR, logger="inbox_middleware")
 
-    with running_worker(broker, threads=1):
+    with running_worker(broker, threads=4):
 
         @SETTINGS
-        @given(batch=st.lists(messages(), min_size=1, max_size=16))
-        @example(batch=CONFLICT_WITH_NUL)
-        def check(batch: list[tuple[dict[str, Any], Any]]) -> None:
+        @given(batch=st.lists(messages(), min_size=1, max_size=16), lags=LAGS)
+        @example(batch=CONFLICT_WITH_NUL, lags=[0] * 16)
+        @example(batch=CONFLICT_WITH_NUL, lags=[12, 0])  # the second copy claims first
+        def check(batch: list[tuple[dict[str, Any], Any]], lags: list[int]) -> None:
             with pg_engine.begin() as conn:
                 conn.exec_driver_sql(
                     "TRUNCATE consumer_inbox, inbox_quarantine, inbox_attempts, inbox_poison, "
@@ -194,8 +210,12 @@ def test_fuzz_dramatiq__every_message_is_applied_skipped_quarantined_or_dead_let
             caplog.clear()
             outcomes.clear()
             sent = [
-                (record.send_with_options(args=(payload,), **options), options, payload)
-                for options, payload in batch
+                (
+                    record.send_with_options(args=(payload,), **options, **{LAG: lag}),
+                    options,
+                    payload,
+                )
+                for (options, payload), lag in zip(batch, lags, strict=False)
             ]
             _until(lambda: len(outcomes.seen) >= len(sent), "every message to be handled")
             _check_fates(sent, pg_engine, caplog, outcomes, broker, queue)
@@ -203,25 +223,36 @@ def test_fuzz_dramatiq__every_message_is_applied_skipped_quarantined_or_dead_let
         check()
 
 
-def expected_fates(sent: list[tuple[Any, dict[str, Any], Any]]) -> dict[str, str]:
-    """What must happen to each message (by Dramatiq message id), by the rules alone."""
+def expected_fates(
+    sent: list[tuple[Any, dict[str, Any], Any]], applied: set[str]
+) -> dict[str, str]:
+    """What must happen to each message (by Dramatiq message id), by the rules and by
+    which copy of each intent was applied (whichever claimed first): exactly one."""
     fates: dict[str, str] = {}
-    first: dict[tuple[str, str, str], bytes] = {}
+    winner: dict[tuple[str, str, str], bytes] = {}
+    usable_sent = []
     for message, options, payload in sent:
         if not usable(options, payload):
             fates[message.message_id] = "dead"
             continue
         key, form = intent(options), canonical_json(payload)
-        if key not in first:
-            first[key] = form
-            fates[message.message_id] = "applied"
+        usable_sent.append((message.message_id, key, form))
+        if message.message_id in applied:
+            assert key not in winner, f"{key!r}: two copies applied"
+            winner[key] = form
+    for mid, key, form in usable_sent:
+        assert key in winner, f"{key!r}: no copy applied"
+        if mid in applied:
+            fates[mid] = "applied"
         else:
-            fates[message.message_id] = "skipped" if first[key] == form else "quarantined"
+            fates[mid] = "skipped" if winner[key] == form else "quarantined"
     return fates
 
 
 def _check_fates(sent, pg_engine, caplog, outcomes, broker, queue) -> None:
-    expected = expected_fates(sent)
+    with pg_engine.connect() as conn:
+        committed = {m for (m,) in conn.execute(text("SELECT message_id FROM fuzz_effects"))}
+    expected = expected_fates(sent, committed)
     # A skipped message is settled (acked, or nacked to the dead-letter queue) just after
     # the worker reports it: read the destinations until what should be there is.
     dead: set[str] = set()
