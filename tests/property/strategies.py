@@ -182,3 +182,28 @@ def usable_payload(value: object, depth: int = 0) -> bool:
             and all(usable_payload(v, depth + 1) for v in value.values())
         )
     return False
+
+
+def lags() -> st.SearchStrategy[list[int]]:
+    """Milliseconds each message of a batch (up to 16) waits before the inbox, so that
+    copies of one intent reach their claims in any order."""
+    return st.lists(st.integers(0, 15), min_size=16, max_size=16)
+
+
+def fates_by_claim(usable: list[tuple[str, Any, Any]], applied: set[str]) -> dict[str, str]:
+    """The fate each usable message (``(id, intent, payload form)``) must have, given the
+    ids ``applied``: of an intent's copies exactly one, whichever claimed first; the others
+    ``duplicate`` with its payload form, ``conflict`` with another."""
+    winner: dict[Any, Any] = {}
+    for mid, key, form in usable:
+        if mid in applied:
+            assert key not in winner, f"{key!r}: two copies applied"
+            winner[key] = form
+    fates = {}
+    for mid, key, form in usable:
+        assert key in winner, f"{key!r}: no copy applied"
+        if mid in applied:
+            fates[mid] = "applied"
+        else:
+            fates[mid] = "duplicate" if winner[key] == form else "conflict"
+    return fates

@@ -113,7 +113,6 @@ def intent(options: dict[str, Any]) -> tuple[str, str, str]:
 
 LAG = "fuzz_lag"
 """The option holding the milliseconds a message waits before the inbox (`Lag`)."""
-LAGS = st.lists(st.integers(0, 15), min_size=16, max_size=16)
 
 
 class Lag(Middleware):
@@ -198,7 +197,7 @@ def test_fuzz_dramatiq__every_message_is_applied_skipped_quarantined_or_dead_let
     with running_worker(broker, threads=4):
 
         @SETTINGS
-        @given(batch=st.lists(messages(), min_size=1, max_size=16), lags=LAGS)
+        @given(batch=st.lists(messages(), min_size=1, max_size=16), lags=s.lags())
         @example(batch=CONFLICT_WITH_NUL, lags=[0] * 16)
         @example(batch=CONFLICT_WITH_NUL, lags=[12, 0])  # the second copy claims first
         def check(batch: list[tuple[dict[str, Any], Any]], lags: list[int]) -> None:
@@ -229,23 +228,15 @@ def expected_fates(
     """What must happen to each message (by Dramatiq message id), by the rules and by
     which copy of each intent was applied (whichever claimed first): exactly one."""
     fates: dict[str, str] = {}
-    winner: dict[tuple[str, str, str], bytes] = {}
     usable_sent = []
     for message, options, payload in sent:
-        if not usable(options, payload):
-            fates[message.message_id] = "dead"
-            continue
-        key, form = intent(options), canonical_json(payload)
-        usable_sent.append((message.message_id, key, form))
-        if message.message_id in applied:
-            assert key not in winner, f"{key!r}: two copies applied"
-            winner[key] = form
-    for mid, key, form in usable_sent:
-        assert key in winner, f"{key!r}: no copy applied"
-        if mid in applied:
-            fates[mid] = "applied"
+        if usable(options, payload):
+            usable_sent.append((message.message_id, intent(options), canonical_json(payload)))
         else:
-            fates[mid] = "skipped" if winner[key] == form else "quarantined"
+            fates[message.message_id] = "dead"
+    named = {"applied": "applied", "duplicate": "skipped", "conflict": "quarantined"}
+    for mid, fate in s.fates_by_claim(usable_sent, applied).items():
+        fates[mid] = named[fate]
     return fates
 
 

@@ -203,11 +203,9 @@ def _rehash(
     body: bytes, headers: Mapping[str, Any], canonical: CanonicalForm | None, scheme: str
 ) -> str | None:
     if scheme == JSON_SCHEME:
-        try:
-            value = loads(body)
-        except NotJSON:
-            return ""  # not JSON: not the payload a claim hashed as JSON holds
-        return hash_bytes(canonical_json(value), scheme).sha256
+        hashed = builtin_hash(body)
+        # not JSON (hashed as bytes): not the payload a claim hashed as JSON holds
+        return hashed.sha256 if hashed.scheme == JSON_SCHEME else ""
     if scheme == JSON_V1_SCHEME:
         value = _v1_json(body)
         if value is _NOT_JSON:
