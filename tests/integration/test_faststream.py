@@ -617,8 +617,11 @@ async def test_faststream__binary_bodies_are_compared_byte_for_byte(inbox, pg_en
     try:
         async with h.broker:
             await h.broker.start()
-            await h.publish(b"\x00\xff payload", ident("bin-1"))
-            await h.publish(b"\x00\xff payload", ident("bin-1"))
+            # One at a time: a subscriber runs its prefetch window's deliveries at once,
+            # and the copy that claims first is the one applied.
+            for number, body in enumerate([b"\x00\xff payload", b"\x00\xff payload"]):
+                await h.publish(body, ident("bin-1"))
+                await eventually(lambda n=number: len(seen.outcomes) > n, what="its outcome")
             await h.publish(b"\x00\xfe payload", ident("bin-1"))
             await eventually(lambda: len(seen.outcomes) == 3, what="three outcomes")
     finally:
@@ -639,7 +642,9 @@ async def test_faststream__stamp_identity_sets_headers_and_refuses_messages_with
     try:
         async with h.broker:
             await h.broker.start()
+            # One at a time: a subscriber runs its prefetch window's deliveries at once.
             await h.broker.publish({"order_id": "o-1", **ORDER}, h.source)
+            await eventually(lambda: len(seen.outcomes) == 1, what="the first outcome")
             await h.broker.publish({"order_id": "o-1", **ORDER}, h.source)
             with pytest.raises(MissingIdentity, match="has no x-inbox-message-id"):
                 await h.broker.publish(ORDER, h.source)
