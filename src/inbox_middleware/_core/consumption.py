@@ -3,8 +3,9 @@
 An adapter turns a framework's message into an `Arrival` (the delivery, or why there is
 none, and what the broker says about earlier deliveries) and drives `settle_steps` with
 its own I/O: the generator yields the operations to perform (`Op`), receives their
-results or their exceptions, and returns exactly one `Settlement`. The adapter then
-tells the broker, in one ``match``::
+results or their exceptions, and returns exactly one `Settlement`, which
+`broker_operation` turns into what the adapter tells the broker, once (ack, reject to the
+broker's own dead-letter path, or hand back)::
 
     Arrival ──> held (the start-up check has not passed)? ──> CountHandBack ──> HandedBack
        ├──> missing identity? ── policy: process ──> RunUnprotected ──> Processed
@@ -31,8 +32,9 @@ yields `SendOutputs` before it settles; a failure there is `outputs_failed_steps
 claim stays: handed back and counted, poison ``outputs_undeliverable`` when the attempts
 run out). A batch subscriber's messages are settled as a whole by `settle_batch_steps`,
 each setting applied to each message of the batch as to one message (the redelivery limit
-where the broker counts each message's deliveries). Whether the claim's transaction may
-commit is decided here too, from what storage saw of it (`commit_refusal`).
+where the broker counts each message's deliveries; `batch_operation` says what its broker
+is told). Whether the claim's transaction may commit is decided here too, from what
+storage saw of it (`commit_refusal`).
 
 Settlement is total: an exception from any operation (the database at any step, a
 publish, the inbox's own bug) is decided here, never passed to the framework. An error
@@ -94,6 +96,7 @@ __all__ = [
     "BatchProcessed",
     "BatchRejected",
     "BatchSettlement",
+    "BrokerOperation",
     "CountFailure",
     "CountHandBack",
     "CountRedelivery",
@@ -122,9 +125,12 @@ __all__ = [
     "RunUnprotected",
     "SendOutputs",
     "Settlement",
+    "Tell",
     "TransactionState",
     "Unfit",
     "backoff_delay",
+    "batch_operation",
+    "broker_operation",
     "commit_refusal",
     "conflict_details",
     "describe",
@@ -568,6 +574,52 @@ class HandedBack:
 
 
 Settlement = Processed | Duplicate | Quarantined | DeadLettered | Poisoned | HandedBack
+
+
+# -- what the broker is told --------------------------------------------------------------
+
+
+class Tell(StrEnum):
+    """What the broker is told of a settled delivery: once, by the adapter."""
+
+    ACK = "ack"
+    """Settled: its effect committed, or the inbox recorded why not (a duplicate, a
+    quarantine row, a poison row, a dead letter it published itself)."""
+    REJECT = "reject"
+    """Settled by the broker's own dead-letter path: nothing of it ran, or it failed for
+    good, and the adapter has no dead-letter destination of its own to publish it to."""
+    HAND_BACK = "hand_back"
+    """Rolled back: given back to the broker for a later delivery."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerOperation:
+    """The broker operation a settlement comes to (`broker_operation`)."""
+
+    tell: Tell
+    counted: bool = False
+    """For a hand-back: the attempt counted as a failure, which a framework that counts
+    its own retries (Dramatiq's Retries) takes; the wait is `HandedBack.wait`."""
+    rejected: tuple[int, ...] = ()
+    """For a batch's ack: the items rejected first, to the broker's own dead-letter path."""
+
+    @property
+    def settled(self) -> bool:
+        """The delivery is done with: its hand-back backoff is forgotten."""
+        return self.tell is not Tell.HAND_BACK
+
+
+def broker_operation(settlement: Settlement, *, dead_letter_destination: bool) -> BrokerOperation:
+    """What the broker is told of ``settlement``: a hand-back is handed back; a delivery
+    dead-lettered or kept as poison is acked when the adapter published it to its own
+    ``dead_letter_destination``, else rejected to the broker's own path; every other
+    settlement is acked."""
+    match settlement:
+        case HandedBack(counted=counted):
+            return BrokerOperation(Tell.HAND_BACK, counted=counted)
+        case DeadLettered() | Poisoned() if not dead_letter_destination:
+            return BrokerOperation(Tell.REJECT)
+    return BrokerOperation(Tell.ACK)
 
 
 # -- the core -------------------------------------------------------------------------------
@@ -1199,6 +1251,19 @@ class BatchRejected:
 
 
 BatchSettlement = BatchProcessed | BatchRejected | HandedBack
+
+
+def batch_operation(
+    settlement: BatchSettlement, *, dead_letter_destination: bool
+) -> BrokerOperation:
+    """What the broker is told of a batch's ``settlement``, as a whole: handed back, or
+    acked; the items dead-lettered in it are rejected first (``rejected``) when the
+    adapter has no ``dead_letter_destination`` of its own (it published them otherwise)."""
+    match settlement:
+        case HandedBack(counted=counted):
+            return BrokerOperation(Tell.HAND_BACK, counted=counted)
+        case BatchProcessed(dead_lettered=indexes) | BatchRejected(dead_lettered=indexes):
+            return BrokerOperation(Tell.ACK, rejected=() if dead_letter_destination else indexes)
 
 
 def settle_batch_steps(

@@ -55,7 +55,9 @@ from .._core.consumption import (
     Quarantined,
     RetryBudget,
     Settlement,
+    Tell,
     backoff_delay,
+    broker_operation,
 )
 from .._core.exceptions import (
     ConfigurationError,
@@ -484,6 +486,33 @@ class InboxMiddleware(dramatiq.Middleware):
             faults.at("settle", delivery.identity.message_id if delivery else None)
         except Exception:
             logger.exception("could not report a settlement of %s", bound.consumer)
+        # Dramatiq has no dead-letter destination of the inbox's: a message rejected goes
+        # to the broker's own dead-letter queue (``message.fail()``).
+        operation = broker_operation(settlement, dead_letter_destination=False)
+        if operation.settled and delivery is not None:
+            self.backoffs[bound.actor.actor_name].forget(delivery.key)
+        match settlement, operation.tell:
+            case ((DeadLettered(reason=reason) | Poisoned(reason=reason)), Tell.REJECT):
+                if isinstance(settlement, Poisoned):  # Retries and Callbacks see no failure
+                    bound.notify_failure(message, settlement)
+                message.fail()
+                self._quiet.mark(message)
+                raise self._skip(bound, f"dead-lettered for {bound.consumer}: {reason}")
+            case HandedBack(error=error), Tell.HAND_BACK if operation.counted:
+                cause = error.cause if isinstance(error, HandBackRequested) else None
+                self._expect_requeue(message, self.backoffs[message.actor_name].first)
+                raise cause or error  # Retries retries it, and counts it
+            case HandedBack(error=error), Tell.HAND_BACK:
+                delay = self._hand_back_delay(settlement, pending)
+                try:
+                    self._enqueue_again(bound, message, delay)
+                except Exception:
+                    logger.exception("could not hand message %s back", message.message_id)
+                    self._expect_requeue(message, delay)
+                    raise error from None  # not re-enqueued: Retries takes it (counted)
+                self._quiet.mark(message)
+                raise self._skip(bound, f"handed back for {bound.consumer}: {type(error).__name__}")
+        # Acked: what Dramatiq is told of it (the actor's result, or why it is skipped).
         match settlement:
             case Processed(result=result) if result is SKIPPED:
                 self._quiet.mark(message)
@@ -492,14 +521,10 @@ class InboxMiddleware(dramatiq.Middleware):
                 )
             case Processed(result=Output() as output) | Duplicate(output=Output() as output):
                 # Its pipeline step and on_success callback are sent already (the outputs).
-                assert delivery is not None
-                self.backoffs[bound.actor.actor_name].forget(delivery.key)
                 if isinstance(settlement, Duplicate):
                     _leave_the_barrier(message)
                 return bound.decode(output)
             case Processed(result=result):
-                if delivery is not None:
-                    self.backoffs[bound.actor.actor_name].forget(delivery.key)
                 return result
             case Duplicate():
                 self._quiet.mark(message)
@@ -513,26 +538,7 @@ class InboxMiddleware(dramatiq.Middleware):
                     f"identity conflict for {bound.consumer}: quarantined to "
                     f"{bound.quarantine_queue}",
                 )
-            case DeadLettered(reason=reason) | Poisoned(reason=reason):
-                if isinstance(settlement, Poisoned):  # Retries and Callbacks see no failure
-                    bound.notify_failure(message, settlement)
-                message.fail()
-                self._quiet.mark(message)
-                raise self._skip(bound, f"dead-lettered for {bound.consumer}: {reason}")
-            case HandedBack(error=error, counted=True):
-                cause = error.cause if isinstance(error, HandBackRequested) else None
-                self._expect_requeue(message, self.backoffs[message.actor_name].first)
-                raise cause or error  # Retries retries it, and counts it
-            case HandedBack(error=error):
-                delay = self._hand_back_delay(settlement, pending)
-                try:
-                    self._enqueue_again(bound, message, delay)
-                except Exception:
-                    logger.exception("could not hand message %s back", message.message_id)
-                    self._expect_requeue(message, delay)
-                    raise error from None  # not re-enqueued: Retries takes it (counted)
-                self._quiet.mark(message)
-                raise self._skip(bound, f"handed back for {bound.consumer}: {type(error).__name__}")
+        raise AssertionError(f"{settlement!r} told the broker {operation.tell}")
 
     def _skip(self, bound: InboxActor, reason: str) -> SkipMessage:
         """The SkipMessage that tells Dramatiq a message is settled (acked, not retried),

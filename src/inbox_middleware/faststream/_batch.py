@@ -4,7 +4,8 @@ The consumption core decides the batch's settlement (`consumption.settle_batch_s
 processed, handed back, or, when its attempts run out, each message kept as poison and
 dead-lettered; after the commit, conflicts are quarantined and messages without a usable
 identity dead-lettered one by one). This module performs the core's operations for the
-batch and tells the broker in one place, `_tell_batch`.
+batch and tells the broker what the core makes of the settlement
+(`consumption.batch_operation`) in one place, `_tell_batch`.
 """
 
 from __future__ import annotations
@@ -306,41 +307,40 @@ async def _tell_batch(
     except Exception:
         logger.exception("could not count a settlement of %s", name)
     match settlement:
-        case core.HandedBack(error=error):
+        case core.HandedBack():
             trace.settled(settlement)
-            wait = settlement.wait(key, lambda: sub.backoff.next(key))
-            await sub.adapter.retry_later(message, wait)
-            if not quiet:
-                logger.warning(
-                    "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
-                    name,
-                    type(error).__name__,
-                    error,
-                    wait,
-                )
-            if isinstance(error, TransientError) or not isinstance(error, Exception):
-                raise NackForRedelivery(f"{type(error).__name__}: {error}") from error
-            raise error
-        case BatchProcessed(result=result, dead_lettered=indexes):
+        case BatchProcessed(result=result):
             trace.settled(core.Processed(result))
-            await _settled(sub, message, key, indexes)
-            if settlement.ran and result is not ACKED:
-                return result
-        case BatchRejected(dead_lettered=indexes):
+        case BatchRejected():
             trace.settled(core.Processed())
-            await _settled(sub, message, key, indexes)
+    operation = core.batch_operation(
+        settlement, dead_letter_destination=sub.dead_letter is not None
+    )
+    if operation.settled:
+        sub.backoff.forget(key)
+        if operation.rejected:  # to the broker's own dead-letter path, before the ack
+            await sub.adapter.reject(message, list(operation.rejected))
+        await sub.adapter.ack(message)
+    else:
+        assert isinstance(settlement, core.HandedBack)
+        error = settlement.error
+        wait = settlement.wait(key, lambda: sub.backoff.next(key))
+        await sub.adapter.retry_later(message, wait)
+        if not quiet:
+            logger.warning(
+                "inbox consumer %s rolled back a batch (%s: %s); it is handed back in %.1fs",
+                name,
+                type(error).__name__,
+                error,
+                wait,
+            )
+        if isinstance(error, TransientError) or not isinstance(error, Exception):
+            raise NackForRedelivery(f"{type(error).__name__}: {error}") from error
+        raise error
+    # What FastStream is told of it: the handler's result, or why there is none.
+    if isinstance(settlement, BatchProcessed) and settlement.ran and settlement.result is not ACKED:
+        return settlement.result
     raise Skipped(f"batch for inbox consumer {name!r}: nothing first seen", logged=False)
-
-
-async def _settled(
-    sub: BatchSubscription, message: Any, key: Hashable, dead_lettered: tuple[int, ...]
-) -> None:
-    """Ack a settled batch, its dead-lettered items rejected first where the broker's own
-    dead-letter path takes them."""
-    sub.backoff.forget(key)
-    if dead_lettered and sub.dead_letter is None:
-        await sub.adapter.reject(message, list(dead_lettered))
-    await sub.adapter.ack(message)
 
 
 def _batch_items(

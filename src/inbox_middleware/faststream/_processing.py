@@ -2,9 +2,10 @@
 
 `Subscription.consume` turns each message into an `Arrival`, drives the consumption
 core with this subscriber's I/O (`_perform`: the claim's transaction, the bookkeeping,
-the quarantine and dead-letter publishes), and tells the broker the settlement in one
-place (`_tell`), before FastStream's acknowledgement middleware gets to the message; that
-middleware then finds it settled and does nothing, whatever the subscriber's ack policy.
+the quarantine and dead-letter publishes), and tells the broker what the core makes of
+the settlement (`broker_operation`) in one place (`_tell`), before FastStream's
+acknowledgement middleware gets to the message; that middleware then finds it settled
+and does nothing, whatever the subscriber's ack policy.
 The transaction and the ack follow the story drawn in `inbox_middleware._core.protocol`; what
 the settlements mean here: a duplicate is acked with the handler skipped; a conflict is
 published to ``<source>.quarantine`` (its row committed), then acked; a message without a
@@ -415,33 +416,35 @@ class Subscription:
             delivery.key if delivery else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
         )
         name = self.consumer.name
+        operation = core.broker_operation(
+            settlement, dead_letter_destination=self.dead_letter is not None
+        )
+        if operation.settled:
+            self.backoff.forget(key)
+        match operation.tell:
+            case core.Tell.ACK:
+                await self.adapter.ack(message)
+            case core.Tell.REJECT:
+                await self.adapter.reject(message)
+            case core.Tell.HAND_BACK:
+                assert isinstance(settlement, core.HandedBack)
+                wait = settlement.wait(key, lambda: self.backoff.next(key))
+                await self.adapter.retry_later(message, wait)
+        # What FastStream is told of it: the handler's result, or why there is none.
         match settlement:
             case Processed(result=result):
-                self.backoff.forget(key)
-                await self.adapter.ack(message)
                 if result is ACKED:
                     raise Skipped(
                         f"acknowledged by the handler of inbox consumer {name!r}", logged=False
                     )
                 return result
             case Duplicate():
-                self.backoff.forget(key)
-                await self.adapter.ack(message)
                 raise Skipped(f"duplicate delivery for inbox consumer {name!r}: already processed")
             case Quarantined():
-                self.backoff.forget(key)
-                await self.adapter.ack(message)
                 raise Skipped(f"conflict delivery for inbox consumer {name!r}: quarantined")
             case DeadLettered(error=error) | Poisoned(error=error):
-                self.backoff.forget(key)
-                if self.dead_letter is None:
-                    await self.adapter.reject(message)
-                else:
-                    await self.adapter.ack(message)
                 raise Skipped(f"rejected for inbox consumer {name!r}: {error}")
             case core.HandedBack(error=error):
-                wait = settlement.wait(key, lambda: self.backoff.next(key))
-                await self.adapter.retry_later(message, wait)
                 if isinstance(error, HandBackRequested) and error.cause is not None:
                     raise error.cause  # the handler's NackMessage: the message is nacked
                 if isinstance(error, Exception) and not isinstance(error, TransientError):
