@@ -140,7 +140,9 @@ async def test_startup__an_inbox_subscriber_added_to_a_running_broker_is_protect
             if subscriber is None:
                 pytest.fail("no new subscriber reused a dropped one's id: the case is not shown")
             await subscriber.start()
+            # One at a time: a subscriber runs its prefetch window's deliveries at once.
             await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
+            await eventually(lambda: len(seen.outcomes) == rounds + 1, what="the first outcome")
             await h.publish(ORDER, identity_headers(producer="orders", message_id="o-1"))
             await eventually(lambda: len(seen.outcomes) == rounds + 2, what="both deliveries")
             await subscriber.stop()

@@ -30,7 +30,7 @@ from inbox_middleware.outbox import Dispatcher
 
 from ..apps.domain import apply_credit, apply_credit_async
 from ..support.dramatiq_worker import drain, running_worker
-from ..support.faststream_brokers import Harness, eventually
+from ..support.faststream_brokers import Harness, Seen, eventually, recorder
 from ..support.workers import wait_for
 
 
@@ -277,7 +277,8 @@ async def test_metrics__faststream_decisions_and_missing_identity_move(
 ):
     consumer = name("ledger")
     inbox = FastStreamInbox(pg_async_engine, lock_timeout=10, retry_backoff=(0.05, 0.5))
-    h = Harness("rabbit", [inbox.middleware])
+    seen = Seen()
+    h = Harness("rabbit", [recorder(seen), inbox.middleware])
     inbox.guard(h.broker)
 
     @h.subscribe(inbox.consumer(consumer))
@@ -289,9 +290,11 @@ async def test_metrics__faststream_decisions_and_missing_identity_move(
         async with h.broker:
             await h.broker.start()
             ident = identity_headers(producer="shop", message_id="o-1")
-            await h.publish({"account": 1, "delta": 5}, ident)
-            await h.publish({"account": 1, "delta": 5}, ident)  # duplicate
-            await h.publish({"account": 1, "delta": 6}, ident)  # conflict
+            # One at a time: a subscriber runs its prefetch window's deliveries at once,
+            # and the copy that claims first is the one applied.
+            for number, delta in enumerate([5, 5, 6]):  # first, duplicate, conflict
+                await h.publish({"account": 1, "delta": delta}, ident)
+                await eventually(lambda n=number: len(seen.outcomes) > n, what="its outcome")
             await h.publish({"account": 1, "delta": 5}, {"x-inbox-producer": "shop"})  # no id
 
             def settled() -> bool:

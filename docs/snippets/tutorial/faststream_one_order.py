@@ -23,6 +23,9 @@ async def main() -> None:
     headers = identity_headers(producer="orders", message_id="order-1000")
     async with RabbitBroker(BROKER_URL) as broker:
         await broker.publish(order, QUEUE, headers=headers, persist=True)  # the order
+        # The app runs the messages it holds at once, so copies sent together reach the
+        # inbox in any order; here the order goes first, and its copies a moment later.
+        await asyncio.sleep(1)
         await broker.publish(order, QUEUE, headers=headers, persist=True)  # again: a duplicate
         conflict = {**order, "amount": 99}  # the same order id for another amount
         await broker.publish(conflict, QUEUE, headers=headers, persist=True)
