@@ -8,11 +8,9 @@ the concurrent scenario on SQLite.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -27,16 +25,13 @@ from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.testing import ScenarioResult
 
 from ..apps.domain import apply_credit, apply_credit_async, effects
+from ..support.snippets import SNIPPETS, load_snippet
 
-SNIPPET = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "testing_plugin.py"
+SNIPPET = SNIPPETS / "testing_plugin.py"
 
 
 def snippet() -> Any:
-    spec = importlib.util.spec_from_file_location("docs_snippet_testing_plugin", SNIPPET)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_snippet("testing_plugin")
 
 
 def counter(engine: Any):

@@ -4,30 +4,23 @@ tells users to (its code, docs/snippets/pgbouncer.py, builds them)."""
 
 from __future__ import annotations
 
-import importlib.util
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event
 
 from . import services
+from .snippets import load_snippet
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["async_engine", "pgbouncer_snippet", "sync_engine"]
 
-SNIPPET = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "pgbouncer.py"
-
 
 @cache
 def pgbouncer_snippet() -> Any:
-    spec = importlib.util.spec_from_file_location("snippet_pgbouncer", SNIPPET)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_snippet("pgbouncer")
 
 
 def sync_engine(url: str, **options: Any) -> Engine:
