@@ -365,6 +365,16 @@ class FastStreamInbox:
                 subscription.quarantine,
                 subscription.dead_letter or "the broker's dead-letter path",
             )
+            drops = subscription.dead_letter is None and subscription.adapter.reject_drops()
+            if drops:
+                logger.warning(
+                    "inbox consumer %s has dead_letter=None, and %s: a message it rejects "
+                    "with no record of its own (no usable identity, a body that does not fit "
+                    "the handler) would be lost; give the queue a dead-letter exchange, or "
+                    "keep a dead_letter destination",
+                    subscription.consumer.name,
+                    drops,
+                )
 
     def _subscription(self, found: Found) -> Subscription:
         assert found.consumer is not None

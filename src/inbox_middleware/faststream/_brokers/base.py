@@ -67,6 +67,12 @@ class BrokerAdapter:
     native_reject: ClassVar[bool] = False
     """Whether `reject` sends a message to a dead-letter path the broker itself has."""
 
+    def reject_drops(self) -> str | None:
+        """Why a message `reject` sends to the broker's own dead-letter path may be
+        dropped there, as far as the subscriber's declaration shows; None when it is kept
+        (or the broker has no such path: ``dead_letter=None`` is refused then)."""
+        return None
+
     def __init__(self, broker: Any, subscriber: Any) -> None:
         self.broker = broker
         self.subscriber = subscriber

@@ -216,6 +216,16 @@ class RabbitAdapter(BrokerAdapter):
         user = getattr(url, "user", None)
         return user if isinstance(user, str) else None
 
+    def reject_drops(self) -> str | None:
+        arguments = getattr(self.subscriber.queue, "arguments", None) or {}
+        if "x-dead-letter-exchange" in arguments:
+            return None
+        return (
+            f"queue {self.source!r} is declared without x-dead-letter-exchange: RabbitMQ drops "
+            "a message rejected without requeue unless a policy gives the queue a "
+            "dead-letter exchange"
+        )
+
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # Without requeue: to the queue's dead-letter exchange, if it has one.
         await message.reject(requeue=False)
