@@ -3,8 +3,8 @@
 RabbitMQ rejects without requeue, to the queue's dead-letter exchange; JetStream
 terminates the message (one of a batch alone); Redis streams and Kafka have no such path,
 so the setting is refused there before anything is consumed. A message with no usable
-identity has no record of the inbox's own: a queue with no dead-letter exchange would
-drop it, which the start-up check says.
+identity has no record of the inbox's own: a queue with no dead-letter exchange, or a
+work-queue stream, would drop it, which the start-up check says.
 """
 
 from __future__ import annotations
@@ -127,14 +127,15 @@ async def test_dead_letter_none__a_rabbitmq_queue_without_a_dead_letter_exchange
             await h.broker.start()
             # Then the start-up check says what a rejection would do there, and how to keep it
             assert f"queue {h.source!r} is declared without x-dead-letter-exchange" in caplog.text
-            assert "would be lost; give the queue a dead-letter exchange" in caplog.text
+            assert "would be lost; keep a dead_letter destination" in caplog.text
     finally:
         await h.cleanup()
 
 
 async def test_dead_letter_none__jetstream_terminates_the_message_and_never_redelivers_it(
-    inbox, pg_engine
+    inbox, pg_engine, caplog
 ):
+    caplog.set_level(logging.WARNING, logger="inbox_middleware")
     seen = Seen()
     h = Harness("nats", [recorder(seen), inbox.middleware])
     inbox.guard(h.broker)
@@ -149,6 +150,7 @@ async def test_dead_letter_none__jetstream_terminates_the_message_and_never_rede
             await h.publish({"account": 7, "delta": 5}, NO_ID)
             await h.publish({"account": 7, "delta": 10}, ident("o-1"))
             await eventually(lambda: len(seen.outcomes) == 2, what="both outcomes")
+            assert "would be lost" not in caplog.text  # the stream keeps what is terminated
             # Then the message with no id was terminated (JetStream's advisory says so),
             # and is not delivered again, past the ack wait too
             await eventually(lambda: terminated, what="the termination advisory")
@@ -160,6 +162,48 @@ async def test_dead_letter_none__jetstream_terminates_the_message_and_never_rede
         assert await h.leftover() == 0
         with pg_engine.connect() as conn:
             assert effects(conn, 7) == 1
+    finally:
+        await h.cleanup()
+
+
+@pytest.mark.parametrize("where", ["declared", "on_the_server"])
+async def test_dead_letter_none__a_jetstream_work_queue_stream_is_told(inbox, caplog, where):
+    import nats
+    from faststream.nats import JStream, PullSub
+    from nats.js.api import RetentionPolicy
+
+    caplog.set_level(logging.WARNING, logger="inbox_middleware")
+    h = Harness("nats", [inbox.middleware])
+    inbox.guard(h.broker)
+    # Given a work-queue stream, which removes a terminated message as an acknowledged one:
+    # declared by the subscriber, or made before and only named by it
+    if where == "declared":
+        stream = JStream(h.stream, subjects=[h.name], retention=RetentionPolicy.WORK_QUEUE)
+    else:
+        client = await nats.connect(services.NATS)
+        try:
+            await client.jetstream().add_stream(
+                name=h.stream, subjects=[h.name], retention=RetentionPolicy.WORK_QUEUE
+            )
+        finally:
+            await client.close()
+        stream = JStream(h.stream, subjects=[h.name], declare=False)
+
+    @h.broker.subscriber(
+        h.name,
+        stream=stream,
+        durable=f"d{h.name}",
+        pull_sub=PullSub(batch_size=16, timeout=0.2),
+        dependencies=[inbox.consumer("billing", dead_letter=None)],
+    )
+    async def handle(body: dict[str, int], session: InboxSession) -> None: ...
+
+    try:
+        async with h.broker:
+            await h.broker.start()
+            # Then the start-up check says what a termination would do there
+            assert f"stream {h.stream!r} has workqueue retention" in caplog.text
+            assert "would be lost; keep a dead_letter destination" in caplog.text
     finally:
         await h.cleanup()
 

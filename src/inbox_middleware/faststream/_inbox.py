@@ -370,8 +370,8 @@ class FastStreamInbox:
                 logger.warning(
                     "inbox consumer %s has dead_letter=None, and %s: a message it rejects "
                     "with no record of its own (no usable identity, a body that does not fit "
-                    "the handler) would be lost; give the queue a dead-letter exchange, or "
-                    "keep a dead_letter destination",
+                    "the handler) would be lost; keep a dead_letter destination, or give "
+                    "the broker's dead-letter path somewhere to keep it",
                     subscription.consumer.name,
                     drops,
                 )
