@@ -7,15 +7,12 @@ in the navigation, and the README's links lead to pages that exist.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import dramatiq
@@ -29,6 +26,7 @@ from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 from ..apps.domain import balance
 from ..support.dramatiq_worker import drain, running_worker
+from ..support.snippets import load_snippet as load
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -231,16 +229,6 @@ def test_readme__its_code_is_taken_from_a_tested_snippet():
 
 
 # -- the smaller guides' snippets ---------------------------------------------------------
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"docs_snippet_{name}", SNIPPETS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_send_identities_snippet__copies_with_another_trace_id_are_duplicates(

@@ -46,6 +46,20 @@ def poisoned(engine: Engine) -> list[str]:
         return [row.message_id for row in conn.execute(select(poison))]
 
 
+def crediting(kind: str, inbox: FastStreamInbox) -> tuple[Harness, Seen]:
+    """A guarded broker of ``kind`` whose inbox subscriber (``dead_letter=None``) credits
+    an account, and the outcomes it records."""
+    seen = Seen()
+    h = Harness(kind, [recorder(seen), inbox.middleware])
+    inbox.guard(h.broker)
+
+    @h.subscribe(inbox.consumer("billing", dead_letter=None))
+    async def handle(body: dict[str, int], session: InboxSession) -> None:
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+
+    return h, seen
+
+
 async def rabbit(queue: str, *, declare: bool = False, delete: bool = False) -> list[Any]:
     """Declare, delete or read (every message, consumed) ``queue``; None when reading a
     queue that does not exist."""
@@ -114,13 +128,7 @@ async def test_dead_letter_none__a_rabbitmq_queue_without_a_dead_letter_exchange
     inbox, caplog
 ):
     caplog.set_level(logging.WARNING, logger="inbox_middleware")
-    seen = Seen()
-    h = Harness("rabbit", [recorder(seen), inbox.middleware])
-    inbox.guard(h.broker)
-
-    @h.subscribe(inbox.consumer("billing", dead_letter=None))
-    async def handle(body: dict[str, int], session: InboxSession) -> None:
-        await apply_credit_async(session, "billing", body["account"], body["delta"])
+    h, _ = crediting("rabbit", inbox)
 
     try:
         async with h.broker:
@@ -136,13 +144,7 @@ async def test_dead_letter_none__jetstream_terminates_the_message_and_never_rede
     inbox, pg_engine, caplog
 ):
     caplog.set_level(logging.WARNING, logger="inbox_middleware")
-    seen = Seen()
-    h = Harness("nats", [recorder(seen), inbox.middleware])
-    inbox.guard(h.broker)
-
-    @h.subscribe(inbox.consumer("billing", dead_letter=None))
-    async def handle(body: dict[str, int], session: InboxSession) -> None:
-        await apply_credit_async(session, "billing", body["account"], body["delta"])
+    h, seen = crediting("nats", inbox)
 
     try:
         async with h.broker, _terminated(h) as terminated:

@@ -4,6 +4,7 @@ each is a file a page includes)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,5 +18,6 @@ def load_snippet(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"docs_snippet_{name}", SNIPPETS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module

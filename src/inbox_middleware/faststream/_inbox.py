@@ -365,7 +365,7 @@ class FastStreamInbox:
                 subscription.quarantine,
                 subscription.dead_letter or "the broker's dead-letter path",
             )
-            drops = subscription.dead_letter is None and subscription.adapter.reject_drops()
+            drops = subscription.dead_letter is None and await subscription.adapter.reject_drops()
             if drops:
                 logger.warning(
                     "inbox consumer %s has dead_letter=None, and %s: a message it rejects "

@@ -67,12 +67,6 @@ class BrokerAdapter:
     native_reject: ClassVar[bool] = False
     """Whether `reject` sends a message to a dead-letter path the broker itself has."""
 
-    def reject_drops(self) -> str | None:
-        """Why a message `reject` sends to the broker's own dead-letter path may be
-        dropped there, as far as the subscriber's declaration shows; None when it is kept
-        (or the broker has no such path: ``dead_letter=None`` is refused then)."""
-        return None
-
     def __init__(self, broker: Any, subscriber: Any) -> None:
         self.broker = broker
         self.subscriber = subscriber
@@ -179,6 +173,13 @@ class BrokerAdapter:
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         """Send ``message`` (or these items of a batch) to the broker's dead-letter path."""
         raise NotImplementedError
+
+    async def reject_drops(self) -> str | None:
+        """Why a message `reject` sends to the broker's own dead-letter path may be
+        dropped there, as far as the start-up check can see (asked of a subscriber with
+        ``dead_letter=None`` only); None when it is kept, or the broker has no such path
+        (``dead_letter=None`` is refused then)."""
+        return None
 
 
 async def _wait_then(action: Any, delay: float) -> None:

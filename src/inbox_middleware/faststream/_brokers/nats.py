@@ -31,7 +31,6 @@ class NatsAdapter(BrokerAdapter):
     def __init__(self, broker: Any, subscriber: Any) -> None:
         super().__init__(broker, subscriber)
         self.streams: dict[str, str] = {}  # destination subject -> the stream keeping it
-        self.retention: str | None = None  # the source stream's, read by `prepare`
 
     @property
     def source(self) -> str:
@@ -87,7 +86,6 @@ class NatsAdapter(BrokerAdapter):
         from nats.js.errors import NotFoundError
 
         js = self.subscriber.jetstream
-        await self._read_retention(js)
         missing = []
         for subject in destinations:
             try:
@@ -160,30 +158,31 @@ class NatsAdapter(BrokerAdapter):
     async def retry_later(self, message: Any, delay: float) -> None:
         await message.nack(delay=delay)
 
-    async def _read_retention(self, js: Any) -> None:
-        """The source stream's retention, for `reject_drops`: the server's when the stream
-        exists (it keeps it whatever the subscriber declares), else the one the subscriber
-        will declare (limits when it names none)."""
+    async def reject_drops(self) -> str | None:
+        retention = await self._retention()
+        if retention in (None, "limits"):
+            return None  # a stream with limits retention keeps a terminated message
+        return (
+            f"stream {self.subscriber.stream.name!r} has {retention} retention: "
+            "JetStream removes a message it is told to terminate, as one acknowledged, "
+            "and leaves only its MSG_TERMINATED advisory"
+        )
+
+    async def _retention(self) -> str | None:
+        """The source stream's retention: the server's when the stream exists (it keeps
+        it whatever the subscriber declares), else the one the subscriber will declare
+        (None: limits); None as well when it cannot be read."""
         from nats.js.errors import NotFoundError
 
         stream = self.subscriber.stream
         try:
-            retention = (await js.stream_info(stream.name)).config.retention
+            retention = (await self.subscriber.jetstream.stream_info(stream.name)).config.retention
         except NotFoundError:
             retention = getattr(getattr(stream, "config", None), "retention", None)
         except Exception:  # only a warning reads it: the check goes on without it
             logger.debug("could not read the retention of %s", stream.name, exc_info=True)
-            return
-        self.retention = None if retention is None else str(getattr(retention, "value", retention))
-
-    def reject_drops(self) -> str | None:
-        if self.retention in (None, "limits"):
-            return None  # a stream with limits retention keeps a terminated message
-        return (
-            f"stream {self.subscriber.stream.name!r} has {self.retention} retention: "
-            "JetStream removes a message it is told to terminate, as one acknowledged, "
-            "and leaves only its MSG_TERMINATED advisory"
-        )
+            return None
+        return None if retention is None else str(getattr(retention, "value", retention))
 
     async def reject(self, message: Any, indexes: Sequence[int] | None = None) -> None:
         # TERM: JetStream stops redelivering and publishes a MSG_TERMINATED advisory.

@@ -216,7 +216,7 @@ class RabbitAdapter(BrokerAdapter):
         user = getattr(url, "user", None)
         return user if isinstance(user, str) else None
 
-    def reject_drops(self) -> str | None:
+    async def reject_drops(self) -> str | None:
         arguments = getattr(self.subscriber.queue, "arguments", None) or {}
         if "x-dead-letter-exchange" in arguments:
             return None
