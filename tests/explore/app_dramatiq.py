@@ -7,7 +7,8 @@ for the pool's size), EXPLORE_MISSING_IDENTITY, EXPLORE_MAX_ATTEMPTS and
 EXPLORE_REDELIVERY_LIMIT ("" for None), EXPLORE_WORKER (the worker's name); the
 workload's axes: EXPLORE_OUTPUTS ("result": an ``on_success`` callback to an inbox actor
 downstream), EXPLORE_OUTBOX ("on": an outbox effect per intent), EXPLORE_HANDLERS
-("extended": the actor has a time limit).
+("extended": the actor has a time limit), EXPLORE_ACTOR ("async": the actors are
+``async def``, with Dramatiq's AsyncIO middleware and an AsyncEngine, asyncpg).
 Only the library's public API is used, so that it runs on older commits unchanged.
 """
 
@@ -17,14 +18,15 @@ import os
 from typing import Any
 
 import dramatiq
-from sqlalchemy import create_engine
+from dramatiq.middleware import AsyncIO
 
-from inbox_middleware.dramatiq import InboxMiddleware, current_session
+from inbox_middleware.dramatiq import InboxMiddleware, current_async_session, current_session
 
 from . import domain, infra
 
 ENV = os.environ
 QUEUE = ENV["EXPLORE_QUEUE"]
+ASYNC = ENV.get("EXPLORE_ACTOR", "sync") == "async"
 
 
 def _limit(name: str) -> int | None:
@@ -47,17 +49,10 @@ def _broker() -> dramatiq.Broker:
 
 
 threads = int(ENV.get("EXPLORE_CONCURRENCY", "4"))
-engine = create_engine(
-    ENV["EXPLORE_DATABASE_URL"],
-    pool_size=2 * threads + 2,
-    max_overflow=0,
-    pool_pre_ping=True,
-    connect_args={
-        "application_name": f"explore-{ENV.get('EXPLORE_WORKER', 'w')}",
-        **infra.connect_args("psycopg"),
-    },
-)
+engine = infra.engine(threads, f"explore-{ENV.get('EXPLORE_WORKER', 'w')}", asynchronous=ASYNC)
 broker = _broker()
+if ASYNC:
+    broker.add_middleware(AsyncIO())
 settings: dict[str, Any] = {
     "missing_identity": ENV.get("EXPLORE_MISSING_IDENTITY", "reject"),
     "max_attempts": _limit("EXPLORE_MAX_ATTEMPTS"),
@@ -78,28 +73,35 @@ if ENV.get("EXPLORE_HANDLERS", "basic") == "extended":
     options["time_limit"] = 5000
 
 
-@dramatiq.actor(
-    actor_name="explore",
-    queue_name=QUEUE,
-    inbox_consumer="explore",
-    max_retries=8,
-    min_backoff=100,
-    max_backoff=1000,
-    **options,
-)
-def explore(payload: dict[str, Any]) -> dict[str, Any]:
-    return domain.apply(current_session(), payload, engine, outbox_on=OUTBOX)
+ACTOR: dict[str, Any] = {
+    "queue_name": QUEUE,
+    "max_retries": 8,
+    "min_backoff": 100,
+    "max_backoff": 1000,
+}
+
+if ASYNC:
+
+    @dramatiq.actor(actor_name="explore", inbox_consumer="explore", **ACTOR, **options)
+    async def explore(payload: dict[str, Any]) -> dict[str, Any]:
+        session = current_async_session()
+        return await domain.apply_async(session, payload, engine, outbox_on=OUTBOX)
+
+else:
+
+    @dramatiq.actor(actor_name="explore", inbox_consumer="explore", **ACTOR, **options)
+    def explore(payload: dict[str, Any]) -> dict[str, Any]:
+        return domain.apply(current_session(), payload, engine, outbox_on=OUTBOX)
 
 
-if OUTPUTS:
+if OUTPUTS and ASYNC:
 
-    @dramatiq.actor(
-        actor_name="explore_after",
-        queue_name=QUEUE,
-        inbox_consumer="explore_after",
-        max_retries=8,
-        min_backoff=100,
-        max_backoff=1000,
-    )
-    def explore_after(message: dict[str, Any], result: dict[str, Any]) -> None:
+    @dramatiq.actor(actor_name="explore_after", inbox_consumer="explore_after", **ACTOR)
+    async def explore_after(message: dict[str, Any], result: dict[str, Any]) -> None:
+        await domain.downstream_async(current_async_session(), result, "on_success")
+
+elif OUTPUTS:
+
+    @dramatiq.actor(actor_name="explore_after", inbox_consumer="explore_after", **ACTOR)
+    def explore_after_sync(message: dict[str, Any], result: dict[str, Any]) -> None:
         domain.downstream(current_session(), result, "on_success")

@@ -22,7 +22,6 @@ import os
 from typing import Any
 
 from faststream import FastStream
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 
@@ -61,16 +60,7 @@ def _broker(middlewares: list[Any]) -> Any:
     return NatsBroker(url, middlewares=middlewares)
 
 
-engine = create_async_engine(
-    ENV["EXPLORE_DATABASE_URL"],
-    pool_size=2 * CONCURRENCY + 2,
-    max_overflow=0,
-    pool_pre_ping=True,
-    connect_args={
-        "server_settings": {"application_name": f"explore-{WORKER}"},
-        **infra.connect_args("asyncpg"),
-    },
-)
+engine = infra.engine(CONCURRENCY, f"explore-{WORKER}", asynchronous=True)
 inbox = FastStreamInbox(
     engine,
     lock_timeout=5,

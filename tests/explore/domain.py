@@ -171,6 +171,8 @@ async def apply_async(
         await module.add(session, **kwargs)
     if behaviour == "deferred" and attempt <= 2:
         await session.execute(_ORPHAN, {"k": payload["key"]})  # refused at COMMIT
+    if behaviour == "timelimit" and attempt <= 1:  # a Dramatiq async actor's
+        await session.execute(text("SELECT pg_sleep(8)"))  # past the actor's time limit
     if behaviour == "msg_ack" and message is not None:
         await message.ack()
     if behaviour == "commit":

@@ -20,6 +20,7 @@ __all__ = [
     "QUORUM_DELIVERY_LIMIT",
     "connect_args",
     "dramatiq_broker",
+    "engine",
     "faststream_broker",
     "faststream_subscribe",
     "inbox_settings",
@@ -49,6 +50,26 @@ def connect_args(driver: str) -> dict[str, Any]:
         "prepared_statement_cache_size": 0,
         "prepared_statement_name_func": lambda: f"__asyncpg_{uuid4()}__",
     }
+
+
+def engine(concurrency: int, application: str, *, asynchronous: bool) -> Any:
+    """The workers' engine on EXPLORE_DATABASE_URL: an AsyncEngine (asyncpg) or an Engine
+    (psycopg), a pool for ``concurrency`` handlers and the inbox's own transactions."""
+    options: dict[str, Any] = {
+        "pool_size": 2 * concurrency + 2,
+        "max_overflow": 0,
+        "pool_pre_ping": True,
+    }
+    url = ENV["EXPLORE_DATABASE_URL"]
+    if asynchronous:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        settings = {"server_settings": {"application_name": application}}
+        return create_async_engine(url, connect_args=settings | connect_args("asyncpg"), **options)
+    from sqlalchemy import create_engine
+
+    settings = {"application_name": application}
+    return create_engine(url, connect_args=settings | connect_args("psycopg"), **options)
 
 
 def inbox_settings() -> dict[str, Any]:

@@ -742,9 +742,8 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
     extras: workload.Extras | None = None
     try:
         with database(source) as admin_url:
-            driver = (
-                "postgresql+psycopg" if config.framework == "dramatiq" else "postgresql+asyncpg"
-            )
+            sync = config.framework == "dramatiq" and config.actor == "sync"
+            driver = "postgresql+psycopg" if sync else "postgresql+asyncpg"
             # The workers' way to PostgreSQL: PgBouncer, the proxy, both or neither.
             port = PG_PORT
             if config.pooler == "pgbouncer":

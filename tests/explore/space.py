@@ -84,6 +84,7 @@ class Config:
     operator: str = "none"
     handlers: str = "basic"
     claims: str = "library"
+    actor: str = "sync"
 
     @property
     def framework(self) -> str:
@@ -253,6 +254,7 @@ WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
     "operator": ("none", "repair", "purge"),
     "handlers": ("basic", "extended"),
     "claims": ("library", "both", "compact"),
+    "actor": ("sync", "async"),
 }
 """``batch``: a FastStream batch subscriber (Redis streams, NATS, Kafka);
 ``outputs``: a FastStream publisher on the handler, or a Dramatiq ``on_success`` callback,
@@ -264,7 +266,10 @@ time (a deferred constraint), Dramatiq's time limit, FastStream validation error
 handler that settles its message itself; ``claims``: the workers claim in the library's
 table, in both tables (``claims="compact"`` before the switch is recorded), or in the
 compact table alone (the switch recorded before they start; the operator's purge is then
-one of every consumer, which the compact rows need)."""
+one of every consumer, which the compact rows need); ``actor``: Dramatiq's actors are
+``def`` ("sync", on an Engine with psycopg) or ``async def`` ("async": Dramatiq's
+``AsyncIO`` middleware, an AsyncEngine with asyncpg, ``current_async_session()``, as
+docs/how-to/add-to-dramatiq.md offers); a FastStream handler is async whatever it says."""
 BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
 AXES.update(WORKLOAD_AXES)
 ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
@@ -272,6 +277,13 @@ ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
 
 def _workload_valid(values: dict[str, Any]) -> bool:
     target = values.get("target")
+    if values.get("actor") == "async":
+        if target is not None and not target.startswith("dramatiq"):
+            return False  # the axis is Dramatiq's: a FastStream row keeps "sync"
+        if values.get("guard", "n/a") != "n/a" or values.get("ack_policy", "n/a") != "n/a":
+            return False  # a FastStream worker
+        if values.get("batch") == "on":
+            return False
     if values.get("batch") == "on":
         if target is not None and target not in BATCH_TARGETS:
             return False

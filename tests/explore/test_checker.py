@@ -281,7 +281,11 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "faststream-kafka", "outputs": "result"})
     assert valid({"target": "faststream-kafka", "outputs": "none", "handlers": "extended"})
     assert not valid({"queues": "quorum", "batch": "on"})
-    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic", "library"}
+    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic", "library", "sync"}
+    # async actors are Dramatiq's
+    assert not valid({"target": "faststream-nats", "actor": "async"})
+    assert not valid({"guard": "on", "actor": "async"})
+    assert valid({"target": "dramatiq-redis", "actor": "async", "handlers": "extended"})
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)
 

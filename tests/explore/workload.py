@@ -120,6 +120,7 @@ def worker_env(config: Config, available: set[str]) -> dict[str, str]:
         "EXPLORE_OUTBOX": config.outbox if "outbox" in available else "off",
         "EXPLORE_HANDLERS": config.handlers,
         "EXPLORE_CLAIMS": claims(config, available),
+        "EXPLORE_ACTOR": config.actor,
     }
 
 
