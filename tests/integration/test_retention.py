@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import dramatiq
 import pytest
@@ -134,6 +135,86 @@ def test_purge__takes_the_stored_outputs_with_their_claims(pg_engine):
     with pg_engine.connect() as conn:
         kept = conn.execute(select(NAMING.tables.outputs.c.message_id)).scalars().all()
     assert kept == ["new-0"]
+
+
+def _uuid7_ahead() -> str:
+    """A UUIDv7 of two hours from now: its compact claim lands in that hour's partition
+    (made ahead by `claims prepare`), which a purge leaves until the hour is past the
+    window, whenever the claim was made."""
+    v7 = f"{int(time.time() * 1000) + 2 * 3_600_000:012x}"
+    tail = uuid.uuid4().hex
+    return f"{v7[:8]}-{v7[8:]}-7{tail[:3]}-8{tail[3:6]}-{tail[6:18]}"
+
+
+def _claim_with_output(inbox: Inbox, message_id: str) -> tuple[Delivery, Any]:
+    from inbox_middleware._core.outputs import Output
+
+    delivery = Delivery("c", MessageIdentity("p", message_id), hash_json(message_id, "s"))
+    output = Output(b'{"ok":true}', "application/json")
+    inbox.process(delivery, lambda s: inbox.outputs.store(s.connection(), delivery, output))
+    return delivery, output
+
+
+def _age_everything(engine, days: int) -> None:
+    """Claims (both tables) and stored outputs made ``days`` ago, as the purge sees them."""
+    with engine.begin() as conn:
+        for table, column in (
+            ("consumer_inbox", "processed_at"),
+            ("inbox_claims", "processed_at"),
+            ("inbox_outputs", "created_at"),
+        ):
+            conn.execute(
+                text(f"UPDATE {table} SET {column} = now() - make_interval(days => {days})")
+            )
+
+
+@pytest.mark.parametrize("phase", ["both", "compact"])
+def test_purge__keeps_a_stored_output_while_its_claim_stays(pg_engine, phase):
+    # Given claims with stored outputs, all older than the window, whose compact claims a
+    # purge leaves: a consumer's purge leaves the compact rows (they name no consumer)
+    # while both tables are written; a UUIDv7's compact claim stays in its hour's
+    # partition until that hour is past the window (here, one two hours ahead).
+    from inbox_middleware._core.claims import ClaimsPhase
+    from inbox_middleware._storage import partitions
+    from inbox_middleware._storage.layout import switch_claims
+
+    if phase == "compact":
+        with pg_engine.begin() as conn:
+            switch_claims(conn, NAMING, by="test")
+        partitions.prepare(pg_engine, NAMING)  # the hours ahead, as `claims prepare` makes
+    inbox = Inbox(pg_engine, claims="compact")
+    message_id = _uuid7_ahead() if phase == "compact" else f"order-{uuid.uuid4()}"
+    delivery, output = _claim_with_output(inbox, message_id)
+    assert inbox.phase is (ClaimsPhase.BOTH if phase == "both" else ClaimsPhase.COMPACT)
+    _age_everything(pg_engine, 40)
+    # When the purge runs (a consumer's while both are written, every consumer's after)
+    consumer = "c" if phase == "both" else None
+    purge(pg_engine, NAMING, timedelta(days=30), consumer=consumer)
+    # Then the claim is still there, so is its output: a redelivery is the duplicate it
+    # is, and sends the stored output again (an output purged under a live claim would
+    # leave the duplicate nothing to send, and it would be acked all the same)
+    again = inbox.process(delivery, lambda s: None)
+    assert again.verdict.decision is Decision.DUPLICATE
+    with pg_engine.connect() as conn:
+        assert inbox.outputs.load(conn, delivery) == output
+
+
+def test_purge__takes_a_stored_output_once_its_compact_claim_is_gone(pg_engine):
+    # Given compact claims (ids without a time) and their outputs older than the window
+    from inbox_middleware._storage.layout import switch_claims
+
+    with pg_engine.begin() as conn:
+        switch_claims(conn, NAMING, by="test")
+    inbox = Inbox(pg_engine, claims="compact")
+    for n in range(3):
+        _claim_with_output(inbox, f"old-{n}")
+    _age_everything(pg_engine, 40)
+    _claim_with_output(inbox, "new-0")
+    # When every consumer's purge runs, then the old claims go and their outputs with them
+    assert purge(pg_engine, NAMING, timedelta(days=30)) == 3
+    with pg_engine.connect() as conn:
+        outputs = conn.execute(select(NAMING.tables.outputs.c.message_id)).scalars().all()
+    assert outputs == ["new-0"]
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
@@ -31,6 +32,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from .._core.claims import claim_key
 from .._core.exceptions import ConfigurationError, PermanentError
 from .._core.policy import ExpiredPolicy
 from .._core.protocol import Delivery, ReasonCode
@@ -43,6 +45,7 @@ from .._storage.retention import (
     all_policy_rows,
     compact_rows,
     consumers_with_rows,
+    output_purge,
     policy_rows,
     purge_statements,
     write_policy,
@@ -396,10 +399,42 @@ def purge(
                 break
     with engine.begin() as conn:
         conn.execute(statements.failures, params)
-        conn.execute(statements.outputs, params)
         # the settlement counts of workers not heard from for the whole window
         conn.execute(purge_counts(naming, engine.dialect.name), _count_params(params))
+        compact = compact_rows(conn, naming)
+        if not compact:
+            conn.execute(statements.outputs, params)
+    if compact:
+        _purge_outputs(engine, naming, params)
     return total
+
+
+def _purge_outputs(engine: Engine, naming: InboxSchema, params: dict[str, Any]) -> None:
+    """The stored outputs older than the window whose claim is in neither claims table,
+    a page a transaction: an output lives as long as its claim, and a compact claim
+    outlives the window until its hour's partition is emptied (a consumer's purge leaves
+    the compact rows, which name no consumer, to a purge of every consumer)."""
+    statements = output_purge(naming)
+    # from before the first identity: its names are never empty but the tenant's
+    after = dict.fromkeys(statements.page.selected_columns.keys(), "")
+    while True:
+        with engine.begin() as conn:
+            page = [
+                tuple(row)
+                for row in conn.execute(
+                    statements.page, params | {f"after_{k}": v for k, v in after.items()}
+                )
+            ]
+            if not page:
+                return
+            keys = {identity: str(uuid.UUID(bytes=claim_key(*identity))) for identity in page}
+            live = set(conn.execute(statements.live, {"keys": list(keys.values())}).scalars())
+            gone = [identity for identity, key in keys.items() if key not in live]
+            if gone:
+                conn.execute(statements.gone, params | {"keys": gone})
+        if len(page) < params["limit"]:
+            return
+        after = dict(zip(after, page[-1], strict=True))
 
 
 def _walk(

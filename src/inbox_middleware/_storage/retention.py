@@ -43,10 +43,12 @@ from .tables import InboxSchema
 
 __all__ = [
     "TID_RANGE_SCAN",
+    "OutputPurge",
     "PurgeStatements",
     "all_policy_rows",
     "compact_rows",
     "consumers_with_rows",
+    "output_purge",
     "policy_rows",
     "purge_statements",
     "write_policy",
@@ -69,7 +71,9 @@ class PurgeStatements(NamedTuple):
     """Counts the claims a purge would delete now (PostgreSQL: in blocks ``low`` to
     ``high - 1``)."""
     outputs: Any
-    """Deletes the stored outputs older than the window (each as old as its claim)."""
+    """Deletes the stored outputs older than the window whose claim is gone from the
+    library's table (each is as old as its claim; see `output_purge` for the compact
+    table's)."""
     extent: Any
     """PostgreSQL: the inbox's blocks now and its live rows per block (from its statistics;
     NULL before the first ANALYZE). None on SQLite."""
@@ -161,7 +165,7 @@ def purge_statements(
     (``tables.claims_partitions``, PostgreSQL), whose rows name no consumer: every
     consumer's claims older than the window go."""
     inbox, attempts, outputs = naming.tables.inbox, naming.tables.attempts, naming.tables.outputs
-    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
+    cutoff = _cutoff()
     if dialect == "sqlite":
         cutoff = func.datetime("now", func.printf("-%f seconds", bindparam("seconds")))
     consumer = bindparam("consumer", type_=Text)
@@ -193,11 +197,66 @@ def purge_statements(
         attempts.c.last_failure_at < cutoff,
         or_(consumer.is_(None), attempts.c.consumer_name == consumer),
     )
-    stored = delete(outputs).where(
+    stored = delete(outputs).where(*_stale_output(naming, cutoff, consumer))
+    return PurgeStatements(batch, failures, count, stored, extent)
+
+
+def _cutoff() -> Any:
+    """PostgreSQL's now, less the window (parameter ``seconds``)."""
+    return func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float))
+
+
+def _stale_output(naming: InboxSchema, cutoff: Any, consumer: Any) -> tuple[Any, ...]:
+    """A stored output older than the window (``cutoff``) of ``consumer`` (None: any)
+    whose claim is no longer in the library's table. An output lives as long as its
+    claim: a duplicate of a live claim sends it again, and one purged first would leave
+    that duplicate nothing to send, acked all the same."""
+    inbox, outputs = naming.tables.inbox, naming.tables.outputs
+    claimed = select(inbox.c.consumer_name).where(
+        *(inbox.c[name] == outputs.c[name] for name in _OUTPUT_KEY)
+    )
+    return (
         outputs.c.created_at < cutoff,
         or_(consumer.is_(None), outputs.c.consumer_name == consumer),
+        ~claimed.exists(),
     )
-    return PurgeStatements(batch, failures, count, stored, extent)
+
+
+_OUTPUT_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+
+
+class OutputPurge(NamedTuple):
+    """The stored outputs' purge where compact claims exist (PostgreSQL): a compact row
+    keeps a digest of its identity, not the identity, so whether an output's claim lives
+    there is asked by its key (`claims.claim_key`, computed by the caller), a page of
+    outputs at a time."""
+
+    page: Any
+    """The next ``limit`` stale outputs (`_stale_output`) after the identity ``after_*``
+    (``after_consumer_name`` and so on), in key order, locked: their identities."""
+    live: Any
+    """Of the compact keys ``keys``, those a compact claim holds."""
+    gone: Any
+    """Deletes the stored outputs of the identities ``keys``, still stale."""
+
+
+@cache
+def output_purge(naming: InboxSchema) -> OutputPurge:
+    """The statements of `OutputPurge` for one naming, built once (PostgreSQL)."""
+    outputs, claims = naming.tables.outputs, naming.tables.claims
+    stale = _stale_output(naming, _cutoff(), bindparam("consumer", type_=Text))
+    key = tuple_(*(outputs.c[name] for name in _OUTPUT_KEY))
+    after = tuple_(*(bindparam(f"after_{name}", type_=Text) for name in _OUTPUT_KEY))
+    page = (
+        select(*key.clauses)
+        .where(*stale, key > after)
+        .order_by(*key.clauses)
+        .limit(bindparam("limit", type_=Integer))
+        .with_for_update(skip_locked=True)
+    )
+    live = select(claims.c.identity).where(claims.c.identity.in_(bindparam("keys", expanding=True)))
+    gone = delete(outputs).where(*stale, key.in_(bindparam("keys", expanding=True)))
+    return OutputPurge(page, live, gone)
 
 
 def _block_range(tid_range_scan: bool) -> Any:
