@@ -103,5 +103,5 @@ if OUTPUTS and ASYNC:
 elif OUTPUTS:
 
     @dramatiq.actor(actor_name="explore_after", inbox_consumer="explore_after", **ACTOR)
-    def explore_after_sync(message: dict[str, Any], result: dict[str, Any]) -> None:
+    def explore_after(message: dict[str, Any], result: dict[str, Any]) -> None:
         domain.downstream(current_session(), result, "on_success")
