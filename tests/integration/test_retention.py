@@ -30,6 +30,7 @@ from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 
 from ..apps.domain import apply_credit, effects
 from ..support.dramatiq_worker import drain, running_worker
+from .test_compact_partitions import uuid7
 
 NAMING = InboxSchema()
 DEAD_LETTERS_FOR_TWO_WEEKS = RetentionPolicy(
@@ -137,15 +138,6 @@ def test_purge__takes_the_stored_outputs_with_their_claims(pg_engine):
     assert kept == ["new-0"]
 
 
-def _uuid7_ahead() -> str:
-    """A UUIDv7 of two hours from now: its compact claim lands in that hour's partition
-    (made ahead by `claims prepare`), which a purge leaves until the hour is past the
-    window, whenever the claim was made."""
-    v7 = f"{int(time.time() * 1000) + 2 * 3_600_000:012x}"
-    tail = uuid.uuid4().hex
-    return f"{v7[:8]}-{v7[8:]}-7{tail[:3]}-8{tail[3:6]}-{tail[6:18]}"
-
-
 def _claim_with_output(inbox: Inbox, message_id: str) -> tuple[Delivery, Any]:
     from inbox_middleware._core.outputs import Output
 
@@ -173,7 +165,8 @@ def test_purge__keeps_a_stored_output_while_its_claim_stays(pg_engine, phase):
     # Given claims with stored outputs, all older than the window, whose compact claims a
     # purge leaves: a consumer's purge leaves the compact rows (they name no consumer)
     # while both tables are written; a UUIDv7's compact claim stays in its hour's
-    # partition until that hour is past the window (here, one two hours ahead).
+    # partition until that hour is past the window (here, one two hours ahead, made by
+    # `claims prepare`, whenever the claim was made).
     from inbox_middleware._core.claims import ClaimsPhase
     from inbox_middleware._storage import partitions
     from inbox_middleware._storage.layout import switch_claims
@@ -183,7 +176,11 @@ def test_purge__keeps_a_stored_output_while_its_claim_stays(pg_engine, phase):
             switch_claims(conn, NAMING, by="test")
         partitions.prepare(pg_engine, NAMING)  # the hours ahead, as `claims prepare` makes
     inbox = Inbox(pg_engine, claims="compact")
-    message_id = _uuid7_ahead() if phase == "compact" else f"order-{uuid.uuid4()}"
+    message_id = (
+        uuid7(datetime.now(UTC) + timedelta(hours=2))
+        if phase == "compact"
+        else f"order-{uuid.uuid4()}"
+    )
     delivery, output = _claim_with_output(inbox, message_id)
     assert inbox.phase is (ClaimsPhase.BOTH if phase == "both" else ClaimsPhase.COMPACT)
     _age_everything(pg_engine, 40)

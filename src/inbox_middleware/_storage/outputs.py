@@ -18,7 +18,8 @@ from .tables import InboxSchema
 
 __all__ = ["OutputStatements"]
 
-_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+OUTPUT_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+"""The stored output's key: its claim's identity."""
 
 
 class OutputStatements:
@@ -30,7 +31,7 @@ class OutputStatements:
         self._store = (
             insert(outputs)
             .values(
-                **{name: bindparam(name) for name in _KEY},
+                **{name: bindparam(name) for name in OUTPUT_KEY},
                 body=bindparam("body"),
                 content_type=bindparam("content_type"),
                 headers=bindparam("headers", type_=outputs.c.headers.type),
@@ -40,7 +41,7 @@ class OutputStatements:
             .on_conflict_do_nothing()
         )
         self._load = select(outputs.c.body, outputs.c.content_type, outputs.c.headers).where(
-            *(outputs.c[name] == bindparam(name) for name in _KEY)
+            *(outputs.c[name] == bindparam(name) for name in OUTPUT_KEY)
         )
 
     def store(self, conn: Connection, delivery: Delivery, output: Output) -> None:
@@ -65,4 +66,4 @@ class OutputStatements:
 
 
 def _key(delivery: Delivery) -> dict[str, Any]:
-    return dict(zip(_KEY, delivery.key, strict=True))
+    return dict(zip(OUTPUT_KEY, delivery.key, strict=True))

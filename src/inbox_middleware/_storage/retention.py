@@ -39,6 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .outputs import OUTPUT_KEY
 from .tables import InboxSchema
 
 __all__ = [
@@ -213,16 +214,13 @@ def _stale_output(naming: InboxSchema, cutoff: Any, consumer: Any) -> tuple[Any,
     that duplicate nothing to send, acked all the same."""
     inbox, outputs = naming.tables.inbox, naming.tables.outputs
     claimed = select(inbox.c.consumer_name).where(
-        *(inbox.c[name] == outputs.c[name] for name in _OUTPUT_KEY)
+        *(inbox.c[name] == outputs.c[name] for name in OUTPUT_KEY)
     )
     return (
         outputs.c.created_at < cutoff,
         or_(consumer.is_(None), outputs.c.consumer_name == consumer),
         ~claimed.exists(),
     )
-
-
-_OUTPUT_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
 
 
 class OutputPurge(NamedTuple):
@@ -245,8 +243,8 @@ def output_purge(naming: InboxSchema) -> OutputPurge:
     """The statements of `OutputPurge` for one naming, built once (PostgreSQL)."""
     outputs, claims = naming.tables.outputs, naming.tables.claims
     stale = _stale_output(naming, _cutoff(), bindparam("consumer", type_=Text))
-    key = tuple_(*(outputs.c[name] for name in _OUTPUT_KEY))
-    after = tuple_(*(bindparam(f"after_{name}", type_=Text) for name in _OUTPUT_KEY))
+    key = tuple_(*(outputs.c[name] for name in OUTPUT_KEY))
+    after = tuple_(*(bindparam(f"after_{name}", type_=Text) for name in OUTPUT_KEY))
     page = (
         select(*key.clauses)
         .where(*stale, key > after)
