@@ -4,6 +4,9 @@ that no operator redrives an intent that is already applied."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import dramatiq
 import pytest
 from sqlalchemy import select, text
@@ -21,7 +24,8 @@ from inbox_middleware._core.consumption import (
 from inbox_middleware._core.exceptions import PermanentError
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.policy import ConsumerPolicy
-from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._core.protocol import Decision, Delivery
+from inbox_middleware._operate.repair import redrive
 from inbox_middleware._storage import AsyncInbox, Inbox, InboxSchema
 from inbox_middleware._storage.failures import FailureRecorder
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
@@ -226,3 +230,63 @@ def test_a_requeued_copy_poisoned_while_the_other_copy_commits_is_a_duplicate(pg
     assert isinstance(settled, Duplicate)
     assert published == []
     assert _decisions(pg_engine) == {"m-1": "recovered"}
+
+
+# -- a copy that commits after the operator's redrive, before the redriven copy ------------
+
+
+class _Published:
+    """The redrive's publisher: keeps what it was asked to publish (the broker's part is
+    the adapters' tests'; here only the row and the claim matter)."""
+
+    formats = ("json",)
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    def republish(self, message: Any, *, message_id: str) -> None:
+        self.messages.append(message)
+
+
+def _redrive(engine, message_id: str) -> str:
+    """The operator redrives ``message_id``'s poison row; return the copy's marker."""
+    [row] = [r for r in poison_rows(engine) if r["message_id"] == message_id]
+    published = _Published()
+    with engine.connect() as conn:
+        redrive(conn, InboxSchema(), "poison", row["id"], by="ops", publisher=published)
+    [message] = published.messages
+    return message.marker
+
+
+@pytest.mark.parametrize("path", ["one", "batch", "async"])
+async def test_a_copy_that_commits_before_the_redriven_one_marks_the_redriven_row_recovered(
+    pg_engine, pg_async_engine, path
+):
+    # Found by the FastStream failures test on Redis under load: the poisoned copy, still
+    # pending in its stream, was reclaimed and applied after the operator's redrive; the
+    # redriven copy was then a duplicate, and the row said redriven for good.
+    # Given m-1 poisoned and redriven by an operator (its copy not yet consumed)
+    stored = replace(_delivery("m-1", 10), payload_format="json")
+    _poison(pg_engine, stored, _delivery("m-2", 10))
+    marker = _redrive(pg_engine, "m-1")
+    assert _decisions(pg_engine)["m-1"] == "redriven"
+    # When a copy without the repair's marker (the earlier one, redelivered) commits first
+    copy = _delivery("m-1", 10)
+    if path == "one":
+        Inbox(pg_engine).process(copy, lambda session: None)
+    elif path == "batch":
+        Inbox(pg_engine).process_batch([copy], lambda session, verdicts: None)
+    else:
+
+        async def nothing(session):
+            return None
+
+        await AsyncInbox(pg_async_engine).process(copy, nothing)
+    # Then the row says the message is applied, and no operator waits on it
+    assert _decisions(pg_engine) == {"m-1": "recovered", "m-2": "pending"}
+    # And the redriven copy, when it arrives, is a duplicate that changes nothing
+    committed = Inbox(pg_engine).process(
+        _delivery("m-1", 10), lambda session: None, repair_marker=marker
+    )
+    assert committed.verdict.decision is Decision.DUPLICATE
+    assert _decisions(pg_engine) == {"m-1": "recovered", "m-2": "pending"}

@@ -238,9 +238,9 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
     from inbox_middleware._storage import AsyncInbox, Inbox
     from inbox_middleware._storage.failures import FailureRecorder
 
-    def delivery(consumer: str, message_id: str, tenant: str = "") -> Delivery:
+    def delivery(consumer: str, message_id: str, tenant: str = "", payload: int = 1) -> Delivery:
         return Delivery(
-            consumer, MessageIdentity("orders", message_id, tenant), hash_json(1, "json.v1")
+            consumer, MessageIdentity("orders", message_id, tenant), hash_json(payload, "json.v1")
         )
 
     recorder = FailureRecorder(InboxSchema(), "postgresql")
@@ -273,11 +273,13 @@ def test_repair_marker__applies_to_its_own_row_only(pg_engine, pg_async_url, asy
         return Inbox(pg_engine).process(target, lambda s: None, repair_marker=marker).recovered
 
     marker = f"poison:{record.id}:op-1"
-    # Another consumer, another message, another tenant, another operation: nothing
+    # Another consumer, another message, another tenant, another operation: nothing (the
+    # last with another payload: a copy of m-3's own that commits marks its row recovered
+    # whatever it carries, `test_poison_later_copy`)
     assert process(delivery("shipping", "m-1"), marker) is None
     assert process(delivery("billing", "m-2"), marker) is None
     assert process(delivery("billing", "m-1", tenant="t"), marker) is None
-    assert process(delivery("billing", "m-3"), f"poison:{other.id}:op-2") is None
+    assert process(delivery("billing", "m-3", payload=2), f"poison:{other.id}:op-2") is None
     assert [(row["decision"], row["recovered_at"]) for row in rows(pg_engine, TABLES.poison)] == [
         ("redriven", None),
         ("redriven", None),

@@ -294,8 +294,14 @@ def mark_recovered(
         same.append(table.c.operation_id == parsed.operation)
     values: dict[str, Any] = {"recovered_at": func.now()}
     if parsed.kind == "poison":
-        same += [table.c.message_id == message_id, table.c.decision == "redriven"]
-        values["decision"] = "recovered"
+        # recovered already: by this very claim (`statements`: the claim of a copy of the
+        # same payload marks a redriven row itself), so the repair is still this one's
+        decided = table.c.decision.in_(("redriven", "recovered"))
+        same += [table.c.message_id == message_id, decided]
+        values |= {
+            "decision": "recovered",
+            "recovered_at": func.coalesce(table.c.recovered_at, func.now()),
+        }
     else:
         redriven = (table.c.decision == "redriven") & (table.c.message_id == message_id)
         accepted = (table.c.decision == "accepted") & (table.c.accepted_message_id == message_id)

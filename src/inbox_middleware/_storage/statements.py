@@ -28,6 +28,7 @@ from sqlalchemy import (
     cast,
     func,
     literal_column,
+    or_,
     select,
     text,
     true,
@@ -280,21 +281,24 @@ class ClaimStatements:
         ).returning(quarantine.c.id, quarantine.c.attempts)
 
     def _recover(self, *keys: list[Any]) -> Any:
-        """An UPDATE, run as a CTE of the claim: a pending poison row of the same identity
-        and payload is marked recovered. A poisoned copy leaves no claim (its attempt
-        rolled back), so a later copy is a first delivery of its own; when it commits, the
-        intent is applied and the earlier copy's row must not wait for a redrive that would
-        only publish it again. The claim's transaction holds the mark: a copy that rolls
-        back leaves the row pending. A copy with another payload is not the poisoned
-        message: its row stays for the operator (PostgreSQL only: SQLite has no
-        data-modifying CTE)."""
+        """An UPDATE, run as a CTE of the claim: a pending or redriven poison row of the
+        same identity and payload is marked recovered. A poisoned copy leaves no claim (its
+        attempt rolled back), so a later copy is a first delivery of its own; when it
+        commits, the intent is applied and the earlier copy's row must not wait for a
+        redrive that would only publish it again. A redriven row too: the copy that commits
+        may not be the redriven one (the poisoned copy itself, reclaimed or redelivered
+        after the operator's redrive), and the redriven copy is then a duplicate that marks
+        nothing. The claim's transaction holds the mark: a copy that rolls back leaves the
+        row as it was. A copy with another payload is not the poisoned message: its row
+        stays for the operator (PostgreSQL only: SQLite has no data-modifying CTE)."""
         poison = self._poison
         columns = [poison.c[name] for name in self._key_names]
         columns.append(poison.c.payload_sha256)
         return (
             update(poison)
             .where(tuple_(*columns).in_([tuple_(*key) for key in keys]))
-            .where(poison.c.decision == "pending")
+            # (two comparisons: the claim's literal writer has no form for an IN list)
+            .where(or_(poison.c.decision == "pending", poison.c.decision == "redriven"))
             # outputs that could not be sent: that message's own claim committed, and its
             # row waits for the redrive that sends them
             .where(poison.c.reason_code != OUTPUTS_UNDELIVERABLE)
