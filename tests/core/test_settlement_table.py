@@ -412,7 +412,14 @@ ROWS: dict[str, Row] = {
         {Process: [DUPLICATE]},
         ["Process"],
         Duplicate,
-        expect={"output": None},
+        expect={"output": None, "recovered": None},
+    ),
+    "duplicate, a redriven copy that met the claim another copy committed: recovered": Row(
+        {"repair_marker": "poison:12:op-1", "keeps_outputs": True},
+        {Process: [Committed(DUPLICATE, None, 1, "poison")], LoadOutputs: [OUTPUT]},
+        ["Process", "LoadOutputs"],
+        Duplicate,
+        expect={"output": OUTPUT, "recovered": "poison"},
     ),
     "duplicate with outputs kept: the stored output loaded": Row(
         {"keeps_outputs": True},

@@ -4,11 +4,13 @@ that no operator redrives an intent that is already applied."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any
 
 import dramatiq
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import select, text
 
 from inbox_middleware._core.consumption import (
@@ -35,6 +37,7 @@ from ..support.dramatiq_worker import drain, running_worker
 from .test_repair_dramatiq import broker_args, cli
 
 TABLES = InboxSchema().tables
+RECOVERED = {"consumer": "billing", "source": "poison"}
 
 
 def poison_rows(engine) -> list[dict]:
@@ -92,6 +95,35 @@ def test_a_later_copy_that_commits_marks_the_pending_poison_row_recovered(
         assert effects(conn, 7) == 1
 
 
+def test_a_redriven_copy_and_a_later_copy_queued_together_apply_once_and_recover_the_row(
+    broker, queue, pg_url, pg_engine, app
+):
+    def send_o3() -> None:
+        app.send_with_options(args=(9, 10), **identity(producer="orders", message_id="o-3"))
+
+    # Given a copy of o-3 poisoned (its account was not open yet)
+    with running_worker(broker) as worker:
+        send_o3()
+        drain(broker, queue, worker)
+    [poisoned] = poison_rows(pg_engine)
+    recovered = REGISTRY.get_sample_value("inbox_recovered_total", RECOVERED) or 0.0
+    # When, while no worker runs, the producer sends o-3 again, the account opens and an
+    # operator redrives the row: two copies queued, the producer's first
+    send_o3()
+    with pg_engine.begin() as conn:
+        conn.execute(text("INSERT INTO open_accounts VALUES (9)"))
+    redrive = cli(pg_url, "poison", "redrive", str(poisoned["id"]), *broker_args(broker, queue))
+    assert redrive.returncode == 0, redrive.stderr
+    with running_worker(broker) as worker:
+        drain(broker, queue, worker)
+    # Then o-3 is applied once, whichever copy claimed it, and its row says so, counted once
+    with pg_engine.connect() as conn:
+        assert (effects(conn, 9), balance(conn, 9)) == (1, 10)
+    [row] = poison_rows(pg_engine)
+    assert (row["decision"], row["decided_by"] is not None) == ("recovered", True)
+    assert REGISTRY.get_sample_value("inbox_recovered_total", RECOVERED) == recovered + 1
+
+
 def test_a_later_copy_that_fails_or_carries_another_payload_leaves_the_row_pending(
     broker, queue, pg_engine, app
 ):
@@ -130,7 +162,7 @@ def _delivery(message_id: str, delta: int) -> Delivery:
 
 
 def _poison(engine, *deliveries: Delivery) -> None:
-    recorder = FailureRecorder(InboxSchema(), "postgresql")
+    recorder = FailureRecorder(InboxSchema(), engine.dialect.name)
     with engine.begin() as conn:
         for d in deliveries:
             recorder.record_poison(conn, d, reason_code="boom", error="boom", attempts=1)
@@ -290,3 +322,65 @@ async def test_a_copy_that_commits_before_the_redriven_one_marks_the_redriven_ro
     )
     assert committed.verdict.decision is Decision.DUPLICATE
     assert _decisions(pg_engine) == {"m-1": "recovered", "m-2": "pending"}
+
+
+@pytest.mark.parametrize("path", ["one", "batch"])
+def test_a_redriven_copy_that_meets_the_claim_another_copy_committed_marks_its_row_recovered(
+    engine, path
+):
+    # Given m-1 poisoned beside a copy that applied it, its row still pending: on
+    # PostgreSQL the copies were in flight together (the applying copy's claim ran before
+    # the row was written, and committed after it), on SQLite any later copy
+    inbox = Inbox(engine)
+    stored = replace(_delivery("m-1", 10), payload_format="json")
+    if engine.dialect.name == "sqlite":
+        _poison(engine, stored)
+        inbox.process(_delivery("m-1", 10), lambda session: None)
+    else:
+        claimed, written = threading.Event(), threading.Event()
+
+        def in_flight(session):
+            claimed.set()
+            assert written.wait(10)
+
+        copy = threading.Thread(target=inbox.process, args=(_delivery("m-1", 10), in_flight))
+        copy.start()
+        assert claimed.wait(10)
+        _poison(engine, stored)
+        written.set()
+        copy.join(10)
+    assert _decisions(engine) == {"m-1": "pending"}
+    # When an operator redrives it, and its copy meets the committed claim: a duplicate
+    marker = _redrive(engine, "m-1")
+    redriven = _delivery("m-1", 10)
+    if path == "one":
+        committed = inbox.process(redriven, lambda session: None, repair_marker=marker)
+        assert (committed.verdict.decision, committed.recovered) == (
+            Decision.DUPLICATE,
+            "poison",
+        )
+    else:
+        verdicts = inbox.process_batch(
+            [redriven], lambda session, verdicts: None, repair_markers=[marker]
+        ).verdicts
+        assert [v.decision for v in verdicts] == [Decision.DUPLICATE]
+    # Then the row says the repair's effect is there: nothing waits on it
+    assert _decisions(engine) == {"m-1": "recovered"}
+    with engine.connect() as conn:
+        assert len(conn.execute(select(TABLES.inbox)).all()) == 1  # applied once
+
+
+def test_a_redriven_copy_of_outputs_that_could_not_be_sent_leaves_its_row_to_the_send(
+    pg_engine,
+):
+    # Given m-1 applied, its outputs never sent, its row redriven
+    inbox = Inbox(pg_engine)
+    stored = replace(_delivery("m-1", 10), payload_format="json")
+    inbox.process(stored, lambda session: None)
+    inbox.bookkeep(RecordPoison(stored, "outputs_undeliverable", "x", 2))
+    marker = _redrive(pg_engine, "m-1")
+    # When its copy arrives: a duplicate of the claim that committed with the row
+    committed = inbox.process(_delivery("m-1", 10), lambda session: None, repair_marker=marker)
+    # Then the row is not recovered by the COMMIT: its repair is the send that follows
+    assert (committed.verdict.decision, committed.recovered) == (Decision.DUPLICATE, None)
+    assert _decisions(pg_engine) == {"m-1": "redriven"}

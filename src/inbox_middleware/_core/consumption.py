@@ -491,10 +491,12 @@ class Processed:
 @dataclass(frozen=True, slots=True)
 class Duplicate:
     """Processed before (the same payload): the handler skipped; publish ``output`` again
-    when one was stored, then ack."""
+    when one was stored, then ack. ``recovered``: the kind of repair row a repaired copy
+    marked recovered (another copy had committed its effect)."""
 
     verdict: Verdict
     output: Output | None = None
+    recovered: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -783,7 +785,7 @@ def _settle(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settl
         return (yield from _send_outputs(arrival, rules, processed, outcome.result))
     if verdict.decision is Decision.DUPLICATE:
         try:
-            return (yield from _duplicate(arrival, rules, delivery, verdict))
+            return (yield from _duplicate(arrival, rules, delivery, verdict, outcome.recovered))
         except Exception as exc:  # its outputs could not be loaded
             return (yield from _hand_back(exc, delivery))
     assert verdict.quarantine is not None
@@ -1110,14 +1112,19 @@ def _committed_after_all(
 
 
 def _duplicate(
-    arrival: Arrival, rules: ConsumerPolicy, delivery: Delivery, verdict: Verdict
+    arrival: Arrival,
+    rules: ConsumerPolicy,
+    delivery: Delivery,
+    verdict: Verdict,
+    recovered: str | None = None,
 ) -> Generator[Op, Any, Settlement]:
     """A duplicate: its stored outputs loaded and sent where the adapter keeps them.
     Raises when they cannot be loaded."""
     if not arrival.keeps_outputs:
-        return Duplicate(verdict)
+        return Duplicate(verdict, None, recovered)
     output = yield LoadOutputs(delivery)
-    return (yield from _send_outputs(arrival, rules, Duplicate(verdict, output), output))
+    settlement = Duplicate(verdict, output, recovered)
+    return (yield from _send_outputs(arrival, rules, settlement, output))
 
 
 def _interruption(exc: BaseException) -> BaseException:

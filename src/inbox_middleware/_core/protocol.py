@@ -194,6 +194,13 @@ class Verdict:
         """Whether the handler runs: first seen, or any decision in shadow mode."""
         return self.decision is Decision.FIRST or self.shadow
 
+    @property
+    def repairs(self) -> bool:
+        """Whether a repaired copy (one that carries a repair marker) with this verdict
+        marks its row recovered: it ran the handler, or it met its intent's committed claim
+        (a duplicate: another copy committed what the repair was for)."""
+        return self.runs_handler or self.decision is Decision.DUPLICATE
+
 
 @dataclass(frozen=True, slots=True)
 class Claim:

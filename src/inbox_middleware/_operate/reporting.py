@@ -46,7 +46,7 @@ def report(
     broker's id of the message (for a message without a usable identity of its own),
     ``database`` the map's database of the delivery (a worker over many databases)."""
     tally.count(consumer, outcome_of(settlement), database)  # flushed to inbox_counts
-    if type(settlement) is Duplicate or (
+    if (type(settlement) is Duplicate and settlement.recovered is None) or (
         type(settlement) is Processed
         and settlement.verdict is not None
         and settlement.recovered is None
@@ -84,8 +84,9 @@ def report(
                     age,
                     extra=fields | {"inbox_event": "expired"},
                 )
-        case Duplicate():
-            pass
+        case Duplicate(recovered=kind):
+            if kind is not None:
+                metrics.recovered(consumer, kind)
         case Quarantined():
             metrics.moved(consumer, "quarantine")
         case DeadLettered(reason=reason, error=error):

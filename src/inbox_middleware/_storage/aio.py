@@ -112,16 +112,19 @@ class AsyncInbox(Executor):
                 before_handler(verdict)
             if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
                 raise refuse_first_seen
-            recovered[0] = None
-            if not verdict.runs_handler:
-                return None
-            faults.at("handler", delivery.identity.message_id)
-            with tracing.phase("inbox.handler"):
-                result = await handler(session)
-            if repair_marker is not None:
+            recovered[0] = result = None
+            if verdict.runs_handler:
+                faults.at("handler", delivery.identity.message_id)
+                with tracing.phase("inbox.handler"):
+                    result = await handler(session)
+            if repair_marker is not None and verdict.repairs:
                 recovered[0] = await session.run_sync(
                     lambda sync: mark_recovered(
-                        sync.connection(), self.naming, repair_marker, delivery.key
+                        sync.connection(),
+                        self.naming,
+                        repair_marker,
+                        delivery.key,
+                        duplicate=not verdict.runs_handler,
                     )
                 )
             return result
@@ -140,9 +143,7 @@ class AsyncInbox(Executor):
         """See `Inbox.process_batch`."""
 
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
-            if not any_first_seen(verdicts):
-                return None
-            result = await handler(session, verdicts)
+            result = await handler(session, verdicts) if any_first_seen(verdicts) else None
             await session.run_sync(
                 lambda sync: mark_batch_recovered(
                     sync.connection(), self.naming, deliveries, verdicts, repair_markers

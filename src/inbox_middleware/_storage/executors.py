@@ -147,7 +147,8 @@ class Inbox(Executor):
         ``refuse_first_seen`` is raised instead of running the handler when the claim is
         first seen (the consumption core's refusal of an expired redelivery);
         ``repair_marker`` names the poison or quarantine row a first-seen message repairs,
-        marked recovered in the same transaction."""
+        marked recovered in the same transaction (by a duplicate too: another copy
+        committed the repair's effect, `Verdict.repairs`)."""
 
         recovered: list[str | None] = [None]
 
@@ -156,15 +157,20 @@ class Inbox(Executor):
                 before_handler(verdict)
             if refuse_first_seen is not None and verdict.decision is Decision.FIRST:
                 raise refuse_first_seen
-            recovered[0] = None
-            if not verdict.runs_handler:
-                return None
-            faults.at("handler", delivery.identity.message_id)
-            with tracing.phase("inbox.handler"):
-                result = handler(session)
-            if repair_marker is not None:
+            recovered[0] = result = None
+            if verdict.runs_handler:
+                faults.at("handler", delivery.identity.message_id)
+                with tracing.phase("inbox.handler"):
+                    result = handler(session)
+            if repair_marker is not None and verdict.repairs:
                 connection = session.connection()
-                recovered[0] = mark_recovered(connection, self.naming, repair_marker, delivery.key)
+                recovered[0] = mark_recovered(
+                    connection,
+                    self.naming,
+                    repair_marker,
+                    delivery.key,
+                    duplicate=not verdict.runs_handler,
+                )
             return result
 
         verdict, result, number = self._run(
@@ -186,9 +192,7 @@ class Inbox(Executor):
         that repairs a row marks it recovered in the batch's transaction."""
 
         def body(session: Session, verdicts: tuple[Verdict, ...]) -> R | None:
-            if not any_first_seen(verdicts):
-                return None
-            result = handler(session, verdicts)
+            result = handler(session, verdicts) if any_first_seen(verdicts) else None
             mark_batch_recovered(
                 session.connection(), self.naming, deliveries, verdicts, repair_markers
             )

@@ -37,6 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._core.consumption import RedeliveryCount
+from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import Delivery, Verdict
 from .tables import InboxSchema
 
@@ -268,7 +269,12 @@ def parse_marker(marker: object) -> Marker | None:
 
 
 def mark_recovered(
-    conn: Connection, naming: InboxSchema, marker: object, key: tuple[str, str, str, str]
+    conn: Connection,
+    naming: InboxSchema,
+    marker: object,
+    key: tuple[str, str, str, str],
+    *,
+    duplicate: bool = False,
 ) -> str | None:
     """In the processing transaction of the message with identity ``key``: the repaired
     message committed; say so in its row. Return the row's kind, or None when no row
@@ -278,7 +284,11 @@ def mark_recovered(
     so it applies only to the row it names when that row is the same consumer's, for the
     same identity (for an accepted quarantine row: its accepted message id), decided by a
     repair (redriven, or accepted) and, when the marker names one, by the same operation.
-    Anything else is an ordinary message that carries a stray header: no row changes."""
+    Anything else is an ordinary message that carries a stray header: no row changes.
+
+    ``duplicate``: the message met its intent's committed claim (`Verdict.repairs`), whose
+    effect is the one the repair was for; but not a row of outputs that could not be sent,
+    which that claim committed itself and whose repair is the send after this COMMIT."""
     parsed = parse_marker(marker)
     if parsed is None:
         return None
@@ -298,6 +308,8 @@ def mark_recovered(
         # same payload marks a redriven row itself), so the repair is still this one's
         decided = table.c.decision.in_(("redriven", "recovered"))
         same += [table.c.message_id == message_id, decided]
+        if duplicate:
+            same.append(table.c.reason_code != OUTPUTS_UNDELIVERABLE)
         values |= {
             "decision": "recovered",
             "recovered_at": func.coalesce(table.c.recovered_at, func.now()),
@@ -317,9 +329,9 @@ def mark_batch_recovered(
     verdicts: Sequence[Verdict],
     markers: Sequence[str | None],
 ) -> None:
-    """`mark_recovered` for each first-seen message of a batch that carries a marker
-    (``markers``: each delivery's, in the batch's order; empty: none), in the batch's
-    transaction, after its handler."""
+    """`mark_recovered` for each message of a batch that carries a marker (``markers``:
+    each delivery's, in the batch's order; empty: none) and repairs its row
+    (`Verdict.repairs`), in the batch's transaction, after its handler."""
     for delivery, verdict, marker in zip(deliveries, verdicts, markers, strict=False):
-        if marker is not None and verdict.runs_handler:
-            mark_recovered(conn, naming, marker, delivery.key)
+        if marker is not None and verdict.repairs:
+            mark_recovered(conn, naming, marker, delivery.key, duplicate=not verdict.runs_handler)
