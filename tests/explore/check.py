@@ -43,7 +43,10 @@ The workload axes (`space.WORKLOAD_AXES`, checked in `_workload`):
     (``repair-unpublished``); an accepted conflict applied once under its new id
     (``accepted-not-applied``); a discarded conflict never applied
     (``discarded-applied``); a redriven poison message applied at most once and its row
-    then ``recovered`` (``redriven-not-recovered``);
+    then ``recovered``, whichever copy of the intent applied it (the redriven one, the
+    producer's next, the broker's redelivery of the poisoned one), where no copy carried
+    another payload (``redriven-not-recovered``; a row of outputs that could not be sent
+    is recovered by their send, which the checker does not see);
   * a purge (``--older-than 10s``) deletes no claim younger than its window
     (``purge-too-young``); a copy applied again after its claim was purged is the
     documented limit ("Memory is as long as the retention window"), not ``twice``.
@@ -686,8 +689,9 @@ def _workload(
             if (
                 kind == "poison"
                 and row.get("decision") == "redriven"
+                and row.get("reason_code") != "outputs_undeliverable"
                 and key in applied
-                and sum(1 for _, k, c, _ in history.sent if k == key and c != "conflict") == 1
+                and not any(k == key and c == "conflict" for _, k, c, _ in history.sent)
             ):
                 findings.append(
                     Finding("redriven-not-recovered", f"poison row {row['id']} ({key}) applied")

@@ -366,6 +366,36 @@ def test_check__operator_decisions_leave_their_documented_records() -> None:
     assert "discarded-applied" in _kinds(history)
 
 
+def test_check__a_redriven_row_whose_intent_applied_is_recovered_whichever_copy_applied_it() -> (
+    None
+):
+    # Given b, which fails now and then, poisoned, redriven by the operator, and applied:
+    # by its redriven copy, or by a copy the producer sent again (or the broker
+    # redelivered) before it
+    history = _history(operator="repair")
+    history.schedule.intents[1] = Intent("b", "transient", 2)
+    history.effects = [("a", "a", 1), ("c", "c", 3), ("b", "b", 2)]
+    history.claims = ["a", "c", "b"]
+    history.poison = [("b", "retries_exhausted", "recovered")]
+    row = {"id": 1, "message_id": "b", "decided_by": OPERATOR, "published_at": "now"}
+    history.extra = {
+        "inbox_poison": [row | {"decision": "recovered", "reason_code": "retries_exhausted"}],
+        "decisions": [("poison", 1, "redrive", "b", 0)],
+    }
+    for copies in (1, 2):
+        history.sent = history.sent[:3] + [(1.0, "b", "duplicate", 2)] * (copies - 1)
+        assert check(history) == []
+        # Still redriven once it applied: a finding, sent once or twice
+        redriven = {"decision": "redriven", "reason_code": "retries_exhausted"}
+        history.extra["inbox_poison"] = [row | redriven]
+        assert _kinds(history) == ["redriven-not-recovered"]
+        history.extra["inbox_poison"] = [row | redriven | {"decision": "recovered"}]
+    # But not where a copy carried another payload (a conflict: the row may be its own)
+    history.sent.append((2.0, "b", "conflict", 9))
+    history.extra["inbox_poison"] = [row | redriven]
+    assert "redriven-not-recovered" not in _kinds(history)
+
+
 def test_check__a_purge_keeps_claims_younger_than_its_window() -> None:
     history = _history(operator="purge")
     history.effects = [("a", "a", 1), ("c", "c", 3)]
