@@ -536,3 +536,7 @@ def test_pipeline__a_step_that_can_never_be_sent_is_kept_as_poison(broker, queue
         drain(broker, queue, worker)
     assert shipped == [10]
     assert _effects(pg_engine, 7) == 1
+    # And its row says the repair is done: the step was sent
+    with pg_engine.connect() as conn:
+        [row] = conn.execute(select(NAMING.tables.poison)).mappings().all()
+    assert (row["decision"], row["recovered_at"] is not None) == ("recovered", True)

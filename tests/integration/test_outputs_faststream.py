@@ -13,7 +13,9 @@ from sqlalchemy import text
 from inbox_middleware.faststream import FastStreamInbox, InboxSession, identity_headers
 
 from ..apps.domain import apply_credit_async, effects
+from ..support import services
 from ..support.faststream_brokers import KINDS, Harness, Seen, eventually, recorder
+from .test_faststream_failures import cli
 
 ORDER = {"account": 7, "delta": 10}
 
@@ -36,6 +38,31 @@ async def _harness(kind: str, inbox: FastStreamInbox, seen: Seen) -> Harness:
     harness = Harness(kind, [recorder(seen), inbox.middleware])
     inbox.guard(harness.broker)
     return harness
+
+
+async def _unpublishable(
+    pg_async_engine: Any, seen: Seen, stream: str
+) -> tuple[Harness, list[int]]:
+    """A JetStream subscriber, two attempts allowed, whose result goes to the subject
+    ``<source>.nowhere``, published as kept by the stream ``stream`` (``{}``: the harness's
+    stream's name), which nothing declares; and the list of its handler's runs."""
+    from faststream.nats import JStream
+
+    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
+    h = await _harness("nats", inbox, seen)
+    publisher = h.broker.publisher(
+        f"{h.source}.nowhere", stream=JStream(stream.format(h.stream), declare=False)
+    )
+    runs: list[int] = []
+
+    @publisher
+    @h.subscribe(inbox.consumer("billing"))
+    async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
+        runs.append(1)
+        await apply_credit_async(session, "billing", body["account"], body["delta"])
+        return {"credited": body["delta"]}
+
+    return h, runs
 
 
 @pytest.mark.parametrize("kind", ["rabbit", "nats"])
@@ -119,21 +146,7 @@ async def test_outputs__a_result_that_cannot_be_published_is_kept_then_poisoned(
 ):
     # Given a JetStream subscriber whose result goes to a subject no stream captures (every
     # publish there fails: JetStream does not answer), and two attempts allowed
-    from faststream.nats import JStream
-
-    inbox = FastStreamInbox(pg_async_engine, retry_backoff=(0.05, 0.1), max_attempts=2)
-    h = await _harness("nats", inbox, seen)
-    publisher = h.broker.publisher(
-        f"{h.source}.nowhere", stream=JStream(f"{h.stream}_NONE", declare=False)
-    )
-    runs: list[int] = []
-
-    @publisher
-    @h.subscribe(inbox.consumer("billing"))
-    async def handle(body: dict[str, Any], session: InboxSession) -> dict[str, Any]:
-        runs.append(1)
-        await apply_credit_async(session, "billing", body["account"], body["delta"])
-        return {"credited": body["delta"]}
+    h, runs = await _unpublishable(pg_async_engine, seen, "{}_NONE")
 
     try:
         async with h.broker:
@@ -154,6 +167,44 @@ async def test_outputs__a_result_that_cannot_be_published_is_kept_then_poisoned(
     assert tuple(poison) == ("outputs_undeliverable", 2)
     ((_, headers),) = dead
     assert json.loads(headers["x-inbox-rejected"])["reason_code"] == "outputs_undeliverable"
+    assert left == 0
+
+
+async def test_outputs__a_redrive_of_a_result_that_could_not_be_published_sends_it_once(
+    pg_async_engine, pg_engine, pg_url, seen
+):
+    # Given a JetStream subscriber whose result could not be published (no stream captured
+    # its subject), kept as poison with its claim and result
+    h, runs = await _unpublishable(pg_async_engine, seen, "{}_OUT")
+    nowhere = f"{h.source}.nowhere"
+
+    def poison() -> list[Any]:
+        with pg_engine.connect() as conn:
+            return list(conn.execute(text("SELECT id, decision FROM inbox_poison")).all())
+
+    try:
+        async with h.broker:
+            await h.broker.start()
+            await h.publish(ORDER, ident("o-8"))
+            await h.read_at_least(f"{h.source}.dead-letter", 1, timeout=30)
+            [(row_id, decision)] = poison()
+            assert decision == "pending"
+            # When the cause is repaired (a stream now keeps the subject) and the operator
+            # redrives the row
+            js = h.broker.config.connection_state.stream
+            await js.add_stream(name=f"{h.stream}_OUT", subjects=[nowhere])
+            redrive = cli(pg_url, "poison", "redrive", str(row_id), "--broker-url", services.NATS)
+            assert redrive.returncode == 0, redrive.stderr
+            # Then its copy, a duplicate, publishes the stored result, and the row says
+            # the repair is done
+            [(body, _)] = await h.read_at_least(nowhere, 1, timeout=30)
+            await eventually(lambda: poison()[0][1] == "recovered", what="the row recovered")
+            left = await h.leftover()
+    finally:
+        await h.cleanup()
+    assert runs == [1] and json.loads(body) == {"credited": 10}
+    with pg_engine.connect() as conn:
+        assert effects(conn, 7) == 1
     assert left == 0
 
 

@@ -106,6 +106,7 @@ __all__ = [
     "HandedBack",
     "LoadOutputs",
     "LookUpClaim",
+    "MarkSent",
     "Observer",
     "Op",
     "Poisoned",
@@ -139,6 +140,7 @@ __all__ = [
     "expired",
     "first_seen_refusal",
     "outputs_failed_steps",
+    "outputs_sent_steps",
     "reason_code",
     "rejection_details",
     "settle_batch_steps",
@@ -362,6 +364,17 @@ class LookUpClaim:
 
 
 @dataclass(frozen=True, slots=True)
+class MarkSent:
+    """The outputs a repaired copy (``delivery``, carrying ``marker``) met are sent: when
+    the row the marker names is of outputs that could not be sent, its repair is done;
+    mark it recovered. Answer the row's kind, or None when no row of that reason
+    matched."""
+
+    delivery: Delivery
+    marker: str
+
+
+@dataclass(frozen=True, slots=True)
 class SendOutputs:
     """Send what follows the committed ``delivery`` (its stored ``output``), before the
     ack: a pipeline step, a callback. Raise when it could not be sent."""
@@ -432,6 +445,7 @@ Op = (
     | QuarantineConflict
     | LoadOutputs
     | LookUpClaim
+    | MarkSent
     | Publish
     | ProcessBatch
     | SendOutputs
@@ -900,7 +914,28 @@ def _send_outputs(
         yield SendOutputs(arrival.delivery, output)
     except Exception as exc:
         return (yield from outputs_failed_steps(arrival, rules, exc))
-    return settlement
+    return (yield from outputs_sent_steps(arrival, settlement))
+
+
+def outputs_sent_steps(arrival: Arrival, settlement: Settlement) -> Generator[Op, Any, Settlement]:
+    """The stored outputs of a settled delivery were sent: before the ack, by the adapter
+    (`SendOutputs`), or after the COMMIT by the framework (FastStream publishes a handler's
+    result itself). A redrive of outputs that could not be sent is done now: its copy, a
+    duplicate, marks the row recovered (`MarkSent`). Answers the settlement, with the row's
+    kind when one was marked."""
+    marker = arrival.repair_marker
+    if (
+        type(settlement) is not Duplicate
+        or settlement.recovered is not None
+        or marker is None
+        or arrival.delivery is None
+    ):
+        return settlement
+    try:
+        recovered = yield MarkSent(arrival.delivery, marker)
+    except Exception:
+        return settlement  # sent all the same: the row waits, nothing is sent again
+    return Duplicate(settlement.verdict, settlement.output, recovered)
 
 
 def _without_identity(arrival: Arrival, rules: ConsumerPolicy) -> Generator[Op, Any, Settlement]:

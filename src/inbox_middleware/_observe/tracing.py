@@ -45,6 +45,7 @@ from .._core.consumption import (
     DeadLettered,
     Duplicate,
     HandedBack,
+    MarkSent,
     Poisoned,
     Process,
     Processed,
@@ -505,6 +506,7 @@ _RECORDS: dict[type, str] = {
     CountRedelivery: "redelivery",
     RecordPoison: "poison",
     QuarantineConflict: "quarantine",
+    MarkSent: "recovered",
 }
 _SETTLEMENTS: dict[type, str] = {
     Processed: "processed",

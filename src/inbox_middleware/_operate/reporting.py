@@ -27,7 +27,7 @@ from .._core.exceptions import IdentityError, PayloadNotHashable
 from .._observe.instruments import metrics
 from .tally import outcome_of, tally
 
-__all__ = ["report"]
+__all__ = ["report", "report_sent"]
 
 logger = logging.getLogger("inbox_middleware")
 
@@ -138,3 +138,11 @@ def _cause(error: BaseException) -> BaseException:
     if isinstance(error, HandBackRequested) and error.cause is not None:
         return error.cause
     return error
+
+
+def report_sent(settlement: Settlement, *, consumer: str) -> None:
+    """Count the repair that sending a settled delivery's outputs completed
+    (`outputs_sent_steps`, after the framework published them), once `report` told the
+    settlement itself."""
+    if type(settlement) is Duplicate and settlement.recovered is not None:
+        metrics.recovered(consumer, settlement.recovered)

@@ -124,7 +124,7 @@ class AsyncInbox(Executor):
                         self.naming,
                         repair_marker,
                         delivery.key,
-                        duplicate=not verdict.runs_handler,
+                        through="handler" if verdict.runs_handler else "claim",
                     )
                 )
             return result

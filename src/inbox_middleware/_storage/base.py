@@ -29,6 +29,7 @@ from .._core.consumption import (
     CountRedelivery,
     LoadOutputs,
     LookUpClaim,
+    MarkSent,
     Observer,
     Op,
     QuarantineConflict,
@@ -62,7 +63,7 @@ from .._observe import tracing
 from .._observe.instruments import metrics
 from .driver import InboxTransaction, begin_owned, commit_checked, driver_path, on_driver
 from .errors import Failure, classify, sqlstate, transient_error
-from .failures import FailureRecorder
+from .failures import FailureRecorder, mark_recovered
 from .outputs import OutputStatements
 from .statements import TRANSACTION_PROBE, ClaimStatements, CompactClaimStatements, phase_record
 from .tables import InboxSchema
@@ -231,6 +232,8 @@ class Executor:
                 return self.statements.stored_claim(conn, delivery)
             case LoadOutputs(delivery=delivery):
                 return self.outputs.load(conn, delivery)
+            case MarkSent(delivery=delivery, marker=marker):
+                return mark_recovered(conn, self.naming, marker, delivery.key, through="send")
             case RecordPoison(delivery=delivery, reason=reason, error=error, attempts=attempts):
                 # Outputs that could not be sent: that message's own claim committed, and
                 # its row waits for the redrive that sends them.

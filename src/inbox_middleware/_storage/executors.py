@@ -169,7 +169,7 @@ class Inbox(Executor):
                     self.naming,
                     repair_marker,
                     delivery.key,
-                    duplicate=not verdict.runs_handler,
+                    through="handler" if verdict.runs_handler else "claim",
                 )
             return result
 

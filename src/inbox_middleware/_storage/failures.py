@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import (
     Boolean,
@@ -274,7 +274,7 @@ def mark_recovered(
     marker: object,
     key: tuple[str, str, str, str],
     *,
-    duplicate: bool = False,
+    through: Literal["handler", "claim", "send"] = "handler",
 ) -> str | None:
     """In the processing transaction of the message with identity ``key``: the repaired
     message committed; say so in its row. Return the row's kind, or None when no row
@@ -286,9 +286,11 @@ def mark_recovered(
     repair (redriven, or accepted) and, when the marker names one, by the same operation.
     Anything else is an ordinary message that carries a stray header: no row changes.
 
-    ``duplicate``: the message met its intent's committed claim (`Verdict.repairs`), whose
+    ``through``: what repaired it. The ``handler`` of a first-seen message. The ``claim``
+    it met, committed by another copy of its intent (`Verdict.repairs`: a duplicate), whose
     effect is the one the repair was for; but not a row of outputs that could not be sent,
-    which that claim committed itself and whose repair is the send after this COMMIT."""
+    which that claim committed itself and whose repair is their ``send`` (`MarkSent`,
+    after the duplicate's COMMIT), which marks only such a row."""
     parsed = parse_marker(marker)
     if parsed is None:
         return None
@@ -308,8 +310,9 @@ def mark_recovered(
         # same payload marks a redriven row itself), so the repair is still this one's
         decided = table.c.decision.in_(("redriven", "recovered"))
         same += [table.c.message_id == message_id, decided]
-        if duplicate:
-            same.append(table.c.reason_code != OUTPUTS_UNDELIVERABLE)
+        if through != "handler":
+            undeliverable = table.c.reason_code == OUTPUTS_UNDELIVERABLE
+            same.append(undeliverable if through == "send" else ~undeliverable)
         values |= {
             "decision": "recovered",
             "recovered_at": func.coalesce(table.c.recovered_at, func.now()),
@@ -334,4 +337,10 @@ def mark_batch_recovered(
     (`Verdict.repairs`), in the batch's transaction, after its handler."""
     for delivery, verdict, marker in zip(deliveries, verdicts, markers, strict=False):
         if marker is not None and verdict.repairs:
-            mark_recovered(conn, naming, marker, delivery.key, duplicate=not verdict.runs_handler)
+            mark_recovered(
+                conn,
+                naming,
+                marker,
+                delivery.key,
+                through="handler" if verdict.runs_handler else "claim",
+            )

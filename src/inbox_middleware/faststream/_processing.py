@@ -64,6 +64,7 @@ from .._core.consumption import (
     Unfit,
     drive_async,
     outputs_failed_steps,
+    outputs_sent_steps,
     settle_steps,
 )
 from .._core.exceptions import (
@@ -80,7 +81,7 @@ from .._core.policy import ConsumerPolicy
 from .._core.protocol import Delivery
 from .._observe.instruments import metrics
 from .._observe.tracing import OFF, NoTracing, Tracing
-from .._operate.reporting import report
+from .._operate.reporting import report, report_sent
 from ._batch import consume_batch, hold_batch
 from ._brokers import BrokerAdapter, Item
 from ._consumer import InboxConsumer, _Unset, resolved_no_more
@@ -196,7 +197,7 @@ class Subscription:
             if arrival.delivery is not None:
                 self.backoff.forget(arrival.delivery.key)
             self._report(message, item, arrival, settlement)
-            finish.append(partial(self._after_publish, message, item, arrival))
+            finish.append(partial(self._after_publish, message, item, arrival, settlement))
             return self.adapter.response(output)
 
     async def hold(self, message: Any, error: Exception) -> Any:
@@ -216,17 +217,28 @@ class Subscription:
         return await self._tell(message, item, arrival, settlement)
 
     async def _after_publish(
-        self, message: Any, item: Item, arrival: Arrival, error: BaseException | None
+        self,
+        message: Any,
+        item: Item,
+        arrival: Arrival,
+        settled: Settlement,
+        error: BaseException | None,
     ) -> None:
-        """The outputs of a committed delivery were published (ack), or not: then the
-        message is handed back, and its redelivery, a duplicate, publishes them again."""
+        """The outputs of a committed delivery were published (ack, once the core saw them
+        sent), or not: then the message is handed back, and its redelivery, a duplicate,
+        publishes them again."""
+        perform = partial(self._perform, _no_handler, message, item)
         if error is None:
             faults.at("outputs_published", message_id_of(item.headers))
+            try:
+                sent = await drive_async(outputs_sent_steps(arrival, settled), perform)
+                report_sent(sent, consumer=self.consumer.name)
+            except Exception:  # the inbox's own bug: the outputs are out, ack all the same
+                logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
             await self.adapter.ack(message)
             return
         try:
             steps = outputs_failed_steps(arrival, self.policy, error)
-            perform = partial(self._perform, _no_handler, message, item)
             settlement = await drive_async(steps, perform)
         except Exception as exc:
             logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
