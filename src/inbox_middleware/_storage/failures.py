@@ -304,19 +304,21 @@ def mark_recovered(
     ]
     if parsed.operation is not None:
         same.append(table.c.operation_id == parsed.operation)
+    # Not recovered yet, or by this very transaction (PostgreSQL: the claim of a copy of
+    # the same payload marks a redriven poison row itself, `statements`; now() is the
+    # transaction's start): a row is counted recovered once, whichever copy comes again.
+    fresh: list[Any] = [table.c.recovered_at.is_(None)]
+    if conn.dialect.name == "postgresql":
+        fresh.append(table.c.recovered_at == func.now())
+    same.append(or_(*fresh))
     values: dict[str, Any] = {"recovered_at": func.now()}
     if parsed.kind == "poison":
-        # recovered already: by this very claim (`statements`: the claim of a copy of the
-        # same payload marks a redriven row itself), so the repair is still this one's
         decided = table.c.decision.in_(("redriven", "recovered"))
         same += [table.c.message_id == message_id, decided]
         if through != "handler":
             undeliverable = table.c.reason_code == OUTPUTS_UNDELIVERABLE
             same.append(undeliverable if through == "send" else ~undeliverable)
-        values |= {
-            "decision": "recovered",
-            "recovered_at": func.coalesce(table.c.recovered_at, func.now()),
-        }
+        values["decision"] = "recovered"
     else:
         redriven = (table.c.decision == "redriven") & (table.c.message_id == message_id)
         accepted = (table.c.decision == "accepted") & (table.c.accepted_message_id == message_id)
