@@ -123,7 +123,7 @@ def test_purge__takes_the_stored_outputs_with_their_claims(pg_engine):
     def claim(message_id: str) -> None:
         delivery = Delivery("c", MessageIdentity("p", message_id), hash_json(message_id, "s"))
         output = Output(b'{"ok":true}', "application/json")
-        inbox.process(delivery, lambda s: inbox.outputs.store(s.connection(), delivery, output))
+        inbox.process(delivery, lambda s: inbox.keep_output(s, delivery, output))
 
     for n in range(3):
         claim(f"old-{n}")
@@ -143,8 +143,25 @@ def _claim_with_output(inbox: Inbox, message_id: str) -> tuple[Delivery, Any]:
 
     delivery = Delivery("c", MessageIdentity("p", message_id), hash_json(message_id, "s"))
     output = Output(b'{"ok":true}', "application/json")
-    inbox.process(delivery, lambda s: inbox.outputs.store(s.connection(), delivery, output))
+    inbox.process(delivery, lambda s: inbox.keep_output(s, delivery, output))
     return delivery, output
+
+
+def test_purge__a_claim_made_again_after_its_purge_keeps_its_own_output(engine):
+    # Given a claim and its stored output, the claim purged and its output not yet (the
+    # purge takes the outputs after the claims)
+    from inbox_middleware._core.outputs import Output
+
+    inbox = Inbox(engine)
+    delivery, _ = _claim_with_output(inbox, "m-1")
+    with engine.begin() as conn:
+        conn.execute(NAMING.tables.inbox.delete())
+    # When a copy past the window is claimed again, its handler answering anew
+    again = Output(b'{"ok":"again"}', "application/json")
+    inbox.process(delivery, lambda s: inbox.keep_output(s, delivery, again))
+    # Then its duplicate would send the output of the claim that stands, not the old one
+    with engine.connect() as conn:
+        assert inbox.outputs.load(conn, delivery) == again
 
 
 def _age_everything(engine, days: int) -> None:

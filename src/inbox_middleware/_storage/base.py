@@ -279,7 +279,8 @@ class Executor:
         kept = session.info.pop(OUTPUT_KEY, None)
         if kept is not None:  # the handler's result, written just before the COMMIT
             claim, output = kept
-            self.outputs.store(session.connection(), claim, output)
+            first_seen = SHADOW_KEY not in session.info  # the handler ran: first seen
+            self.outputs.store(session.connection(), claim, output, first_seen=first_seen)
 
     def _transaction_state(self, session: Session) -> TransactionState:
         """What the claim's transaction is in, right before its COMMIT (on PostgreSQL;

@@ -1,8 +1,9 @@
 """Stored outputs (`outputs.Output`): their statements.
 
 The insert runs on the claim's own connection, inside its transaction, after the handler
-returned: the output commits with the claim and the domain change, or not at all. The
-table is insert-only; a row is written only for consumers whose outputs something uses.
+returned: the output commits with the claim and the domain change, or not at all. A row
+is written once a claim (a first-seen claim's replaces what a purged claim of the same
+key left), and only for consumers whose outputs something uses.
 """
 
 from __future__ import annotations
@@ -28,26 +29,37 @@ class OutputStatements:
     def __init__(self, naming: InboxSchema, dialect: str) -> None:
         outputs = naming.tables.outputs
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        self._store = (
-            insert(outputs)
-            .values(
-                **{name: bindparam(name) for name in OUTPUT_KEY},
-                body=bindparam("body"),
-                content_type=bindparam("content_type"),
-                headers=bindparam("headers", type_=outputs.c.headers.type),
-                created_at=func.now(),
-            )
-            # A shadow-mode rerun of a duplicate keeps the first delivery's output.
-            .on_conflict_do_nothing()
+        store = insert(outputs).values(
+            **{name: bindparam(name) for name in OUTPUT_KEY},
+            body=bindparam("body"),
+            content_type=bindparam("content_type"),
+            headers=bindparam("headers", type_=outputs.c.headers.type),
+            created_at=func.now(),
         )
+        # A first-seen claim's output replaces any row of its key: one a purged claim of
+        # the same identity left (the outputs go after their claims), which a duplicate of
+        # this claim must not send for it.
+        self._replace = store.on_conflict_do_update(
+            index_elements=list(OUTPUT_KEY),
+            set_={
+                name: getattr(store.excluded, name)
+                for name in ("body", "content_type", "headers", "created_at")
+            },
+        )
+        # A shadow-mode rerun of a duplicate keeps the first delivery's output.
+        self._keep = store.on_conflict_do_nothing()
         self._load = select(outputs.c.body, outputs.c.content_type, outputs.c.headers).where(
             *(outputs.c[name] == bindparam(name) for name in OUTPUT_KEY)
         )
 
-    def store(self, conn: Connection, delivery: Delivery, output: Output) -> None:
-        """Write ``output`` in the transaction ``conn`` has open (the claim's)."""
+    def store(
+        self, conn: Connection, delivery: Delivery, output: Output, *, first_seen: bool
+    ) -> None:
+        """Write ``output`` in the transaction ``conn`` has open (the claim's): the
+        claim's own when it is ``first_seen``, else (a shadow-mode rerun) unless one is
+        stored."""
         conn.execute(
-            self._store,
+            self._replace if first_seen else self._keep,
             _key(delivery)
             | {
                 "body": output.body,
