@@ -45,8 +45,9 @@ The workload axes (`space.WORKLOAD_AXES`, checked in `_workload`):
     (``discarded-applied``); a redriven poison message applied at most once and its row
     then ``recovered``, whichever copy of the intent applied it (the redriven one, the
     producer's next, the broker's redelivery of the poisoned one), where no copy carried
-    another payload (``redriven-not-recovered``; a row of outputs that could not be sent
-    is recovered by their send, which the checker does not see);
+    another payload and the redriven copy was published or the intent sent once
+    (``redriven-not-recovered``; a row of outputs that could not be sent is recovered by
+    their send, which the checker does not see);
   * a purge (``--older-than 10s``) deletes no claim younger than its window
     (``purge-too-young``); a copy applied again after its claim was purged is the
     documented limit ("Memory is as long as the retention window"), not ``twice``.
@@ -686,12 +687,16 @@ def _workload(
                     findings.append(
                         Finding("discarded-applied", f"quarantine row {row['id']} ({key})")
                     )
+            copies = [c for _, k, c, _ in history.sent if k == key]
             if (
                 kind == "poison"
                 and row.get("decision") == "redriven"
                 and row.get("reason_code") != "outputs_undeliverable"
                 and key in applied
-                and not any(k == key and c == "conflict" for _, k, c, _ in history.sent)
+                and "conflict" not in copies
+                # the redriven copy went out (it marks the row, met as a duplicate too),
+                # or no copy but the poisoned one could apply it (its claim marks the row)
+                and (row.get("published_at") is not None or len(copies) == 1)
             ):
                 findings.append(
                     Finding("redriven-not-recovered", f"poison row {row['id']} ({key}) applied")

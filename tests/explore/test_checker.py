@@ -390,6 +390,10 @@ def test_check__a_redriven_row_whose_intent_applied_is_recovered_whichever_copy_
         history.extra["inbox_poison"] = [row | redriven]
         assert _kinds(history) == ["redriven-not-recovered"]
         history.extra["inbox_poison"] = [row | redriven | {"decision": "recovered"}]
+    # Nor where the redriven copy never went out and another copy applied b before the
+    # row was written (the two in flight together): nothing is left to mark it
+    history.extra["inbox_poison"] = [row | redriven | {"published_at": None}]
+    assert "redriven-not-recovered" not in _kinds(history)
     # But not where a copy carried another payload (a conflict: the row may be its own)
     history.sent.append((2.0, "b", "conflict", 9))
     history.extra["inbox_poison"] = [row | redriven]
