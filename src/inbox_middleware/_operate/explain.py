@@ -25,7 +25,7 @@ from .._storage.inspection import (
     identity_row,
     identity_rows,
 )
-from .._storage.tables import InboxSchema
+from .._storage.tables import IDENTITY_KEY, InboxSchema
 from ..outbox._recording import effect_id_for
 from .retention import format_duration, recorded_policy
 
@@ -83,12 +83,9 @@ def explain(
         ),
         "quarantine": [_jsonable(row) for row in quarantine],
         "poison": [_jsonable(row) for row in poison],
-        "failures": None if failures is None else _jsonable(failures, skip=_KEY),
+        "failures": None if failures is None else _jsonable(failures, skip=IDENTITY_KEY),
         "effects": _effects(conn, naming, consumer, identity),
     }
-
-
-_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
 
 
 def _verdict(
@@ -169,7 +166,7 @@ _EFFECT_COLUMNS = (
 )
 
 
-def _jsonable(row: dict[str, Any], skip: tuple[str, ...] = _KEY) -> dict[str, Any]:
+def _jsonable(row: dict[str, Any], skip: tuple[str, ...] = IDENTITY_KEY) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in row.items():
         if name in skip or isinstance(value, bytes | memoryview):

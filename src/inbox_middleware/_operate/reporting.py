@@ -84,9 +84,8 @@ def report(
                     age,
                     extra=fields | {"inbox_event": "expired"},
                 )
-        case Duplicate(recovered=kind):
-            if kind is not None:
-                metrics.recovered(consumer, kind)
+        case Duplicate():
+            report_sent(settlement, consumer=consumer)
         case Quarantined():
             metrics.moved(consumer, "quarantine")
         case DeadLettered(reason=reason, error=error):
@@ -141,8 +140,8 @@ def _cause(error: BaseException) -> BaseException:
 
 
 def report_sent(settlement: Settlement, *, consumer: str) -> None:
-    """Count the repair that sending a settled delivery's outputs completed
-    (`outputs_sent_steps`, after the framework published them), once `report` told the
-    settlement itself."""
+    """Count the repair a duplicate completed: by the claim it met, or by sending its
+    outputs (`outputs_sent_steps`; after the framework published them, once `report`
+    told the settlement itself)."""
     if type(settlement) is Duplicate and settlement.recovered is not None:
         metrics.recovered(consumer, settlement.recovered)

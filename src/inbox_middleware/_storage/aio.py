@@ -39,7 +39,7 @@ from .base import (
     track_aborts,
 )
 from .errors import as_transient
-from .failures import mark_batch_recovered, mark_recovered
+from .failures import mark_batch_recovered, mark_repaired
 from .layout import check_claims
 from .migrate import check_schema
 from .session import ClaimSession
@@ -117,14 +117,10 @@ class AsyncInbox(Executor):
                 faults.at("handler", delivery.identity.message_id)
                 with tracing.phase("inbox.handler"):
                     result = await handler(session)
-            if repair_marker is not None and verdict.repairs:
+            if repair_marker is not None:
                 recovered[0] = await session.run_sync(
-                    lambda sync: mark_recovered(
-                        sync.connection(),
-                        self.naming,
-                        repair_marker,
-                        delivery.key,
-                        through="handler" if verdict.runs_handler else "claim",
+                    lambda sync: mark_repaired(
+                        sync.connection(), self.naming, repair_marker, delivery, verdict
                     )
                 )
             return result

@@ -64,7 +64,7 @@ from .base import (
     track_aborts,
 )
 from .errors import as_transient
-from .failures import mark_batch_recovered, mark_recovered
+from .failures import mark_batch_recovered, mark_repaired
 from .layout import check_claims
 from .migrate import check_schema
 from .session import ClaimSession
@@ -162,14 +162,10 @@ class Inbox(Executor):
                 faults.at("handler", delivery.identity.message_id)
                 with tracing.phase("inbox.handler"):
                     result = handler(session)
-            if repair_marker is not None and verdict.repairs:
+            if repair_marker is not None:
                 connection = session.connection()
-                recovered[0] = mark_recovered(
-                    connection,
-                    self.naming,
-                    repair_marker,
-                    delivery.key,
-                    through="handler" if verdict.runs_handler else "claim",
+                recovered[0] = mark_repaired(
+                    connection, self.naming, repair_marker, delivery, verdict
                 )
             return result
 

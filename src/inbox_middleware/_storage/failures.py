@@ -39,7 +39,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from .._core.consumption import RedeliveryCount
 from .._core.outputs import OUTPUTS_UNDELIVERABLE
 from .._core.protocol import Delivery, Verdict
-from .tables import InboxSchema
+from .tables import IDENTITY_KEY, InboxSchema
 
 __all__ = [
     "FailureRecorder",
@@ -47,6 +47,7 @@ __all__ = [
     "PoisonRecord",
     "mark_batch_recovered",
     "mark_recovered",
+    "mark_repaired",
     "parse_marker",
 ]
 
@@ -69,7 +70,7 @@ class FailureRecorder:
     def __init__(self, naming: InboxSchema, dialect: str) -> None:
         tables = naming.tables
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        key = ["consumer_name", "producer_name", "tenant", "message_id"]
+        key = list(IDENTITY_KEY)
         attempts = tables.attempts
         count = insert(attempts).values(
             **{name: bindparam(name) for name in key},
@@ -338,11 +339,17 @@ def mark_batch_recovered(
     each delivery's, in the batch's order; empty: none) and repairs its row
     (`Verdict.repairs`), in the batch's transaction, after its handler."""
     for delivery, verdict, marker in zip(deliveries, verdicts, markers, strict=False):
-        if marker is not None and verdict.repairs:
-            mark_recovered(
-                conn,
-                naming,
-                marker,
-                delivery.key,
-                through="handler" if verdict.runs_handler else "claim",
-            )
+        if marker is not None:
+            mark_repaired(conn, naming, marker, delivery, verdict)
+
+
+def mark_repaired(
+    conn: Connection, naming: InboxSchema, marker: str, delivery: Delivery, verdict: Verdict
+) -> str | None:
+    """`mark_recovered` for a copy that carries ``marker`` and was claimed with
+    ``verdict``, in its transaction: repaired by its handler when it ran, by the claim it
+    met when it is a duplicate (`Verdict.repairs`), not at all otherwise."""
+    if not verdict.repairs:
+        return None
+    through: Literal["handler", "claim"] = "handler" if verdict.runs_handler else "claim"
+    return mark_recovered(conn, naming, marker, delivery.key, through=through)

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, DateTime, Table, Text, and_, func, select, te
 
 from .._core import claims
 from .._core.protocol import ReasonCode
-from .tables import TABLES, InboxSchema
+from .tables import IDENTITY_KEY, TABLES, InboxSchema
 
 if TYPE_CHECKING:
     from .._core.identity import MessageIdentity
@@ -334,8 +334,6 @@ def aware(value: datetime | None) -> datetime | None:
 
 # -- explain: one identity's rows ---------------------------------------------------------
 
-_IDENTITY_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
-
 
 def identity_row(
     conn: Connection, table: Table, key: tuple[str, str, str, str]
@@ -404,7 +402,7 @@ def identity_rows(
 
 
 def _where(table: Table, key: tuple[str, str, str, str]) -> list[Any]:
-    return [table.c[name] == value for name, value in zip(_IDENTITY_KEY, key, strict=True)]
+    return [table.c[name] == value for name, value in zip(IDENTITY_KEY, key, strict=True)]
 
 
 def effects(

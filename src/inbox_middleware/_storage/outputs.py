@@ -15,12 +15,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from .._core.outputs import Output
 from .._core.protocol import Delivery
-from .tables import InboxSchema
+from .tables import IDENTITY_KEY, InboxSchema
 
 __all__ = ["OutputStatements"]
-
-OUTPUT_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
-"""The stored output's key: its claim's identity."""
 
 
 class OutputStatements:
@@ -30,7 +27,7 @@ class OutputStatements:
         outputs = naming.tables.outputs
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         store = insert(outputs).values(
-            **{name: bindparam(name) for name in OUTPUT_KEY},
+            **{name: bindparam(name) for name in IDENTITY_KEY},
             body=bindparam("body"),
             content_type=bindparam("content_type"),
             headers=bindparam("headers", type_=outputs.c.headers.type),
@@ -40,7 +37,7 @@ class OutputStatements:
         # the same identity left (the outputs go after their claims), which a duplicate of
         # this claim must not send for it.
         self._replace = store.on_conflict_do_update(
-            index_elements=list(OUTPUT_KEY),
+            index_elements=list(IDENTITY_KEY),
             set_={
                 name: getattr(store.excluded, name)
                 for name in ("body", "content_type", "headers", "created_at")
@@ -49,7 +46,7 @@ class OutputStatements:
         # A shadow-mode rerun of a duplicate keeps the first delivery's output.
         self._keep = store.on_conflict_do_nothing()
         self._load = select(outputs.c.body, outputs.c.content_type, outputs.c.headers).where(
-            *(outputs.c[name] == bindparam(name) for name in OUTPUT_KEY)
+            *(outputs.c[name] == bindparam(name) for name in IDENTITY_KEY)
         )
 
     def store(
@@ -78,4 +75,4 @@ class OutputStatements:
 
 
 def _key(delivery: Delivery) -> dict[str, Any]:
-    return dict(zip(OUTPUT_KEY, delivery.key, strict=True))
+    return dict(zip(IDENTITY_KEY, delivery.key, strict=True))

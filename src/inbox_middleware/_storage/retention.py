@@ -39,8 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .outputs import OUTPUT_KEY
-from .tables import InboxSchema
+from .tables import IDENTITY_KEY, InboxSchema
 
 __all__ = [
     "TID_RANGE_SCAN",
@@ -214,7 +213,7 @@ def _stale_output(naming: InboxSchema, cutoff: Any, consumer: Any) -> tuple[Any,
     that duplicate nothing to send, acked all the same."""
     inbox, outputs = naming.tables.inbox, naming.tables.outputs
     claimed = select(inbox.c.consumer_name).where(
-        *(inbox.c[name] == outputs.c[name] for name in OUTPUT_KEY)
+        *(inbox.c[name] == outputs.c[name] for name in IDENTITY_KEY)
     )
     return (
         outputs.c.created_at < cutoff,
@@ -243,8 +242,8 @@ def output_purge(naming: InboxSchema) -> OutputPurge:
     """The statements of `OutputPurge` for one naming, built once (PostgreSQL)."""
     outputs, claims = naming.tables.outputs, naming.tables.claims
     stale = _stale_output(naming, _cutoff(), bindparam("consumer", type_=Text))
-    key = tuple_(*(outputs.c[name] for name in OUTPUT_KEY))
-    after = tuple_(*(bindparam(f"after_{name}", type_=Text) for name in OUTPUT_KEY))
+    key = tuple_(*(outputs.c[name] for name in IDENTITY_KEY))
+    after = tuple_(*(bindparam(f"after_{name}", type_=Text) for name in IDENTITY_KEY))
     page = (
         select(*key.clauses)
         .where(*stale, key > after)

@@ -31,10 +31,15 @@ __all__ = [
     "ALL_CONSUMERS",
     "CLAIMS_PARTITIONS",
     "HOURLY",
+    "IDENTITY_KEY",
     "TABLES",
     "InboxSchema",
     "InboxTables",
 ]
+
+IDENTITY_KEY = ("consumer_name", "producer_name", "tenant", "message_id")
+"""A delivery's identity as columns (`Delivery.key`): the key of the library's claims,
+failure counts, poison rows and stored outputs."""
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently
