@@ -108,10 +108,13 @@ def _measure(report: Report, group: str, modes: list[str], reps: int, run, unit=
         for mode in modes:
             value = _again(run, mode)
             cpu = ""
-            if isinstance(value, tuple):  # throughput and CPU µs per message
-                value, per_message = value
+            if isinstance(value, tuple):  # throughput, CPU µs a message (and the server's)
+                value, per_message, *server = value
                 measurements[mode].cpu_us.append(per_message)
                 cpu = f"  {per_message:6.0f} µs CPU/msg"
+                if server:
+                    measurements[mode].server_cpu_us.append(server[0])
+                    cpu += f", server {server[0]:6.0f}"
             measurements[mode].runs.append(value)
             print(f"  {group:10s} {mode:24s} rep {rep + 1}: {value:8.0f} {unit}{cpu}", flush=True)
     report.measurements.extend(measurements.values())
@@ -271,6 +274,8 @@ def compute_ratios(report: Report) -> None:
         ("scaling", "inbox, 1 process"),
     )
     ratio("faststream inbox / bare", ("faststream", "inbox"), ("faststream", "bare"))
+    ratio("faststream floor / bare", ("faststream", "floor"), ("faststream", "bare"))
+    ratio("faststream inbox / floor", ("faststream", "inbox"), ("faststream", "floor"))
     ratio(
         "faststream inbox with a result / inbox",
         ("faststream", "inbox_result"),
@@ -320,6 +325,20 @@ def compute_cpu(report: Report, find: Callable[[tuple[str, str]], Measurement | 
         figure("inbox, per first-seen message", inbox.cpu_us)
         added = [i - b for i, b in zip(inbox.cpu_us, bare.cpu_us, strict=False)]
         figure("inbox - bare, per first-seen message", added)
+    # FastStream: the worker's CPU and the server's, a message, against bare's.
+    fs_bare = find(("faststream", "bare"))
+    for mode in ("inbox", "floor"):
+        found = find(("faststream", mode))
+        if not (found and fs_bare):
+            continue
+        for part, runs, base in (
+            ("worker", found.cpu_us, fs_bare.cpu_us),
+            ("server", found.server_cpu_us, fs_bare.server_cpu_us),
+        ):
+            figure(
+                f"faststream {mode} - bare, {part}",
+                [m - b for m, b in zip(runs, base, strict=False)],
+            )
     first = find(("duplicates", "first-seen (0% duplicates)"))
     mostly = find(("duplicates", "90% duplicates"))
     if first and mostly:
@@ -340,15 +359,17 @@ def render(report: Report) -> str:
         f"settings: {report.settings}",
         "",
         f"{'group':11s} {'mode':32s} {'median':>8s} {'unit':12s} {'CPU µs':>7s} "
-        f"{'p50 ms':>7s} {'p99 ms':>7s}  runs",
+        f"{'server':>7s} {'p50 ms':>7s} {'p99 ms':>7s}  runs",
     ]
     for m in report.measurements:
         p50 = f"{m.p50_ms:7.1f}" if m.p50_ms is not None else " " * 7
         p99 = f"{m.p99_ms:7.1f}" if m.p99_ms is not None else " " * 7
         cpu = f"{spread(m.cpu_us)['median']:7.0f}" if m.cpu_us else " " * 7
+        server = f"{spread(m.server_cpu_us)['median']:7.0f}" if m.server_cpu_us else " " * 7
         runs = " ".join(f"{r:.0f}" for r in m.runs)
         lines.append(
-            f"{m.group:11s} {m.mode:32s} {m.median:8.0f} {m.unit:12s} {cpu} {p50} {p99}  {runs}"
+            f"{m.group:11s} {m.mode:32s} {m.median:8.0f} {m.unit:12s} {cpu} {server} {p50} "
+            f"{p99}  {runs}"
         )
     lines += ["", "ratios (median of the repetitions' ratios, [min, max]):"]
     lines += [
@@ -356,7 +377,7 @@ def render(report: Report) -> str:
         for name, r in report.ratios.items()
     ]
     if report.cpu:
-        lines += ["", "worker CPU, µs per message (median of the repetitions, [min, max]):"]
+        lines += ["", "CPU, µs per message (median of the repetitions, [min, max]):"]
         lines += [
             f"  {name:48s} {c['median']:5.0f}  [{c['low']:.0f}, {c['high']:.0f}]"
             for name, c in report.cpu.items()

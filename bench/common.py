@@ -121,6 +121,29 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def backends(application: str) -> list[int]:
+    """The server processes (backends) of the connections named ``application``."""
+    with admin() as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application,)
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def backend_cpu(pids: list[int]) -> dict[int, float] | None:
+    """Each process's CPU seconds (user and system) so far, from ``/proc``; None where
+    ``/proc`` does not show one (a server on another host)."""
+    seconds = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """The median of ``values`` with its range: what a figure of this benchmark reports."""
     if not values:
@@ -145,6 +168,9 @@ class Measurement:
     runs: list[float] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     """CPU time of the worker's process tree per message, in µs, in each repetition."""
+    server_cpu_us: list[float] = field(default_factory=list)
+    """CPU time of the PostgreSQL server per message, in µs, in each repetition (where the
+    run measured it: the server on this host)."""
     p50_ms: float | None = None
     p99_ms: float | None = None
     note: str = ""

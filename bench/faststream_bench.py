@@ -16,13 +16,24 @@ import sys
 import time
 from typing import Any
 
-from bench.common import NATS, RABBITMQ, ROOT, reset_database, wait_applied
+from bench.common import (
+    NATS,
+    RABBITMQ,
+    ROOT,
+    backend_cpu,
+    backends,
+    cpu_seconds,
+    reset_database,
+    wait_applied,
+)
 
-RABBIT_MODES = ["bare", "inbox", "empty"]
+RABBIT_MODES = ["bare", "inbox", "floor", "empty"]
 RESULT_MODES = ["bare_result", "inbox_result"]
 """A handler whose result is published: the inbox stores it with the claim."""
 BATCH_MODES = ["inbox, per message, same broker", "inbox, batch"]
 WORKER_ARGUMENTS = ("-m", "faststream", "run", "bench.faststream_worker:app")
+WORKER_APPLICATION = "bench-faststream-"
+"""The worker's connections' application_name, before its mode (their server CPU)."""
 """The benchmark's FastStream worker, as arguments to the Python interpreter."""
 
 
@@ -52,16 +63,33 @@ def throughput(mode: str, messages: int) -> float:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    cpu: list[tuple[float, dict[int, float] | None]] = []
+
+    def sample() -> None:
+        # The worker's process and the server's backends of its connections (a backend
+        # the pool opens later counts from zero: it started within the window)
+        cpu.append((cpu_seconds(worker.pid), backend_cpu(backends(WORKER_APPLICATION + mode))))
+
     try:
         if mode == "empty":
             first, done = asyncio.run(_drained(queue, messages))
         else:
-            first, done = wait_applied(messages, timeout=600)
+            first, done = wait_applied(messages, timeout=600, on_first=sample)
+            sample()
     finally:
         worker.terminate()
         worker.wait(timeout=60)
         asyncio.run(_cleanup(mode, queue))
-    return (messages - 1) / max(done - first, 1e-6)
+    # The first applied message is counted as the start, so one fewer is timed.
+    rate = (messages - 1) / max(done - first, 1e-6)
+    if len(cpu) < 2:
+        return rate
+    (worker_start, server_start), (worker_end, server_end) = cpu[0], cpu[-1]
+    worker_us = (worker_end - worker_start) / (messages - 1) * 1e6
+    if server_start is None or not server_end:
+        return rate, worker_us
+    server = sum(end - server_start.get(pid, 0.0) for pid, end in server_end.items())
+    return rate, worker_us, server / (messages - 1) * 1e6
 
 
 async def _prepare(mode: str, queue: str, messages: int) -> None:

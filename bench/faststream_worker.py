@@ -5,6 +5,10 @@
 Modes on RabbitMQ (queue BENCH_QUEUE, prefetch BENCH_PREFETCH):
   bare     the update in a transaction, no deduplication
   inbox    this library
+  floor    the least the guarantee adds to bare, written out in one handler: the identity
+           from the headers and the payload hashed as the inbox reads them, the claim sent
+           with BEGIN in one round trip, the update when first seen, the checked COMMIT;
+           no core, no settlement, no metrics, no logs, no traces (see `_floor`)
   inbox_result  this library, the handler's result published to BENCH_QUEUE.out: stored
            with the claim, published, then acked (what a duplicate publishes again)
   bare_result   no deduplication, the result published to BENCH_QUEUE.out by FastStream
@@ -18,14 +22,19 @@ Modes on NATS JetStream (subject BENCH_QUEUE, pull consumer):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from faststream import FastStream
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session
 
 from bench.common import NATS, RABBITMQ, sqlalchemy_url
+from bench.floor import Floor
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
+from inbox_middleware.faststream._payload import delivery as read_delivery
+from inbox_middleware.faststream._payload import headers_identity
 
 MODE = os.environ.get("BENCH_MODE", "inbox")
 QUEUE = os.environ.get("BENCH_QUEUE", "bench")
@@ -40,7 +49,34 @@ MANY = text(
     "WHERE a.id = c.id"
 )
 
-engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=PREFETCH + 2)
+
+def _floor() -> Callable[[Session, Any, int], None]:
+    """The floor's handler body (`bench.floor`), the delivery read from the message as
+    the inbox's FastStream adapter reads it."""
+    floor = Floor(engine.dialect)
+
+    def credit(session: Session, message: Any, account: int) -> None:
+        delivery = read_delivery(
+            consumer="bench",
+            identity=headers_identity(message.headers),
+            body=message.body,
+            headers=message.headers,
+            handler_version="",
+            source=QUEUE,
+            canonical=None,
+            content_type=message.content_type,
+        )
+        floor.run(session, delivery, lambda s: s.execute(UPDATE, {"account": account}))
+
+    return credit
+
+
+engine = create_async_engine(
+    sqlalchemy_url("asyncpg"),
+    pool_size=PREFETCH + 2,
+    # named for the benchmark, which reads the server's CPU of these connections
+    connect_args={"server_settings": {"application_name": f"bench-faststream-{MODE}"}},
+)
 inbox = FastStreamInbox(engine)
 middlewares = [inbox.middleware] if "inbox" in MODE or "batch" in MODE else []
 
@@ -103,6 +139,18 @@ else:
             async with result_sessions() as session, session.begin():
                 await session.execute(UPDATE, {"account": body["account"]})
             return {"credited": body["account"]}
+
+    elif MODE == "floor":
+        floor_sessions = async_sessionmaker(engine, expire_on_commit=False)
+        credit = _floor()
+
+        @broker.subscriber(queue)
+        async def handle_floor(body: dict[str, Any]) -> None:
+            # The message read from the context as the inbox's middleware reads it (a
+            # `Context()` parameter would cost a worker thread's round trip a message).
+            message = broker.context.get_local("message")
+            async with floor_sessions() as session:
+                await session.run_sync(credit, message, body["account"])
 
     elif MODE == "bare":
         sessions = async_sessionmaker(engine, expire_on_commit=False)

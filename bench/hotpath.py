@@ -23,15 +23,15 @@ message after another on one event loop, against the update in an `AsyncSession`
 transaction of its own (FastStream's own part is not in it: ``python -m bench.profile
 faststream`` shows that one).
 
-With ``--floor``, a third mode runs beside the two: the least the guarantee itself costs
-on this path, written out in one function (`_floor`): the identity read from the
-message's options, the payload hashed as the inbox hashes it, the claim sent with the
-transaction's BEGIN in one round trip (as the statement prepared on the server, as the
-inbox sends it), the update in the same session when the claim is
-first seen, the checked COMMIT; no core, no settlement, no metrics, no logs, no traces, no
-guard on the handler's transaction. Its CPU above bare is what a leaner inbox could come
-down to with the same statements, the same round trips and the same session; the inbox's
-above it is what its layers cost.
+With ``--floor``, a third mode runs beside the two, on either driver: the least the
+guarantee itself costs on this path, its statements alone (`bench.floor`): the identity
+and the payload's hash as the inbox reads them, the claim sent with the transaction's
+BEGIN in one round trip (as the statement prepared on the server, as the inbox sends it),
+the update in the same session when the claim is first seen, the checked COMMIT; no
+core, no settlement, no metrics, no logs, no traces, no guard on the handler's
+transaction. Its CPU above bare is what a leaner inbox could come down to with the same
+statements, the same round trips and the same session; the inbox's above it is what its
+layers cost.
 
 With ``--latency``, each mode's wall time a message is told too (what a consumer that
 handles one message after another waits, round trips included), and the CPU the
@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import os
 import pstats
 import statistics
 import time
@@ -65,13 +64,17 @@ from dramatiq.middleware import CurrentMessage
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from bench.common import admin, prepare_database, reset_database, sqlalchemy_url
+from bench.common import (
+    admin,
+    backend_cpu,
+    backends,
+    prepare_database,
+    reset_database,
+    sqlalchemy_url,
+)
+from bench.floor import Floor
 from inbox_middleware._core.identity import MessageIdentity, hash_json
-from inbox_middleware._core.protocol import Claim, Delivery, LookUp
-from inbox_middleware._storage import InboxSchema
-from inbox_middleware._storage.driver import claim_with_begin, commit_checked, on_driver
-from inbox_middleware._storage.executors import DEFAULT_LOCK_TIMEOUT
-from inbox_middleware._storage.statements import ClaimStatements
+from inbox_middleware._core.protocol import Delivery
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.dramatiq._payload import ActorPayload
 
@@ -117,10 +120,9 @@ def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
 
 
 def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
-    """The least a claim adds to the bare update on psycopg (``--floor``): what the
-    guarantee needs and nothing else, in one function."""
-    statements = ClaimStatements(InboxSchema(), "postgresql", DEFAULT_LOCK_TIMEOUT)
-    compiled = statements.driver_sql(engine.dialect)
+    """The floor's actor on psycopg (``--floor``, `bench.floor`): the delivery read from
+    the message as the inbox's Dramatiq adapter reads it."""
+    floor = Floor(engine.dialect)
 
     def credit(account: int) -> None:
         message = CurrentMessage.get_current_message()
@@ -132,20 +134,7 @@ def _floor(engine: Any, actor_name: str) -> Callable[[int], None]:
             payload.hash(payload.arguments(message)),
         )
         with Session(engine) as session:
-            conn = session.connection()
-            dbapi = conn.connection.dbapi_connection
-            claim = Claim(delivery)
-            _, params = statements.statement(claim)
-            args = compiled[Claim].parameters(params)
-            found = claim_with_begin(dbapi, compiled[Claim], args, conn.info)
-            if found:  # the claim's row: first seen (``()``, none: a duplicate)
-                session.execute(UPDATE, {"account": account})
-            else:  # the stored claim, looked up (its mark lets the checked COMMIT pass)
-                look_up = LookUp(delivery)
-                _, params = statements.statement(look_up)
-                on_driver(conn, dbapi, compiled[LookUp], look_up, params)
-            commit_checked(conn)
-            session.commit()
+            floor.run(session, delivery, lambda s: s.execute(UPDATE, {"account": account}))
 
     payload = ActorPayload(actor_name, credit, None)
     return credit
@@ -354,7 +343,7 @@ class Clocks:
 
     def start(self, mode: str) -> None:
         self._mode = mode
-        self._backends = _backends(_application(mode))
+        self._backends = backends(_application(mode))
         self._server = _server_cpu(self._backends)
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
@@ -369,25 +358,10 @@ class Clocks:
             self.server[self._mode].append((server - self._server) / count * 1e6)
 
 
-def _backends(application: str) -> list[int]:
-    with admin() as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application,)
-        ).fetchall()
-    return [row[0] for row in rows]
-
-
 def _server_cpu(pids: list[int]) -> float | None:
-    """The CPU seconds (user and system) the processes ``pids`` have used, from /proc."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total if pids else None
+    """The CPU seconds the backends ``pids`` have used (None: not on this host)."""
+    seconds = backend_cpu(pids)
+    return sum(seconds.values()) if seconds else None
 
 
 def _setups(engines: dict[str, Any]) -> Setups:
@@ -448,12 +422,17 @@ def _arrival_alone(broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any], cou
 
 
 def measure_async(
-    count: int, reps: int, profile: bool, parts: bool = False, latency: bool = False
+    count: int,
+    reps: int,
+    profile: bool,
+    parts: bool = False,
+    latency: bool = False,
+    modes: tuple[str, ...] = MODES,
 ) -> None:
     prepare_database()
     _reset()
     profiled = {mode: cProfile.Profile(time.process_time) for mode in ("bare", "inbox")}
-    clocks = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None))
+    clocks = asyncio.run(_measure_async(count, reps, profile, profiled if parts else None, modes))
     cpu = clocks.cpu
     _report(cpu)
     if latency:
@@ -468,7 +447,11 @@ def measure_async(
 
 
 async def _measure_async(
-    count: int, reps: int, profile: bool, profiled: dict[str, cProfile.Profile] | None = None
+    count: int,
+    reps: int,
+    profile: bool,
+    profiled: dict[str, cProfile.Profile] | None = None,
+    names: tuple[str, ...] = MODES,
 ) -> Clocks:
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
@@ -481,10 +464,12 @@ async def _measure_async(
             pool_size=2,
             connect_args={"server_settings": {"application_name": _application(mode)}},
         )
-        for mode in MODES
+        for mode in names
     ]
     inbox = AsyncInbox(engines[1], claims=CLAIMS)
     sessions = async_sessionmaker(engines[0], expire_on_commit=False)
+    floor_sessions = async_sessionmaker(engines[-1], expire_on_commit=False)
+    floor = Floor(engines[-1].dialect)
     run = uuid.uuid4().hex[:8]
 
     async def bare(n: int) -> None:
@@ -501,7 +486,24 @@ async def _measure_async(
         )
         await inbox.process(delivery, handler)
 
-    modes = {"bare": bare, "inbox": inboxed}
+    async def floored(n: int) -> None:
+        # the delivery as the inbox's mode builds it, for a consumer of its own (the same
+        # ids as the inbox's mode: each claim first seen); the statements alone
+        payload = {"account": n % 100 + 1}
+        delivery = Delivery(
+            "hotpath-floor",
+            MessageIdentity("hotpath", f"{run}-{n}"),
+            hash_json(payload, "json.v1"),
+        )
+
+        def update(session: Any) -> None:
+            session.execute(UPDATE, payload)
+
+        async with floor_sessions() as session:
+            await session.run_sync(floor.run, delivery, update)
+
+    every = {"bare": bare, "inbox": inboxed, "floor": floored}
+    modes = {name: every[name] for name in names}
     for consume in modes.values():  # warm: pool, statement caches, imports
         for n in range(-200, 0):
             await consume(n)
@@ -572,16 +574,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="a third mode: the claim, the update and the checked COMMIT alone (psycopg)",
+        help="a third mode: the claim, the update and the checked COMMIT alone (bench.floor)",
     )
     args = parser.parse_args(argv)
-    if args.floor and args.driver != "psycopg":
-        parser.error("--floor is the psycopg path's")
     modes = (*MODES, "floor") if args.floor else MODES
     global CLAIMS  # noqa: PLW0603 (the setting every inbox of the run is made with)
     CLAIMS = args.claims
     if args.driver == "asyncpg":
-        measure_async(args.messages, args.reps, args.profile, args.breakdown, args.latency)
+        measure_async(args.messages, args.reps, args.profile, args.breakdown, args.latency, modes)
     else:
         measure(args.messages, args.reps, args.profile, args.breakdown, modes, args.latency)
     return 0

@@ -2,6 +2,7 @@
 
     python -m bench.profile dramatiq             # 8,000 messages per mode
     python -m bench.profile faststream --messages 5000
+    python -m bench.profile faststream --mode floor   # the guarantee's statements alone
 
 Each mode's worker (the benchmark's own, see `dramatiq_worker` and `faststream_worker`)
 runs under py-spy, sampling only the thread that holds the GIL (``--gil``): in a worker
@@ -38,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=8000)
     parser.add_argument("--rate", type=int, default=500, help="samples a second")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--mode",
+        default="inbox",
+        help="the mode set against bare: inbox, or floor (FastStream: the guarantee's "
+        "statements alone, see bench.faststream_worker)",
+    )
     args = parser.parse_args(argv)
+    if args.mode == "floor" and args.adapter != "faststream":
+        parser.error("--mode floor is FastStream's (python -m bench.hotpath --floor is Dramatiq's)")
     py_spy = _py_spy()
     if py_spy is None:
         parser.error("py-spy is not installed: pip install -e '.[bench]'")
@@ -46,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     prepare_database()
     folder = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     profiles = {}
-    for mode in ("bare", "inbox"):
+    for mode in ("bare", args.mode):
         output = folder / f"{args.adapter}-{mode}.txt"
         rate = _record(py_spy, args.adapter, mode, args.messages, args.rate, output)
-        profiles[mode] = _load(output)
+        profiles["bare" if mode == "bare" else "inbox"] = _load(output)
         print(f"{args.adapter} {mode}: {rate:.0f} msg/s while sampled ({output})")
     print(report(profiles, args.messages, args.rate, args.top))
     return 0

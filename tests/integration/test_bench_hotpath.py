@@ -99,3 +99,62 @@ def test_hotpath__the_asyncpg_breakdown_counts_the_calls_of_both_modes(
     calls = re.search(r"calls a message: inbox (\d+), bare (\d+)$", out, re.MULTILINE)
     assert calls is not None, out
     assert int(calls[1]) > int(calls[2]) > 100
+
+
+def test_hotpath__the_asyncpg_floor_runs_beside_both_modes_and_claims_each_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # When the asynchronous path runs with its floor (40 messages a mode, after 200 to warm)
+    assert hotpath.main(["--driver", "asyncpg", "--messages", "40", "--reps", "1", "--floor"]) == 0
+
+    out = capsys.readouterr().out
+    assert re.search(r"^floor\+\s+-?\d+\.\d µs CPU/msg", out, re.MULTILINE), out
+    # Then every message of the floor was first seen: a consumer of its own, not the
+    # inbox's duplicates (which would skip the update and cost less than bare)
+    engine = create_engine(sqlalchemy_url(), pool_size=1)
+    try:
+        with engine.connect() as conn:
+            claims = conn.execute(
+                text("SELECT count(*) FROM consumer_inbox WHERE consumer_name = 'hotpath-floor'")
+            ).scalar()
+    finally:
+        engine.dispose()
+    assert claims == 200 + 40
+
+
+async def test_floor__claims_and_commits_the_update_once_on_asyncpg() -> None:
+    # Given the floor (the claim, the update, the checked COMMIT) on an AsyncSession
+    from bench.floor import Floor
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from inbox_middleware._core.identity import MessageIdentity, hash_json
+    from inbox_middleware._core.protocol import Delivery
+
+    prepare_database()
+    hotpath._reset()
+    engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=1)
+    floor = Floor(engine.dialect)
+    delivery = Delivery(
+        "floor-test", MessageIdentity("test", "once"), hash_json({"account": 1}, "json.v1")
+    )
+    balance = text("SELECT balance FROM bench_accounts WHERE id = 1")
+    try:
+        async with engine.connect() as conn:
+            before = (await conn.execute(balance)).scalar()
+        # When the same delivery arrives twice
+        for _ in range(2):
+            async with AsyncSession(engine) as session:
+                await session.run_sync(
+                    floor.run, delivery, lambda s: s.execute(hotpath.UPDATE, {"account": 1})
+                )
+        # Then its claim committed, and the update with it, once
+        async with engine.connect() as conn:
+            after = (await conn.execute(balance)).scalar()
+            claims = (
+                await conn.execute(
+                    text("SELECT count(*) FROM consumer_inbox WHERE consumer_name = 'floor-test'")
+                )
+            ).scalar()
+    finally:
+        await engine.dispose()
+    assert (after - before, claims) == (1, 1)
