@@ -276,6 +276,7 @@ def compute_ratios(report: Report) -> None:
     ratio("faststream inbox / bare", ("faststream", "inbox"), ("faststream", "bare"))
     ratio("faststream floor / bare", ("faststream", "floor"), ("faststream", "bare"))
     ratio("faststream inbox / floor", ("faststream", "inbox"), ("faststream", "floor"))
+    ratio("faststream floor_sync / bare", ("faststream", "floor_sync"), ("faststream", "bare"))
     ratio(
         "faststream inbox with a result / inbox",
         ("faststream", "inbox_result"),
@@ -327,7 +328,7 @@ def compute_cpu(report: Report, find: Callable[[tuple[str, str]], Measurement | 
         figure("inbox - bare, per first-seen message", added)
     # FastStream: the worker's CPU and the server's, a message, against bare's.
     fs_bare = find(("faststream", "bare"))
-    for mode in ("inbox", "floor"):
+    for mode in ("inbox", "floor", "floor_sync"):
         found = find(("faststream", mode))
         if not (found and fs_bare):
             continue

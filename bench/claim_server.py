@@ -8,9 +8,10 @@ benchmark's one-row update in a transaction, then the same with the parts of the
 claim added: a plain prepared INSERT of the claim's row, the library's own prepared claim
 (`ClaimStatements`, as the inbox sends it with BEGIN), then its checked COMMIT
 (`CHECKED_COMMIT`), and that check as a prepared statement. Each variant's figure is the
-CPU the PostgreSQL server's whole process tree spent (read from ``/proc``, the server on
-this host) over its transactions, divided by their number; the variants alternate within
-each repetition, and the median is told. What the client spends is not in it: this is
+CPU the eight server processes (backends) serving its connections spent over its
+transactions (read from ``/proc``: the server on this host), divided by their number;
+the server's background writers are not in it. The variants alternate within each
+repetition, and the median is told. What the client spends is not in it either: this is
 the share of the claim a shared database pays.
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import psycopg
 from sqlalchemy.dialects.postgresql import asyncpg
 
-from bench.common import DATABASE, PG, admin, cpu_seconds, prepare_database, reset_database
+from bench.common import DATABASE, PG, backend_cpu, prepare_database, reset_database
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Claim, Delivery
 from inbox_middleware._storage import InboxSchema
@@ -92,16 +93,11 @@ def variants() -> tuple[list[str], dict[str, Variant]]:
     }
 
 
-def server_process() -> int:
-    """The PostgreSQL server's main process (the parent of a backend)."""
-    import psutil
-
-    with admin() as conn:
-        row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    parent = psutil.Process(int(row[0])).parent()
-    assert parent is not None
-    return int(parent.pid)
+def _server_cpu(pids: list[int]) -> float:
+    seconds = backend_cpu(pids)
+    if seconds is None:
+        raise SystemExit("the server's processes are not on this host: /proc does not show them")
+    return sum(seconds.values())
 
 
 def run(variant: Variant, prepares: list[str], transactions: int) -> tuple[float, float]:
@@ -112,7 +108,7 @@ def run(variant: Variant, prepares: list[str], transactions: int) -> tuple[float
         for statement in prepares:
             conn.execute(statement)
     tag = uuid.uuid4().hex[:8]
-    server = server_process()
+    pids = [conn.info.backend_pid for conn in conns]
 
     def work(i: int) -> None:
         pgconn = conns[i].pgconn
@@ -123,13 +119,13 @@ def run(variant: Variant, prepares: list[str], transactions: int) -> tuple[float
                     raise RuntimeError((result.error_message or b"").decode())
 
     try:
-        cpu, start = cpu_seconds(server), time.monotonic()
+        before, start = _server_cpu(pids), time.monotonic()
         threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        elapsed, cpu = time.monotonic() - start, cpu_seconds(server) - cpu
+        elapsed, cpu = time.monotonic() - start, _server_cpu(pids) - before
     finally:
         for conn in conns:
             conn.close()

@@ -27,7 +27,7 @@ from bench.common import (
     wait_applied,
 )
 
-RABBIT_MODES = ["bare", "inbox", "floor", "empty"]
+RABBIT_MODES = ["bare", "inbox", "floor", "floor_sync", "empty"]
 RESULT_MODES = ["bare_result", "inbox_result"]
 """A handler whose result is published: the inbox stores it with the claim."""
 BATCH_MODES = ["inbox, per message, same broker", "inbox, batch"]

@@ -7,8 +7,11 @@ Modes on RabbitMQ (queue BENCH_QUEUE, prefetch BENCH_PREFETCH):
   inbox    this library
   floor    the least the guarantee adds to bare, written out in one handler: the identity
            from the headers and the payload hashed as the inbox reads them, the claim sent
-           with BEGIN in one round trip, the update when first seen, the checked COMMIT;
-           no core, no settlement, no metrics, no logs, no traces (see `_floor`)
+           with BEGIN in one round trip, the update (awaited on the AsyncSession, as a
+           handler awaits it) when first seen, the checked COMMIT; no core, no settlement,
+           no metrics, no logs, no traces (`bench.floor`)
+  floor_sync  the same, the whole transaction in one run_sync (the update too, which no
+           async handler is written to do)
   inbox_result  this library, the handler's result published to BENCH_QUEUE.out: stored
            with the claim, published, then acked (what a duplicate publishes again)
   bare_result   no deduplication, the result published to BENCH_QUEUE.out by FastStream
@@ -22,16 +25,15 @@ Modes on NATS JetStream (subject BENCH_QUEUE, pull consumer):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 from faststream import FastStream
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
-from sqlalchemy.orm import Session
 
 from bench.common import NATS, RABBITMQ, sqlalchemy_url
 from bench.floor import Floor
+from inbox_middleware._core.protocol import Delivery
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
 from inbox_middleware.faststream._payload import delivery as read_delivery
 from inbox_middleware.faststream._payload import headers_identity
@@ -50,25 +52,19 @@ MANY = text(
 )
 
 
-def _floor() -> Callable[[Session, Any, int], None]:
-    """The floor's handler body (`bench.floor`), the delivery read from the message as
-    the inbox's FastStream adapter reads it."""
-    floor = Floor(engine.dialect)
-
-    def credit(session: Session, message: Any, account: int) -> None:
-        delivery = read_delivery(
-            consumer="bench",
-            identity=headers_identity(message.headers),
-            body=message.body,
-            headers=message.headers,
-            handler_version="",
-            source=QUEUE,
-            canonical=None,
-            content_type=message.content_type,
-        )
-        floor.run(session, delivery, lambda s: s.execute(UPDATE, {"account": account}))
-
-    return credit
+def _delivery(message: Any) -> Delivery:
+    """The floor's delivery, read from the message as the inbox's FastStream adapter reads
+    it."""
+    return read_delivery(
+        consumer="bench",
+        identity=headers_identity(message.headers),
+        body=message.body,
+        headers=message.headers,
+        handler_version="",
+        source=QUEUE,
+        canonical=None,
+        content_type=message.content_type,
+    )
 
 
 engine = create_async_engine(
@@ -140,17 +136,27 @@ else:
                 await session.execute(UPDATE, {"account": body["account"]})
             return {"credited": body["account"]}
 
-    elif MODE == "floor":
+    elif MODE in ("floor", "floor_sync"):
         floor_sessions = async_sessionmaker(engine, expire_on_commit=False)
-        credit = _floor()
+        floor = Floor(engine.dialect)
 
         @broker.subscriber(queue)
         async def handle_floor(body: dict[str, Any]) -> None:
             # The message read from the context as the inbox's middleware reads it (a
             # `Context()` parameter would cost a worker thread's round trip a message).
-            message = broker.context.get_local("message")
+            delivery = _delivery(broker.context.get_local("message"))
+            account = {"account": body["account"]}
+
+            async def update(session: Any) -> None:
+                await session.execute(UPDATE, account)
+
             async with floor_sessions() as session:
-                await session.run_sync(credit, message, body["account"])
+                if MODE == "floor":  # the update awaited, as a handler awaits it
+                    await floor.run_async(session, delivery, update)
+                else:  # the whole transaction in one run_sync
+                    await session.run_sync(
+                        floor.run, delivery, lambda sync: sync.execute(UPDATE, account)
+                    )
 
     elif MODE == "bare":
         sessions = async_sessionmaker(engine, expire_on_commit=False)

@@ -488,7 +488,8 @@ async def _measure_async(
 
     async def floored(n: int) -> None:
         # the delivery as the inbox's mode builds it, for a consumer of its own (the same
-        # ids as the inbox's mode: each claim first seen); the statements alone
+        # ids as the inbox's mode: each claim first seen); the statements alone, the
+        # update awaited as the inbox's handler awaits it
         payload = {"account": n % 100 + 1}
         delivery = Delivery(
             "hotpath-floor",
@@ -496,11 +497,11 @@ async def _measure_async(
             hash_json(payload, "json.v1"),
         )
 
-        def update(session: Any) -> None:
-            session.execute(UPDATE, payload)
+        async def update(session: Any) -> None:
+            await session.execute(UPDATE, payload)
 
         async with floor_sessions() as session:
-            await session.run_sync(floor.run, delivery, update)
+            await floor.run_async(session, delivery, update)
 
     every = {"bare": bare, "inbox": inboxed, "floor": floored}
     modes = {name: every[name] for name in names}

@@ -11,11 +11,13 @@ from bench.common import admin, prepare_database
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
-def test_faststream_bench__the_floor_claims_each_message_once_and_tells_the_cpu() -> None:
+@pytest.mark.parametrize("mode", ["floor", "floor_sync"])
+def test_faststream_bench__the_floor_claims_each_message_once_and_tells_the_cpu(mode: str) -> None:
     # Given the benchmark's database
     prepare_database()
-    # When the floor's worker consumes 300 messages published with their identity
-    measured = faststream_bench.throughput("floor", 300)
+    # When the floor's worker (the update awaited, or all in one run_sync) consumes 300
+    # messages published with their identity
+    measured = faststream_bench.throughput(mode, 300)
     # Then it told its rate, its worker's CPU a message and the server's (on this host,
     # counted in clock ticks: enough messages for a few)
     assert isinstance(measured, tuple), measured

@@ -122,7 +122,8 @@ def test_hotpath__the_asyncpg_floor_runs_beside_both_modes_and_claims_each_messa
     assert claims == 200 + 40
 
 
-async def test_floor__claims_and_commits_the_update_once_on_asyncpg() -> None:
+@pytest.mark.parametrize("awaited", [True, False], ids=["update awaited", "one run_sync"])
+async def test_floor__claims_and_commits_the_update_once_on_asyncpg(awaited: bool) -> None:
     # Given the floor (the claim, the update, the checked COMMIT) on an AsyncSession
     from bench.floor import Floor
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -135,7 +136,9 @@ async def test_floor__claims_and_commits_the_update_once_on_asyncpg() -> None:
     engine = create_async_engine(sqlalchemy_url("asyncpg"), pool_size=1)
     floor = Floor(engine.dialect)
     delivery = Delivery(
-        "floor-test", MessageIdentity("test", "once"), hash_json({"account": 1}, "json.v1")
+        "floor-test",
+        MessageIdentity("test", f"once-{awaited}"),
+        hash_json({"account": 1}, "json.v1"),
     )
     balance = text("SELECT balance FROM bench_accounts WHERE id = 1")
     try:
@@ -144,15 +147,26 @@ async def test_floor__claims_and_commits_the_update_once_on_asyncpg() -> None:
         # When the same delivery arrives twice
         for _ in range(2):
             async with AsyncSession(engine) as session:
-                await session.run_sync(
-                    floor.run, delivery, lambda s: s.execute(hotpath.UPDATE, {"account": 1})
-                )
+                if awaited:
+
+                    async def update(session: AsyncSession) -> None:
+                        await session.execute(hotpath.UPDATE, {"account": 1})
+
+                    await floor.run_async(session, delivery, update)
+                else:
+                    await session.run_sync(
+                        floor.run, delivery, lambda s: s.execute(hotpath.UPDATE, {"account": 1})
+                    )
         # Then its claim committed, and the update with it, once
         async with engine.connect() as conn:
             after = (await conn.execute(balance)).scalar()
             claims = (
                 await conn.execute(
-                    text("SELECT count(*) FROM consumer_inbox WHERE consumer_name = 'floor-test'")
+                    text(
+                        "SELECT count(*) FROM consumer_inbox "
+                        "WHERE consumer_name = 'floor-test' AND message_id = :id"
+                    ),
+                    {"id": delivery.identity.message_id},
                 )
             ).scalar()
     finally:
