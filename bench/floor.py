@@ -14,8 +14,8 @@ On an `AsyncSession`, `Floor.run_async` awaits the update between the claim's ``
 and the commit's, as an async handler awaits its statements and as the inbox runs them;
 `Floor.run` in one ``run_sync`` is cheaper still, but no async handler is written so.
 
-Used by ``python -m bench.hotpath --floor`` (both drivers) and the FastStream
-benchmark's ``floor`` mode.
+Used by ``python -m bench.hotpath --floor`` (both drivers; on asyncpg, `run_async`) and
+the FastStream benchmark's ``floor`` (`run_async`) and ``floor_sync`` (`run`) modes.
 """
 
 from __future__ import annotations
