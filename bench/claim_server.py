@@ -27,7 +27,7 @@ from collections.abc import Callable
 import psycopg
 from sqlalchemy.dialects.postgresql import asyncpg
 
-from bench.common import DATABASE, PG, backend_cpu, prepare_database, reset_database
+from bench.common import DATABASE, PG, prepare_database, reset_database, server_cpu
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Claim, Delivery
 from inbox_middleware._storage import InboxSchema
@@ -94,10 +94,10 @@ def variants() -> tuple[list[str], dict[str, Variant]]:
 
 
 def _server_cpu(pids: list[int]) -> float:
-    seconds = backend_cpu(pids)
+    seconds = server_cpu(pids)
     if seconds is None:
         raise SystemExit("the server's processes are not on this host: /proc does not show them")
-    return sum(seconds.values())
+    return seconds
 
 
 def run(variant: Variant, prepares: list[str], transactions: int) -> tuple[float, float]:

@@ -144,6 +144,13 @@ def backend_cpu(pids: list[int]) -> dict[int, float] | None:
     return seconds
 
 
+def server_cpu(pids: list[int]) -> float | None:
+    """The CPU seconds the processes ``pids`` have used together (None: not on this host,
+    or no process)."""
+    seconds = backend_cpu(pids)
+    return sum(seconds.values()) if seconds else None
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """The median of ``values`` with its range: what a figure of this benchmark reports."""
     if not values:

@@ -32,9 +32,9 @@ RESULT_MODES = ["bare_result", "inbox_result"]
 """A handler whose result is published: the inbox stores it with the claim."""
 BATCH_MODES = ["inbox, per message, same broker", "inbox, batch"]
 WORKER_ARGUMENTS = ("-m", "faststream", "run", "bench.faststream_worker:app")
+"""The benchmark's FastStream worker, as arguments to the Python interpreter."""
 WORKER_APPLICATION = "bench-faststream-"
 """The worker's connections' application_name, before its mode (their server CPU)."""
-"""The benchmark's FastStream worker, as arguments to the Python interpreter."""
 
 
 def run(report: Any, messages: int, reps: int, measure: Any) -> None:

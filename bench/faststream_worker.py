@@ -32,6 +32,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
 from bench.common import NATS, RABBITMQ, sqlalchemy_url
+from bench.faststream_bench import WORKER_APPLICATION
 from bench.floor import Floor
 from inbox_middleware._core.protocol import Delivery
 from inbox_middleware.faststream import FastStreamInbox, InboxSession
@@ -71,7 +72,7 @@ engine = create_async_engine(
     sqlalchemy_url("asyncpg"),
     pool_size=PREFETCH + 2,
     # named for the benchmark, which reads the server's CPU of these connections
-    connect_args={"server_settings": {"application_name": f"bench-faststream-{MODE}"}},
+    connect_args={"server_settings": {"application_name": WORKER_APPLICATION + MODE}},
 )
 inbox = FastStreamInbox(engine)
 middlewares = [inbox.middleware] if "inbox" in MODE or "batch" in MODE else []

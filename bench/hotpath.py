@@ -66,10 +66,10 @@ from sqlalchemy.orm import Session
 
 from bench.common import (
     admin,
-    backend_cpu,
     backends,
     prepare_database,
     reset_database,
+    server_cpu,
     sqlalchemy_url,
 )
 from bench.floor import Floor
@@ -344,7 +344,7 @@ class Clocks:
     def start(self, mode: str) -> None:
         self._mode = mode
         self._backends = backends(_application(mode))
-        self._server = _server_cpu(self._backends)
+        self._server = server_cpu(self._backends)
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
 
@@ -353,15 +353,9 @@ class Clocks:
         wall = time.perf_counter() - self._wall
         self.cpu[self._mode].append(cpu / count * 1e6)
         self.wall[self._mode].append(wall / count * 1e6)
-        server = _server_cpu(self._backends)
+        server = server_cpu(self._backends)
         if server is not None and self._server is not None:
             self.server[self._mode].append((server - self._server) / count * 1e6)
-
-
-def _server_cpu(pids: list[int]) -> float | None:
-    """The CPU seconds the backends ``pids`` have used (None: not on this host)."""
-    seconds = backend_cpu(pids)
-    return sum(seconds.values()) if seconds else None
 
 
 def _setups(engines: dict[str, Any]) -> Setups:
@@ -466,10 +460,12 @@ async def _measure_async(
         )
         for mode in names
     ]
-    inbox = AsyncInbox(engines[1], claims=CLAIMS)
-    sessions = async_sessionmaker(engines[0], expire_on_commit=False)
-    floor_sessions = async_sessionmaker(engines[-1], expire_on_commit=False)
-    floor = Floor(engines[-1].dialect)
+    engine = dict(zip(names, engines, strict=True))
+    inbox = AsyncInbox(engine["inbox"], claims=CLAIMS)
+    sessions = async_sessionmaker(engine["bare"], expire_on_commit=False)
+    if "floor" in engine:
+        floor_sessions = async_sessionmaker(engine["floor"], expire_on_commit=False)
+        floor = Floor(engine["floor"].dialect)
     run = uuid.uuid4().hex[:8]
 
     async def bare(n: int) -> None:

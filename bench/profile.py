@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument(
         "--mode",
+        choices=("inbox", "floor", "floor_sync"),
         default="inbox",
-        help="the mode set against bare: inbox, or floor (FastStream: the guarantee's "
+        help="the mode set against bare: the inbox, or a floor (FastStream: the guarantee's "
         "statements alone, see bench.faststream_worker)",
     )
     args = parser.parse_args(argv)
-    if args.mode == "floor" and args.adapter != "faststream":
-        parser.error("--mode floor is FastStream's (python -m bench.hotpath --floor is Dramatiq's)")
+    if args.mode != "inbox" and args.adapter != "faststream":
+        parser.error("the floors are FastStream's (python -m bench.hotpath --floor is Dramatiq's)")
     py_spy = _py_spy()
     if py_spy is None:
         parser.error("py-spy is not installed: pip install -e '.[bench]'")
