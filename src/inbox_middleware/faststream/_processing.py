@@ -180,7 +180,7 @@ class Subscription:
         if self.adapter.batch:
             return await consume_batch(self, call_next, message)
         (item,) = self.adapter.items(message)
-        arrival = Arrival(None)
+        arrival = _UNREAD
         with self.tracing.delivery(self.consumer.name, item.headers) as trace:
             try:
                 arrival = self.arrival(message, item)
@@ -476,6 +476,10 @@ async def _unsettled(refused: ManualSettling, call: Awaitable[Any]) -> Any:
     if behind := refused.settled_behind():
         raise HandlerTransactionError(behind)
     return result
+
+
+_UNREAD = Arrival(None)
+"""The arrival of a message the inbox failed to read (frozen: one serves them all)."""
 
 
 def _published_output(settlement: Settlement) -> Output | None:
