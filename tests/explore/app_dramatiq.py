@@ -60,7 +60,8 @@ settings: dict[str, Any] = {
     **infra.inbox_settings(),
 }
 claims = "compact" if ENV.get("EXPLORE_CLAIMS", "library") != "library" else "library"
-broker.add_middleware(InboxMiddleware(engine, lock_timeout=5, claims=claims, **settings))
+inbox = InboxMiddleware(**infra.storage(engine, threads), lock_timeout=5, claims=claims, **settings)
+broker.add_middleware(inbox)
 dramatiq.set_broker(broker)
 
 

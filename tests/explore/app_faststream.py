@@ -62,7 +62,7 @@ def _broker(middlewares: list[Any]) -> Any:
 
 engine = infra.engine(CONCURRENCY, f"explore-{WORKER}", asynchronous=True)
 inbox = FastStreamInbox(
-    engine,
+    **infra.storage(engine, CONCURRENCY),
     lock_timeout=5,
     claims="compact" if ENV.get("EXPLORE_CLAIMS", "library") != "library" else "library",
     retry_backoff=(0.1, 1.0),

@@ -28,6 +28,16 @@ __all__ = ["Broker", "make_broker"]
 logger = logging.getLogger(__name__)
 
 PRODUCER = "explore"
+TENANTS = ("t0", "t1")
+"""Over a map of two databases (``databases`` "map"), each intent's tenant, one a database."""
+
+
+def tenant_of(key: str) -> str:
+    """The tenant an intent is sent for over a map: a function of its key alone, so that
+    every copy of it goes to the same database."""
+    return TENANTS[sum(key.encode()) % len(TENANTS)]
+
+
 REDIS_URL = "redis://127.0.0.1:6390/0"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5673/%2F"
 """The explorer's own RabbitMQ node (`scripts/services explore-rabbitmq`), which it
@@ -59,6 +69,12 @@ class Broker:
 
     def __init__(self, source: str, url: str, quorum: bool = False) -> None:
         self.source, self.url, self.quorum = source, url, quorum
+        self.tenants = False
+        """Whether each intent is sent for its tenant (`tenant_of`): over a map."""
+
+    def tenant(self, identity: str) -> dict[str, str]:
+        """The identity's tenant argument, when the intents are sent for tenants."""
+        return {"tenant": tenant_of(identity)} if self.tenants else {}
 
     def prepare(self) -> None: ...
     def open_producer(self) -> None: ...
@@ -179,7 +195,12 @@ class DramatiqBroker(Broker):
         from inbox_middleware.dramatiq import identity as stamp
 
         options = (
-            stamp(producer=PRODUCER, message_id=identity, produced_at=produced_at)
+            stamp(
+                producer=PRODUCER,
+                message_id=identity,
+                produced_at=produced_at,
+                **self.tenant(identity),
+            )
             if identity
             else {}
         )
@@ -325,7 +346,12 @@ class FastStreamBroker(Broker):
         from inbox_middleware.faststream import identity_headers
 
         headers = (
-            identity_headers(producer=PRODUCER, message_id=identity, produced_at=produced_at)
+            identity_headers(
+                producer=PRODUCER,
+                message_id=identity,
+                produced_at=produced_at,
+                **self.tenant(identity),
+            )
             if identity
             else {}
         )

@@ -59,6 +59,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .brokers import TENANTS, tenant_of
 from .domain import REFUSED
 from .run import History
 from .workload import MISUSES, OPERATOR, PURGE_WINDOW
@@ -368,6 +369,13 @@ def check(history: History) -> list[Finding]:
     # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
     fresh = {k: i for k, i in identified.items() if k not in expired}
     findings += _workload(history, fresh, effects, poison, dead, died, accepted, forgotten, lapsed)
+    # Over a map: each intent applied in its tenant's database, and only there.
+    for index, keys in enumerate(history.placements):
+        problem(
+            "misrouted",
+            (k for k in keys if tenant_of(k) != TENANTS[index]),
+            f"intents applied in database d{index}, not their tenant's",
+        )
     # Nothing stuck.
     if not history.settled:
         findings.append(

@@ -46,6 +46,8 @@ class Verdict:
                 f"{len(h.destinations.get('dead-letter', []))}, worker restarts "
                 f"{len(h.worker_exits)}, settled in {h.settle_seconds:.0f}s"
             )
+            if h.placements:
+                head += " | applied by database " + "/".join(str(len(p)) for p in h.placements)
             if h.faults_missed:
                 head += f" | faults not as scheduled: {', '.join(h.faults_missed)}"
             seen = _workload_summary(h.extra)

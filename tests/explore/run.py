@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -49,7 +49,15 @@ from ..support import servers
 from ..support.cutting_proxy import CuttingProxy
 from ..support.proxy import _pump as pump
 from . import domain, workload
-from .brokers import KAFKA_SERVERS, PRODUCER, RABBITMQ_URL, REDIS_URL, Broker, make_broker
+from .brokers import (
+    KAFKA_SERVERS,
+    PRODUCER,
+    RABBITMQ_URL,
+    REDIS_URL,
+    Broker,
+    make_broker,
+    tenant_of,
+)
 from .schedule import RETENTION, Fault, Schedule
 
 __all__ = ["PG_PORT", "HarnessTrouble", "History", "run_schedule"]
@@ -106,6 +114,9 @@ class History:
     folder: Path | None = None
     faults_missed: list[str] = field(default_factory=list)
     """Faults that could not happen as scheduled (reported with the verdict)."""
+    placements: list[list[str]] = field(default_factory=list)
+    """Over a map: the keys of the effects each database holds, in the map's order (empty
+    with one database)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What the workload axes' extras saw (`workload.Extras.collect`)."""
     workload: Any = None
@@ -308,6 +319,26 @@ def database(name: str) -> Iterator[str]:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+class Admins(Admin):
+    """The explorer's connections to every database of a run: a query runs in each, and
+    answers their rows together (over a map, each tenant's rows are in its database)."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        super().__init__(urls[0])
+        self.others = [Admin(url) for url in urls[1:]]
+
+    def query(self, sql: str, params: Any = None, patience: float = 120) -> list[Any]:
+        rows = super().query(sql, params, patience)
+        for other in self.others:
+            rows += other.query(sql, params, patience)
+        return rows
+
+    def close(self) -> None:
+        super().close()
+        for other in self.others:
+            other.close()
+
+
 # -- the workers, supervised -----------------------------------------------------------------
 
 
@@ -492,12 +523,12 @@ class Fleet:
 def _publish_all(
     schedule: Schedule,
     broker: Broker,
-    admin_url: str,
+    admin_urls: Sequence[str],
     history: History,
     started: float,
     failure: list[BaseException],
 ) -> None:
-    admin = Admin(admin_url)
+    admin = Admins(admin_urls)
     # When each intent was created, by the producer's clock (copies carry the same).
     now = datetime.now(UTC)
     produced = {k: now + timedelta(seconds=skew) for k, skew in (schedule.skews or {}).items()}
@@ -548,13 +579,13 @@ class Faults:
         self,
         schedule: Schedule,
         fleet: Fleet,
-        admin_url: str,
+        admin_urls: Sequence[str],
         nats: Any,
         history: History,
         started: float,
         network: Network | None = None,
     ) -> None:
-        self.schedule, self.fleet, self.admin_url, self.nats = schedule, fleet, admin_url, nats
+        self.schedule, self.fleet, self.admin_urls, self.nats = schedule, fleet, admin_urls, nats
         self.history, self.started, self.network = history, started, network
         self.failure: list[BaseException] = []
 
@@ -595,7 +626,7 @@ class Faults:
         if kind == "pg_immediate":
             return self._pg_stop("immediate", fault.seconds)
         if kind == "pg_terminate":
-            admin = Admin(self.admin_url)
+            admin = Admins(self.admin_urls)  # each database's sessions
             try:
                 rows = admin.query(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -741,7 +772,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
     fleet: Fleet | None = None
     extras: workload.Extras | None = None
     try:
-        with database(source) as admin_url:
+        with database(source) as admin_url, contextlib.ExitStack() as more:
             sync = config.framework == "dramatiq" and config.actor == "sync"
             driver = "postgresql+psycopg" if sync else "postgresql+asyncpg"
             # The workers' way to PostgreSQL: PgBouncer, the proxy, both or neither.
@@ -773,12 +804,20 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             }
             available = workload.features(library_env())
             env |= workload.worker_env(config, available) | {"EXPLORE_OUTBOX_URL": admin_url}
+            admin_urls = [admin_url]
+            if env["EXPLORE_DATABASES"] == "map":  # a second database, tenant t1's
+                admin_urls.append(more.enter_context(database(f"{source}_b")))
+                env["EXPLORE_MAP_URLS"] = " ".join(
+                    url.replace(f":{PG_PORT}/", f":{port}/", 1) for url in admin_urls
+                )
+                broker.tenants = True
             if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
-                with psycopg.connect(admin_url, autocommit=True) as conn:
-                    conn.execute(
-                        "INSERT INTO inbox_layout (name, value, changed_at, changed_by)"
-                        " VALUES ('claims', 'compact', now(), 'explore')"
-                    )
+                for url in admin_urls:
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        conn.execute(
+                            "INSERT INTO inbox_layout (name, value, changed_at, changed_by)"
+                            " VALUES ('claims', 'compact', now(), 'explore')"
+                        )
             extras = workload.Extras(
                 schedule, admin_url, library_env() | env, folder, available, Slot
             )
@@ -791,10 +830,10 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             failure: list[BaseException] = []
             producer = threading.Thread(
                 target=_publish_all,
-                args=(schedule, broker, admin_url, history, started, failure),
+                args=(schedule, broker, admin_urls, history, started, failure),
                 daemon=True,
             )
-            faults = Faults(schedule, fleet, admin_url, nats, history, started, network)
+            faults = Faults(schedule, fleet, admin_urls, nats, history, started, network)
             faulting = threading.Thread(target=faults.run, daemon=True)
             producer.start()
             faulting.start()
@@ -810,7 +849,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 raise HarnessTrouble(f"publishing failed: {failure[0]!r}") from failure[0]
             history.event(started, "sends and faults done; settling")
             extras.end_of_faults()
-            admin = Admin(admin_url)
+            admin = Admins(admin_urls)
             try:
                 quiet_from = time.monotonic()
                 patience = SETTLE_TIMEOUT * (3 if schedule.prefetch == 0 else 1)
@@ -847,7 +886,9 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 history.effects = [
                     tuple(r) for r in admin.query("SELECT key, message_id, n FROM explore_effects")
                 ]  # type: ignore[misc]
-                history.claims = _claims(admin, schedule, env["EXPLORE_CLAIMS"])
+                history.claims = _claims(admin, schedule, env["EXPLORE_CLAIMS"], broker.tenants)
+                if broker.tenants:
+                    history.placements = [_effect_keys(url) for url in admin_urls]
                 history.quarantine = [
                     tuple(r)
                     for r in admin.query(
@@ -903,7 +944,16 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             network.close()
 
 
-def _claims(admin: Any, schedule: Schedule, claims: str) -> list[str]:
+def _effect_keys(url: str) -> list[str]:
+    """The keys of the effects one database holds."""
+    admin = Admin(url)
+    try:
+        return [k for (k,) in admin.query("SELECT DISTINCT key FROM explore_effects")]
+    finally:
+        admin.close()
+
+
+def _claims(admin: Any, schedule: Schedule, claims: str, tenants: bool = False) -> list[str]:
     """The message ids the consumer holds a claim for, once per claim. In the compact
     table a claim keeps no text, nor its consumer: each id the run could have claimed
     (its intents, and those the operator's accepted conflicts were published under) is
@@ -926,6 +976,9 @@ def _claims(admin: Any, schedule: Schedule, claims: str) -> list[str]:
             "SELECT accepted_message_id FROM inbox_quarantine WHERE accepted_message_id IS NOT NULL"
         )
     }
-    by_key = {claim_key("explore", PRODUCER, "", m).hex(): m for m in candidates}
+    by_key = {
+        claim_key("explore", PRODUCER, tenant_of(m) if tenants else "", m).hex(): m
+        for m in candidates
+    }
     stored = admin.query("SELECT replace(identity::text, '-', '') FROM inbox_claims")
     return [by_key[key] for (key,) in stored if key in by_key]

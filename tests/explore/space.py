@@ -85,6 +85,7 @@ class Config:
     handlers: str = "basic"
     claims: str = "library"
     actor: str = "sync"
+    databases: str = "one"
 
     @property
     def framework(self) -> str:
@@ -255,6 +256,7 @@ WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
     "handlers": ("basic", "extended"),
     "claims": ("library", "both", "compact"),
     "actor": ("sync", "async"),
+    "databases": ("one", "map"),
 }
 """``batch``: a FastStream batch subscriber (Redis streams, NATS, Kafka);
 ``outputs``: a FastStream publisher on the handler, or a Dramatiq ``on_success`` callback,
@@ -269,7 +271,11 @@ compact table alone (the switch recorded before they start; the operator's purge
 one of every consumer, which the compact rows need); ``actor``: Dramatiq's actors are
 ``def`` ("sync", on an Engine with psycopg) or ``async def`` ("async": Dramatiq's
 ``AsyncIO`` middleware, an AsyncEngine with asyncpg, ``current_async_session()``, as
-docs/how-to/add-to-dramatiq.md offers); a FastStream handler is async whatever it says."""
+docs/how-to/add-to-dramatiq.md offers); a FastStream handler is async whatever it says;
+``databases``: the inbox on the run's database ("one"), or on a `DatabaseMap` over two
+("map": ``router=``, as docs/how-to/many-databases.md gives it), each intent sent for
+one of two tenants, one a database, so that its claim, effect and records land in its
+tenant's database."""
 BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
 AXES.update(WORKLOAD_AXES)
 ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
@@ -277,6 +283,13 @@ ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
 
 def _workload_valid(values: dict[str, Any]) -> bool:
     target = values.get("target")
+    if values.get("databases") == "map":
+        if values.get("missing_identity") == "process":
+            return False  # no identity, no tenant, no database: the guide keeps "reject"
+        if values.get("batch") == "on":
+            return False  # a batch claims in one database: its tenants interleave here
+        if values.get("outbox") == "on" or values.get("operator", "none") != "none":
+            return False  # the dispatchers and the commands over a map are not wired
     if values.get("actor") == "async":
         if target is not None and not target.startswith("dramatiq"):
             return False  # the axis is Dramatiq's: a FastStream row keeps "sync"

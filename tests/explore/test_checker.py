@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from .brokers import tenant_of
 from .check import check
 from .domain import batch_effect_id
 from .run import History
@@ -81,6 +82,20 @@ def test_check__loss_doubles_and_contradicting_records_are_findings() -> None:
         "refused-unrecorded",
         "twice",
     ]
+
+
+def test_check__over_a_map_an_intent_applied_outside_its_tenants_database_is_misrouted() -> None:
+    history = _history(databases="map")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    placed: list[list[str]] = [[], []]
+    for key in ("a", "c"):
+        placed[int(tenant_of(key)[1:])].append(key)
+    history.placements = placed
+    assert check(history) == []
+    history.placements = [placed[1], placed[0]]  # each in the other tenant's database
+    assert _kinds(history) == ["misrouted"]
 
 
 def test_check__an_unsettled_run_is_stuck() -> None:
@@ -281,11 +296,24 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "faststream-kafka", "outputs": "result"})
     assert valid({"target": "faststream-kafka", "outputs": "none", "handlers": "extended"})
     assert not valid({"queues": "quorum", "batch": "on"})
-    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {"off", "none", "basic", "library", "sync"}
+    assert {ROWS[0][axis] for axis in WORKLOAD_AXES} == {
+        "off",
+        "none",
+        "basic",
+        "library",
+        "sync",
+        "one",
+    }
     # async actors are Dramatiq's
     assert not valid({"target": "faststream-nats", "actor": "async"})
     assert not valid({"guard": "on", "actor": "async"})
     assert valid({"target": "dramatiq-redis", "actor": "async", "handlers": "extended"})
+    # over a map: identified messages, no batch, neither dispatchers nor commands
+    assert not valid({"databases": "map", "missing_identity": "process"})
+    assert not valid({"databases": "map", "batch": "on"})
+    assert not valid({"databases": "map", "outbox": "on"})
+    assert not valid({"databases": "map", "operator": "purge"})
+    assert valid({"databases": "map", "target": "dramatiq-redis", "actor": "async"})
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)
 

@@ -102,6 +102,7 @@ def _probe(env: dict[str, str]) -> set[str]:
         "outputs": "import inbox_middleware.dramatiq, inbox_middleware.faststream",
         "repair": "import inbox_middleware.cli",
         "claims": "from inbox_middleware._core.claims import claim_key",
+        "databases": "from inbox_middleware import DatabaseMap",
     }
     found = set()
     for name, probe in probes.items():
@@ -121,6 +122,7 @@ def worker_env(config: Config, available: set[str]) -> dict[str, str]:
         "EXPLORE_HANDLERS": config.handlers,
         "EXPLORE_CLAIMS": claims(config, available),
         "EXPLORE_ACTOR": config.actor,
+        "EXPLORE_DATABASES": config.databases if "databases" in available else "one",
     }
 
 
@@ -155,8 +157,9 @@ class Extras:
                 ("outputs", "outputs"),
                 ("outbox", "outbox"),
                 ("operator", "repair"),
+                ("databases", "databases"),
             )
-            if getattr(self.config, axis) not in ("off", "none") and feature not in available
+            if getattr(self.config, axis) not in ("off", "none", "one") and feature not in available
         ]
         self.outbox = self.config.outbox == "on" and "outbox" in available
         self.operator = self.config.operator if "repair" in available else "none"
