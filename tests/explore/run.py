@@ -26,6 +26,7 @@ run's own, never restarted (it keeps nothing on disk).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -811,6 +812,19 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                     url.replace(f":{PG_PORT}/", f":{port}/", 1) for url in admin_urls
                 )
                 broker.tenants = True
+                # The commands' map (the outbox's dispatchers, the purge): straight to
+                # PostgreSQL, as their --database-url is with one database.
+                mapped = folder / "map.json"
+                names = [f"d{index}" for index in range(len(admin_urls))]
+                mapped.write_text(
+                    json.dumps(
+                        {
+                            "databases": dict(zip(names, admin_urls, strict=True)),
+                            "tenants": {f"t{i}": name for i, name in enumerate(names)},
+                        }
+                    )
+                )
+                env["EXPLORE_MAP_FILE"] = str(mapped)
             if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
                 for url in admin_urls:
                     with psycopg.connect(url, autocommit=True) as conn:

@@ -168,14 +168,16 @@ class Extras:
             (rng.uniform(1, FAULT_WINDOW), rng.choice(["kill", "term"]), rng.randrange(2))
             for _ in range(rng.randint(1, 3))
         )
+        # The run's database, or over a map the map's file (the commands' --map).
+        mapped = env.get("EXPLORE_MAP_FILE")
+        self.where = ["--map", mapped] if mapped else ["--database-url", admin_url]
         self.dispatchers = []
         if self.outbox:
             command = [
                 CLI,
                 "outbox",
                 "run",
-                "--database-url",
-                admin_url,
+                *self.where,
                 "--destinations",
                 "tests.explore.outbox_app:destinations",
                 "--poll-interval",
@@ -270,7 +272,7 @@ class Extras:
 
     def _cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [CLI, *args, "--database-url", self.admin_url],
+            [CLI, *args, *self.where],
             env=self.env,
             capture_output=True,
             text=True,
