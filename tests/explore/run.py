@@ -334,6 +334,11 @@ class Admins(Admin):
             rows += other.query(sql, params, patience)
         return rows
 
+    def each(self, sql: str, params: Any = None, patience: float = 120) -> list[list[Any]]:
+        """The rows of each database, in order."""
+        first = Admin.query(self, sql, params, patience)
+        return [first, *(other.query(sql, params, patience) for other in self.others)]
+
     def close(self) -> None:
         super().close()
         for other in self.others:

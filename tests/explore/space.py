@@ -275,8 +275,8 @@ docs/how-to/add-to-dramatiq.md offers); a FastStream handler is async whatever i
 ``databases``: the inbox on the run's database ("one"), or on a `DatabaseMap` over two
 ("map": ``router=``, as docs/how-to/many-databases.md gives it), each intent sent for
 one of two tenants, one a database, so that its claim, effect and records land in its
-tenant's database; the outbox's dispatchers and the purge then run over the map
-(``--map``)."""
+tenant's database; the outbox's dispatchers, the purge and the repairs then run over
+the map (``--map``; a repair names its row's database, ``--database``)."""
 BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
 AXES.update(WORKLOAD_AXES)
 ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
@@ -289,8 +289,6 @@ def _workload_valid(values: dict[str, Any]) -> bool:
             return False  # no identity, no tenant, no database: the guide keeps "reject"
         if values.get("batch") == "on":
             return False  # a batch claims in one database: its tenants interleave here
-        if values.get("operator") == "repair":
-            return False  # row ids name rows of one database: the repairs are not wired
     if values.get("actor") == "async":
         if target is not None and not target.startswith("dramatiq"):
             return False  # the axis is Dramatiq's: a FastStream row keeps "sync"

@@ -308,11 +308,11 @@ def test_space__the_workload_axes_hold_their_rules() -> None:
     assert not valid({"target": "faststream-nats", "actor": "async"})
     assert not valid({"guard": "on", "actor": "async"})
     assert valid({"target": "dramatiq-redis", "actor": "async", "handlers": "extended"})
-    # over a map: identified messages, no batch, no repairs (row ids are a database's)
+    # over a map: identified messages, no batch
     assert not valid({"databases": "map", "missing_identity": "process"})
     assert not valid({"databases": "map", "batch": "on"})
-    assert not valid({"databases": "map", "operator": "repair"})
     assert valid({"databases": "map", "outbox": "on", "operator": "purge"})
+    assert valid({"databases": "map", "operator": "repair"})
     assert valid({"databases": "map", "target": "dramatiq-redis", "actor": "async"})
     for axis, values in WORKLOAD_AXES.items():
         assert {row[axis] for row in ROWS} == set(values)

@@ -200,8 +200,9 @@ class Extras:
             ]
         self.events: list[str] = []
         self.waiting: list[str] = []
-        self.decisions: list[tuple[str, int, str, str, int]] = []
-        """(kind, row id, action, message id, CLI exit status) of the operator's decisions."""
+        self.decisions: list[tuple[str, int | str, str, str, int]] = []
+        """(kind, row id, action, message id, CLI exit status) of the operator's decisions;
+        over a map, a row's id is ``<database>:<id>`` (`_row_id`)."""
         self.purges: list[tuple[float, int]] = []
         """(the database's clock once a purge ended, epoch seconds; its exit status)."""
         self.stopping = threading.Event()
@@ -293,29 +294,34 @@ class Extras:
 
     def _repair(self) -> None:
         seed = self.schedule.seed
-        decided: set[tuple[str, int]] = set()
+        decided: set[tuple[str, int | str]] = set()
         actions = {"poison": ["redrive", "discard"], "quarantine": ["accept", "discard", "redrive"]}
         while not self.stopping.wait(1.0):
             for kind in ("poison", "quarantine"):
                 for row in self._pending(kind):
                     if self.stopping.is_set():
                         return  # the run settles: no decision after the faults
-                    if (kind, row["id"]) in decided or row.get("consumer_name") != "explore":
+                    # Over a map, a row's id is its database's: the command names both.
+                    database = row.get("database")
+                    row_id = _row_id(database, row["id"])
+                    if (kind, row_id) in decided or row.get("consumer_name") != "explore":
                         continue
-                    action = actions[kind][_coin(seed, row["id"], len(actions[kind]))]
+                    action = actions[kind][_coin(seed, row_id, len(actions[kind]))]
                     args = [kind, action, str(row["id"])]
+                    if database:
+                        args += ["--database", database]
                     if action == "discard":
                         args += ["--reason", "explorer", "--by", OPERATOR]
                     else:
                         args += self._publish_options()
                     done = self._cli(*args)
                     if "could not be reached" not in done.stderr:
-                        decided.add((kind, row["id"]))  # else: again at the next look
+                        decided.add((kind, row_id))  # else: again at the next look
                     self.decisions.append(
-                        (kind, int(row["id"]), action, str(row["message_id"]), done.returncode)
+                        (kind, row_id, action, str(row["message_id"]), done.returncode)
                     )
                     self._event(
-                        f"{kind} {action} {row['id']} ({row['message_id']}): exit "
+                        f"{kind} {action} {row_id} ({row['message_id']}): exit "
                         f"{done.returncode} {done.stderr.strip()[-200:]}"
                     )
 
@@ -483,6 +489,23 @@ class Extras:
                 )
                 if c in have
             ]
-            rows = admin.query(f"SELECT {', '.join(wanted)} FROM {table}")
-            seen[table] = [dict(zip(wanted, row, strict=True)) for row in rows]
+            query = f"SELECT {', '.join(wanted)} FROM {table}"
+            each = getattr(admin, "each", None)
+            if self.where[0] != "--map" or each is None:
+                rows = admin.query(query)
+                seen[table] = [dict(zip(wanted, row, strict=True)) for row in rows]
+                continue
+            seen[table] = []
+            for index, rows in enumerate(each(query)):  # the map's databases, d0, d1, ...
+                for row in rows:
+                    found = dict(zip(wanted, row, strict=True))
+                    if "id" in found:
+                        found["id"] = _row_id(f"d{index}", found["id"])
+                    seen[table].append(found)
         return seen
+
+
+def _row_id(database: str | None, row_id: Any) -> int | str:
+    """A repair row's id as the decisions and the checks name it: over a map,
+    ``<database>:<id>``, ids being each database's own."""
+    return f"{database}:{row_id}" if database else int(row_id)
