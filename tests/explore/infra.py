@@ -5,10 +5,9 @@ per setting.
 Configured by environment variables (set by `tests.explore.run`): EXPLORE_QUORUM ("1":
 RabbitMQ quorum queues with a delivery limit of `QUORUM_DELIVERY_LIMIT`), EXPLORE_POOLER
 ("pgbouncer": the engines set as docs/how-to/pgbouncer.md says), EXPLORE_RETENTION
-(seconds: the inbox's ``retention_window``; "" for none), EXPLORE_DATABASES ("map": the
-inbox on a `DatabaseMap` over the databases of EXPLORE_MAP_URLS, space-separated libpq
-URLs, tenant ``t<i>`` served by the i-th). Only the library's public API is used, so
-that it runs on older commits unchanged.
+(seconds: the inbox's ``retention_window``; "" for none), EXPLORE_WORKERS_MAP (a map
+file: the inbox on a `MapFile` over the run's databases, as the workers reach them).
+Only the library's public API is used, so that it runs on older commits unchanged.
 """
 
 from __future__ import annotations
@@ -77,21 +76,19 @@ def engine(concurrency: int, application: str, *, asynchronous: bool) -> Any:
 
 def storage(engine: Any, concurrency: int) -> dict[str, Any]:
     """Where the adapter claims: ``engine`` (the run's database), or over a map the
-    ``router`` and its budget, as docs/how-to/many-databases.md gives them (``engine`` then
-    serves the handlers' own bookkeeping only: the attempts they count)."""
-    if ENV.get("EXPLORE_DATABASES", "one") != "map":
+    ``router`` (the run's map file, read as a `MapFile`) and its budget, as
+    docs/how-to/many-databases.md gives them (``engine`` then serves the handlers' own
+    bookkeeping only: the attempts they count)."""
+    mapped = ENV.get("EXPLORE_WORKERS_MAP", "")
+    if not mapped:
         return {"engine": engine}
-    from inbox_middleware import DatabaseMap
+    from inbox_middleware import MapFile
 
-    urls = ENV["EXPLORE_MAP_URLS"].split()
-    names = [f"d{index}" for index in range(len(urls))]
-    databases = DatabaseMap(
-        databases=dict(zip(names, urls, strict=True)),
-        tenants={f"t{index}": name for index, name in enumerate(names)},
-    )
+    router = MapFile(mapped)
     # A pool as large as the engine's: every handler of the process may be in one database.
     pool = 2 * concurrency + 2
-    return {"router": databases, "pool_size": pool, "connection_budget": pool * len(urls)}
+    budget = pool * len(router.current().databases)
+    return {"router": router, "pool_size": pool, "connection_budget": budget}
 
 
 def inbox_settings() -> dict[str, Any]:

@@ -55,6 +55,7 @@ from .brokers import (
     PRODUCER,
     RABBITMQ_URL,
     REDIS_URL,
+    TENANTS,
     Broker,
     make_broker,
     tenant_of,
@@ -813,23 +814,13 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             admin_urls = [admin_url]
             if env["EXPLORE_DATABASES"] == "map":  # a second database, tenant t1's
                 admin_urls.append(more.enter_context(database(f"{source}_b")))
-                env["EXPLORE_MAP_URLS"] = " ".join(
-                    url.replace(f":{PG_PORT}/", f":{port}/", 1) for url in admin_urls
-                )
                 broker.tenants = True
-                # The commands' map (the outbox's dispatchers, the purge): straight to
+                # The workers' map, through the pooler or the proxy where they are; the
+                # commands' (the dispatchers, the purge, the repairs) straight to
                 # PostgreSQL, as their --database-url is with one database.
-                mapped = folder / "map.json"
-                names = [f"d{index}" for index in range(len(admin_urls))]
-                mapped.write_text(
-                    json.dumps(
-                        {
-                            "databases": dict(zip(names, admin_urls, strict=True)),
-                            "tenants": {f"t{i}": name for i, name in enumerate(names)},
-                        }
-                    )
-                )
-                env["EXPLORE_MAP_FILE"] = str(mapped)
+                workers = [url.replace(f":{PG_PORT}/", f":{port}/", 1) for url in admin_urls]
+                env["EXPLORE_WORKERS_MAP"] = _map_file(folder / "workers-map.json", workers)
+                env["EXPLORE_MAP_FILE"] = _map_file(folder / "map.json", admin_urls)
             if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
                 for url in admin_urls:
                     with psycopg.connect(url, autocommit=True) as conn:
@@ -961,6 +952,17 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             nats.close()
         if network is not None:
             network.close()
+
+
+def _map_file(path: Path, urls: Sequence[str]) -> str:
+    """A map file over ``urls``: databases ``d0``, ``d1``, ..., tenant ``t<i>`` served by
+    ``d<i>`` (`brokers.TENANTS`); its path."""
+    names = [f"d{index}" for index in range(len(urls))]
+    tenants = dict(zip(TENANTS, names, strict=True))
+    path.write_text(
+        json.dumps({"databases": dict(zip(names, urls, strict=True)), "tenants": tenants})
+    )
+    return str(path)
 
 
 def _effect_keys(url: str) -> list[str]:

@@ -272,11 +272,12 @@ one of every consumer, which the compact rows need); ``actor``: Dramatiq's actor
 ``def`` ("sync", on an Engine with psycopg) or ``async def`` ("async": Dramatiq's
 ``AsyncIO`` middleware, an AsyncEngine with asyncpg, ``current_async_session()``, as
 docs/how-to/add-to-dramatiq.md offers); a FastStream handler is async whatever it says;
-``databases``: the inbox on the run's database ("one"), or on a `DatabaseMap` over two
-("map": ``router=``, as docs/how-to/many-databases.md gives it), each intent sent for
-one of two tenants, one a database, so that its claim, effect and records land in its
-tenant's database; the outbox's dispatchers, the purge and the repairs then run over
-the map (``--map``; a repair names its row's database, ``--database``)."""
+``databases``: the inbox on the run's database ("one"), or on a map over two ("map":
+``router=MapFile(...)``, the map's file as docs/how-to/many-databases.md gives it),
+each intent sent for one of two tenants, one a database, so that its claim, effect and
+records land in its tenant's database; the outbox's dispatchers, the purge and the
+repairs then run over the map (``--map``; a repair names its row's database,
+``--database``)."""
 BATCH_TARGETS = ("faststream-redis", "faststream-nats", "faststream-kafka")
 AXES.update(WORKLOAD_AXES)
 ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})

@@ -102,7 +102,7 @@ def _probe(env: dict[str, str]) -> set[str]:
         "outputs": "import inbox_middleware.dramatiq, inbox_middleware.faststream",
         "repair": "import inbox_middleware.cli",
         "claims": "from inbox_middleware._core.claims import claim_key",
-        "databases": "from inbox_middleware import DatabaseMap",
+        "databases": "from inbox_middleware import MapFile",
     }
     found = set()
     for name, probe in probes.items():
