@@ -305,3 +305,72 @@ def test_tenant_isolation__a_database_down_is_paused_longer_while_it_stays_down(
     finally:
         inbox.dispose()
         proxy.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_tenant_isolation__a_try_that_fails_in_its_handler_ends_the_pause(
+    tenant_databases: TenantDatabases, asynchronous: bool
+) -> None:
+    """The delivery that tries a paused database may fail for a reason of its own (its
+    handler's error): the database answered all the same, so its pause ends, and the next
+    delivery there (the failed one's own bookkeeping, its poison row, among them) is not
+    refused. Seed 929423 of the explorer: a Kafka partition whose first message was a
+    handler's misuse tried its paused database again and again, each failure leaving the
+    database paused, so its poison row was refused, and every delivery of the database
+    with it, for good."""
+    import asyncio
+
+    from inbox_middleware import DatabaseMap, MessageIdentity
+    from inbox_middleware._core.exceptions import DatabaseUnavailable
+    from inbox_middleware._core.identity import hash_json
+    from inbox_middleware._core.protocol import Decision, Delivery
+    from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox
+
+    port = urlsplit(services.POSTGRES_TENANTS[1]).port
+    proxy = Proxy(("127.0.0.1", port or 5451))
+    urls = {"db1": tenant_databases.url(1).replace(f":{port}/", f":{proxy.port}/")}
+    options = {"down_pause": 0.3, "down_pause_limit": 0.3, "connect_timeout": 2.0}
+    routes = DatabaseMap(urls, tenants={"t1": "db1"})
+    inbox = AsyncRoutedInbox(routes, **options) if asynchronous else RoutedInbox(routes, **options)
+    counter = iter(range(1000))
+
+    class Refused(Exception):
+        """The handler's own failure."""
+
+    async def process(fails: bool) -> Decision:
+        n = next(counter)
+        delivery = Delivery(
+            "billing", MessageIdentity("orders", f"m-{n}", "t1"), hash_json({"n": n}, "v1")
+        )
+
+        def handler(session: object) -> None:
+            if fails:
+                raise Refused(f"m-{n}")
+
+        async def async_handler(session: object) -> None:
+            handler(session)
+
+        if isinstance(inbox, AsyncRoutedInbox):
+            result = await inbox.process(delivery, async_handler)
+        else:
+            result = inbox.process(delivery, handler)
+        return result.verdict.decision  # type: ignore[no-any-return]
+
+    async def scenario() -> None:
+        try:
+            proxy.down()
+            with pytest.raises(DatabaseUnavailable):
+                await process(fails=False)  # the database does not answer: paused
+            proxy.up()
+            await asyncio.sleep(0.4)  # the pause is over: the next delivery tries it
+            with pytest.raises(Refused):
+                await process(fails=True)  # it answered: claimed, then the handler failed
+            assert await process(fails=False) is Decision.FIRST  # not refused: answered
+        finally:
+            if isinstance(inbox, AsyncRoutedInbox):
+                await inbox.dispose()
+            else:
+                inbox.dispose()
+            proxy.close()
+
+    asyncio.run(scenario())

@@ -402,6 +402,27 @@ class _Routes:
     def _failed(self, database: str, consumer: str, exc: DatabaseUnavailable) -> None:
         exc.retry_after = self._went_down(database, consumer)
 
+    @contextlib.contextmanager
+    def _reaching(self, database: str, consumer: str, *, pauses: bool = True) -> Iterator[None]:
+        """Around a call that reaches ``database`` (its inbox in hand, the refusal of a
+        paused database passed): a failure to reach it pauses it (``pauses``); any other
+        end is its answer, which ends its pause. The delivery that tries a paused
+        database may fail for a reason of its own (its handler's error, a conflict, a
+        refused commit): the database answered all the same. Left paused, it would refuse
+        that delivery's own bookkeeping (its poison row) and every other delivery until
+        the next try, which may be the same delivery again: a Kafka partition whose first
+        message fails in its handler would keep its database paused for good."""
+        try:
+            yield
+        except DatabaseUnavailable as exc:
+            if pauses and exc.retry_after is None:  # not this process's refusal: it failed now
+                self._failed(database, consumer, exc)
+            raise
+        except Exception:
+            self._answered(database)
+            raise
+        self._answered(database)
+
 
 class RoutedInbox(_Routes):
     """`Inbox` over the databases of a `DatabaseMap` (sync engines: psycopg).
@@ -450,22 +471,19 @@ class RoutedInbox(_Routes):
     def process(self, delivery: Delivery, handler: Callable[[Session], R], **kw: Any) -> Any:
         database = self.route(delivery)
         with self._slot(database, delivery.consumer):
-            try:
-                inbox = self._use(delivery)  # refused at once while the database is down
-                result = inbox.process(delivery, handler, **kw)
-            except DatabaseUnavailable as exc:
-                if exc.retry_after is None:  # not this process's refusal: it failed now
-                    self._failed(database, delivery.consumer, exc)
-                raise
-            self._answered(database)
-            return result
+            inbox = self._use(delivery)  # refused at once while the database is down
+            with self._reaching(database, delivery.consumer):
+                return inbox.process(delivery, handler, **kw)
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., R], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
-        with self._slot(self.route(first), first.consumer):
-            return self._use(first).process_batch(deliveries, handler, **kw)
+        database = self.route(first)
+        with self._slot(database, first.consumer):
+            inbox = self._use(first)
+            with self._reaching(database, first.consumer):
+                return inbox.process_batch(deliveries, handler, **kw)
 
     def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -476,8 +494,11 @@ class RoutedInbox(_Routes):
         if isinstance(op, CountHandBack) and op.unreachable:
             database = self.route(delivery)  # remembered in memory only, no connection
             return self.inbox(database).bookkeep(op)
-        with self._slot(self.route(delivery), delivery.consumer):
-            return self._use(delivery).bookkeep(op)
+        database = self.route(delivery)
+        with self._slot(database, delivery.consumer):
+            inbox = self._use(delivery)
+            with self._reaching(database, delivery.consumer, pauses=False):
+                return inbox.bookkeep(op)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)
@@ -549,23 +570,19 @@ class AsyncRoutedInbox(_Routes):
     ) -> Any:
         database = self.route(delivery)
         async with self._aslot(database, delivery.consumer):
-            try:
-                inbox = await self._use(delivery)  # refused at once while the database is down
-                result = await inbox.process(delivery, handler, **kw)
-            except DatabaseUnavailable as exc:
-                if exc.retry_after is None:  # not this process's refusal: it failed now
-                    self._failed(database, delivery.consumer, exc)
-                raise
-            self._answered(database)
-            return result
+            inbox = await self._use(delivery)  # refused at once while the database is down
+            with self._reaching(database, delivery.consumer):
+                return await inbox.process(delivery, handler, **kw)
 
     async def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
-        async with self._aslot(self.route(first), first.consumer):
+        database = self.route(first)
+        async with self._aslot(database, first.consumer):
             inbox = await self._use(first)
-            return await inbox.process_batch(deliveries, handler, **kw)
+            with self._reaching(database, first.consumer):
+                return await inbox.process_batch(deliveries, handler, **kw)
 
     async def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -575,8 +592,11 @@ class AsyncRoutedInbox(_Routes):
             raise TypeError(f"not a bookkeeping operation of one delivery: {op!r}")
         if isinstance(op, CountHandBack) and op.unreachable:
             return await self.inbox(self.route(delivery)).bookkeep(op)
-        async with self._aslot(self.route(delivery), delivery.consumer):
-            return await (await self._use(delivery)).bookkeep(op)
+        database = self.route(delivery)
+        async with self._aslot(database, delivery.consumer):
+            inbox = await self._use(delivery)
+            with self._reaching(database, delivery.consumer, pauses=False):
+                return await inbox.bookkeep(op)
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)
