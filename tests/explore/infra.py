@@ -25,6 +25,7 @@ __all__ = [
     "faststream_broker",
     "faststream_subscribe",
     "inbox_settings",
+    "pool_size",
     "storage",
 ]
 
@@ -54,11 +55,16 @@ def connect_args(driver: str) -> dict[str, Any]:
     }
 
 
+def pool_size(concurrency: int) -> int:
+    """Connections for ``concurrency`` handlers and the inbox's own transactions."""
+    return 2 * concurrency + 2
+
+
 def engine(concurrency: int, application: str, *, asynchronous: bool) -> Any:
     """The workers' engine on EXPLORE_DATABASE_URL: an AsyncEngine (asyncpg) or an Engine
     (psycopg), a pool for ``concurrency`` handlers and the inbox's own transactions."""
     options: dict[str, Any] = {
-        "pool_size": 2 * concurrency + 2,
+        "pool_size": pool_size(concurrency),
         "max_overflow": 0,
         "pool_pre_ping": True,
     }
@@ -86,7 +92,7 @@ def storage(engine: Any, concurrency: int) -> dict[str, Any]:
 
     router = MapFile(mapped)
     # A pool as large as the engine's: every handler of the process may be in one database.
-    pool = 2 * concurrency + 2
+    pool = pool_size(concurrency)
     budget = pool * len(router.current().databases)
     return {"router": router, "pool_size": pool, "connection_budget": budget}
 

@@ -898,7 +898,10 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 ]  # type: ignore[misc]
                 history.claims = _claims(admin, schedule, env["EXPLORE_CLAIMS"], broker.tenants)
                 if broker.tenants:
-                    history.placements = [_effect_keys(url) for url in admin_urls]
+                    history.placements = [
+                        [k for (k,) in rows]
+                        for rows in admin.each("SELECT DISTINCT key FROM explore_effects")
+                    ]
                 history.quarantine = [
                     tuple(r)
                     for r in admin.query(
@@ -963,15 +966,6 @@ def _map_file(path: Path, urls: Sequence[str]) -> str:
         json.dumps({"databases": dict(zip(names, urls, strict=True)), "tenants": tenants})
     )
     return str(path)
-
-
-def _effect_keys(url: str) -> list[str]:
-    """The keys of the effects one database holds."""
-    admin = Admin(url)
-    try:
-        return [k for (k,) in admin.query("SELECT DISTINCT key FROM explore_effects")]
-    finally:
-        admin.close()
 
 
 def _claims(admin: Any, schedule: Schedule, claims: str, tenants: bool = False) -> list[str]:
