@@ -67,8 +67,17 @@ from .workload import MISUSES, OPERATOR, PURGE_WINDOW
 __all__ = ["Finding", "check"]
 
 LIMIT_REASONS = {"retries_exhausted", "redelivery_limit"}
-OUTAGES = {"pg_fast", "pg_immediate", "pg_terminate", "net_cut", "net_blackhole", "pooler_restart"}
-"""Faults that take the database away from a worker in the middle of its deliveries."""
+OUTAGES = {
+    "pg_fast",
+    "pg_immediate",
+    "pg_one_fast",
+    "pg_one_immediate",
+    "pg_terminate",
+    "net_cut",
+    "net_blackhole",
+    "pooler_restart",
+}
+"""Faults that take a database away from a worker in the middle of its deliveries."""
 LEAD = 2.0
 """Seconds a pending poison row must come before its intent's first effect to be a
 finding: the handlers do not sleep, so a row written that long before the effect was
@@ -390,7 +399,7 @@ STALLS = {"net_blackhole": 3.0, "net_delay": 5.0}
 """Network faults (and the shortest that does) that hold a delivery in flight longer than
 a redelivery timer of 3 s (the explorer's ``min_idle_time``, ``ack_wait`` and Kafka
 session)."""
-PG_STOPS = ("pg_fast", "pg_immediate", "pg_after_start")
+PG_STOPS = ("pg_fast", "pg_immediate", "pg_after_start", "pg_one_fast", "pg_one_immediate")
 """Faults that stop PostgreSQL for a while (``pg_terminate`` only ends its sessions)."""
 
 

@@ -7,18 +7,20 @@
     │                       intent's first payload committed
     └── fault thread        the schedule's faults at their times: workers SIGKILLed or
                             SIGTERMed, the explorer's PostgreSQL stopped (fast, immediate)
-                            and started, its sessions terminated, NATS restarted, the
+                            and started (over a map, the second database's server alone
+                            too), its sessions terminated, NATS restarted, the
                             workers' connections cut, delayed or black-holed by the proxy,
                             the explorer's PgBouncer and RabbitMQ restarted
 
     workers ─> [proxy, where the schedule has network faults] ─> [PgBouncer 6445, where
-    the configuration's pooler is] ─> PostgreSQL 5445
+    the configuration's pooler is] ─> PostgreSQL 5445 (over a map, also 5447: the second
+    database's; the proxy is between the workers and it only through PgBouncer)
 
 Then it waits (a bounded time) until every intent is settled and the broker holds
 nothing, stops the workers, and records the history: every send, every effect, the
 inbox's durable records, what is left in the broker and at its destinations.
 
-Everything runs on the explorer's own servers (PostgreSQL 5445, its PgBouncer 6445, Redis
+Everything runs on the explorer's own servers (PostgreSQL 5445 and 5447, its PgBouncer 6445, Redis
 6390, RabbitMQ 5673, a NATS per run), except Kafka (tansu): the machine's, on topics of the
 run's own, never restarted (it keeps nothing on disk).
 """
@@ -68,13 +70,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "scripts" / "services"
 PG_PORT = 5445
 PG_URL = f"postgresql://postgres@127.0.0.1:{PG_PORT}"
+SECOND_PORT = 5447
+"""The explorer's second PostgreSQL (`scripts/services explore-postgres`): the second
+database of a run over a map, on a server of its own, which the ``db_one_*`` faults stop
+while the first answers."""
 RABBITMQ_PORT = 5673
 RABBITMQ_NODE = "explore@localhost"
 """The explorer's RabbitMQ (`scripts/services explore-rabbitmq`), which it restarts."""
 POOLER_PORT = 6445
 """The explorer's PgBouncer (`scripts/services explore-pgbouncer`): transaction pooling
 in front of its PostgreSQL, which the explorer restarts."""
-POOLER_PID = Path(tempfile.gettempdir()) / "inbox-middleware-explore-pgbouncer" / "pgbouncer.pid"
+POOLER_DIR = Path(tempfile.gettempdir()) / "inbox-middleware-explore-pgbouncer"
+POOLER_PID = POOLER_DIR / "pgbouncer.pid"
+POOLER_DATABASES = POOLER_DIR / "databases.ini"
+"""Included in the PgBouncer's ``[databases]``: the run's second database, on
+`SECOND_PORT` (every other name goes to `PG_PORT`)."""
 SETTLE_TIMEOUT = 60.0  # seconds after the last fault and send for everything to settle
 READY = {"dramatiq": "ready for action", "faststream": "waiting for messages"}
 """A line each worker process logs once it consumes (a FastStream process forked by
@@ -142,21 +152,21 @@ def library_env() -> dict[str, str]:
 # -- the explorer's PostgreSQL ---------------------------------------------------------------
 
 
-def _cluster() -> tuple[str, str]:
+def _cluster(server: int) -> tuple[str, str]:
     listing = subprocess.run(
         ["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True
     ).stdout
     for line in listing.splitlines():
         version, name, port, *_ = line.split()
-        if int(port) == PG_PORT:
+        if int(port) == server:
             return version, name
     raise HarnessTrouble(
-        f"no PostgreSQL cluster on port {PG_PORT}: run scripts/services explore-postgres"
+        f"no PostgreSQL cluster on port {server}: run scripts/services explore-postgres"
     )
 
 
-def _pg_ctl(action: str, timeout: float = 60) -> None:
-    version, name = _cluster()
+def _pg_ctl(action: str, timeout: float = 60, server: int = PG_PORT) -> None:
+    version, name = _cluster(server)
     subprocess.run(
         ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, *action.split()],
         check=False,
@@ -165,32 +175,36 @@ def _pg_ctl(action: str, timeout: float = 60) -> None:
     )
 
 
-def _pg_answers() -> bool:
+def _pg_answers(server: int) -> bool:
     try:
-        with psycopg.connect(f"{PG_URL}/postgres", connect_timeout=2) as conn:
+        url = f"postgresql://postgres@127.0.0.1:{server}/postgres"
+        with psycopg.connect(url, connect_timeout=2) as conn:
             return conn.execute("SELECT 1").fetchone() == (1,)
     except psycopg.Error:
         return False
 
 
-def ensure_postgres(timeout: float = 60) -> None:
+def ensure_postgres(timeout: float = 60, server: int = PG_PORT) -> None:
     deadline = time.monotonic() + timeout
-    while not _pg_answers():
-        if not servers.answering(PG_PORT):
-            _pg_ctl("start")
+    while not _pg_answers(server):
+        if not servers.answering(server):
+            _pg_ctl("start", server=server)
         if time.monotonic() > deadline:
-            raise HarnessTrouble(f"the explorer's PostgreSQL did not answer within {timeout:.0f}s")
+            raise HarnessTrouble(
+                f"the explorer's PostgreSQL ({server}) did not answer within {timeout:.0f}s"
+            )
         time.sleep(0.2)
 
 
 def ensure_services() -> None:
     """The explorer's own PostgreSQL, Redis and RabbitMQ, started by scripts/services if
     down (its PgBouncer: `ensure_pooler`, where a configuration goes through it)."""
-    if not (servers.answering(PG_PORT) and servers.answering(6390)):
+    if not all(servers.answering(port) for port in (PG_PORT, SECOND_PORT, 6390)):
         subprocess.run(
             [str(SERVICES), "explore-postgres", "explore-redis"], capture_output=True, timeout=180
         )
     ensure_postgres()
+    ensure_postgres(server=SECOND_PORT)
     if not servers.answering(6390):
         raise HarnessTrouble(
             "the explorer's Redis (6390) does not answer: scripts/services explore-redis"
@@ -292,13 +306,14 @@ def exclusive() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def database(name: str) -> Iterator[str]:
-    """A fresh database on the explorer's PostgreSQL, migrated with the project's CLI;
-    its libpq URL. Dropped at the end."""
-    ensure_postgres()
-    with psycopg.connect(f"{PG_URL}/postgres", autocommit=True) as conn:
+def database(name: str, server: int = PG_PORT) -> Iterator[str]:
+    """A fresh database on one of the explorer's PostgreSQL servers, migrated with the
+    project's CLI; its libpq URL. Dropped at the end."""
+    ensure_postgres(server=server)
+    base = f"postgresql://postgres@127.0.0.1:{server}"
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"{PG_URL}/{name}"
+    url = f"{base}/{name}"
     try:
         cli = Path(sys.executable).with_name("inbox-middleware")
         done = subprocess.run(
@@ -316,9 +331,35 @@ def database(name: str) -> Iterator[str]:
         yield url
     finally:
         with contextlib.suppress(Exception):
-            ensure_postgres()
-            with psycopg.connect(f"{PG_URL}/postgres", autocommit=True) as conn:
+            ensure_postgres(server=server)
+            with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def pooled(name: str, server: int) -> Iterator[None]:
+    """The explorer's PgBouncer routes database ``name`` to ``server`` (its
+    ``databases.ini``, reloaded), until the end."""
+
+    def reload(entry: str) -> None:
+        POOLER_DATABASES.write_text(entry)
+        url = f"postgresql://postgres@127.0.0.1:{POOLER_PORT}/pgbouncer"
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+            conn.execute("RELOAD")
+            shown = {row[0]: row[2] for row in conn.execute("SHOW DATABASES").fetchall()}
+        if entry and shown.get(name) != server:
+            raise HarnessTrouble(
+                f"the explorer's PgBouncer does not route {name} to {server} after RELOAD: "
+                "is it one of an earlier scripts/services (no databases.ini)? Stop it and "
+                "run scripts/services explore-pgbouncer"
+            )
+
+    reload(f"{name} = host=127.0.0.1 port={server}\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            reload("")
 
 
 class Admins(Admin):
@@ -595,6 +636,8 @@ class Faults:
         self.schedule, self.fleet, self.admin_urls, self.nats = schedule, fleet, admin_urls, nats
         self.history, self.started, self.network = history, started, network
         self.failure: list[BaseException] = []
+        # The servers of the run's databases: over a map, two (`SECOND_PORT`)
+        self.servers = sorted({_server(url) for url in admin_urls})
 
     def run(self) -> None:
         try:
@@ -610,17 +653,25 @@ class Faults:
                 self.network.latency = 0.0
                 if self.network._holed:
                     self.network.unblackhole()
-            ensure_postgres()
+            for server in self.servers:
+                ensure_postgres(server=server)
             if self.schedule.config.pooler == "pgbouncer":
                 ensure_pooler()
 
-    def _pg_stop(self, mode: str, seconds: float) -> str:
+    def _pg_stop(self, mode: str, seconds: float, servers: Sequence[int] = ()) -> str:
+        """Stop ``servers`` (every server of the run's databases: none named) in ``mode``,
+        start them again ``seconds`` later."""
+        servers = servers or self.servers
         begun = time.monotonic()
-        _pg_ctl(f"stop -m {mode}")
+        for server in servers:
+            _pg_ctl(f"stop -m {mode}", server=server)
         time.sleep(seconds)
-        _pg_ctl("start")
-        ensure_postgres()
-        return f"PostgreSQL stopped ({mode}) and back after {time.monotonic() - begun:.1f}s"
+        for server in servers:
+            _pg_ctl("start", server=server)
+        for server in servers:
+            ensure_postgres(server=server)
+        which = "PostgreSQL" if len(servers) == len(self.servers) else f"PostgreSQL {servers[0]}"
+        return f"{which} stopped ({mode}) and back after {time.monotonic() - begun:.1f}s"
 
     def apply(self, fault: Fault) -> str:
         kind = fault.kind
@@ -632,6 +683,10 @@ class Faults:
             return self._pg_stop("fast", fault.seconds)
         if kind == "pg_immediate":
             return self._pg_stop("immediate", fault.seconds)
+        if kind in ("pg_one_fast", "pg_one_immediate"):
+            # over a map: one database's server, while the other's answers
+            server = self.servers[fault.database % len(self.servers)]
+            return self._pg_stop(kind.rsplit("_", 1)[1], fault.seconds, [server])
         if kind == "pg_terminate":
             admin = Admins(self.admin_urls)  # each database's sessions
             try:
@@ -790,7 +845,7 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             if schedule.proxied:
                 network = Network(("127.0.0.1", port))
                 port = network.port
-            worker_url = admin_url.replace(f":{PG_PORT}/", f":{port}/", 1)
+            worker_url = _through(admin_url, [PG_PORT], port)
             env = broker.worker_env() | {
                 "EXPLORE_DATABASE_URL": worker_url.replace("postgresql", driver, 1),
                 "EXPLORE_POOLER": config.pooler,
@@ -813,12 +868,19 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             env |= workload.worker_env(config, available) | {"EXPLORE_OUTBOX_URL": admin_url}
             admin_urls = [admin_url]
             if env["EXPLORE_DATABASES"] == "map":  # a second database, tenant t1's
-                admin_urls.append(more.enter_context(database(f"{source}_b")))
+                # on a server of its own, which the pg_one_* faults stop alone
+                second = f"{source}_b"
+                reached = [PG_PORT]
+                if config.pooler == "pgbouncer":
+                    more.enter_context(pooled(second, SECOND_PORT))
+                    reached.append(SECOND_PORT)
+                admin_urls.append(more.enter_context(database(second, SECOND_PORT)))
                 broker.tenants = True
-                # The workers' map, through the pooler or the proxy where they are; the
-                # commands' (the dispatchers, the purge, the repairs) straight to
-                # PostgreSQL, as their --database-url is with one database.
-                workers = [url.replace(f":{PG_PORT}/", f":{port}/", 1) for url in admin_urls]
+                # The workers' map, through the pooler or the proxy where they are (to
+                # the second server: through the pooler, or straight); the commands'
+                # (the dispatchers, the purge, the repairs) straight to PostgreSQL, as
+                # their --database-url is with one database.
+                workers = [_through(url, reached, port) for url in admin_urls]
                 env["EXPLORE_WORKERS_MAP"] = _map_file(folder / "workers-map.json", workers)
                 env["EXPLORE_MAP_FILE"] = _map_file(folder / "map.json", admin_urls)
             if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
@@ -955,6 +1017,18 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
             nats.close()
         if network is not None:
             network.close()
+
+
+def _server(url: str) -> int:
+    """The port of a libpq URL of the explorer's."""
+    return int(url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
+
+
+def _through(url: str, servers: Sequence[int], port: int) -> str:
+    """``url`` on ``port`` (the pooler's, the proxy's) when its server is one of
+    ``servers``; as it is otherwise."""
+    server = _server(url)
+    return url.replace(f":{server}/", f":{port}/", 1) if server in servers else url
 
 
 def _map_file(path: Path, urls: Sequence[str]) -> str:

@@ -67,7 +67,9 @@ class Fault:
     kind: str
     """worker_kill, worker_term, pg_fast, pg_immediate, pg_terminate, pg_after_start,
     broker_restart; and the infrastructure's: net_cut, net_delay, net_blackhole (through
-    the proxy between the workers and PostgreSQL), pooler_restart (PgBouncer)"""
+    the proxy between the workers and PostgreSQL), pooler_restart (PgBouncer); over a map,
+    pg_one_fast and pg_one_immediate (one database's server stopped, the other's
+    answering)"""
     worker: int = 0
     seconds: float = 0.0
     latency: float = 0.0
@@ -75,6 +77,8 @@ class Fault:
     phase: str = "ready"
     """pg_after_start: PostgreSQL stops once the replacement has started ("ready") or
     as soon as its process exists ("spawned", in the middle of its start-up)."""
+    database: int = 0
+    """pg_one_*: the database of the map whose server stops (0: ``d0``, 1: ``d1``)."""
 
     def describe(self) -> str:
         what = self.kind
@@ -82,6 +86,8 @@ class Fault:
             what += f" w{self.worker}"
         if self.kind == "pg_after_start":
             what += f" w{self.worker} ({self.phase})"
+        if self.kind.startswith("pg_one"):
+            what += f" d{self.database}"
         if self.latency:
             what += f" by {self.latency * 1000:.0f}ms"
         if self.seconds:
@@ -188,6 +194,9 @@ def draw(seed: int, intents: int | None = None) -> Schedule:
     infra = random.Random(f"{seed}/infra")
     if not pinned:  # the outside report's schedule stays as it was
         faults = sorted(faults + _infra_faults(infra, config), key=lambda f: f.at)
+    if config.databases == "map":  # and so do the draws of the runs with one database
+        more = random.Random(f"{seed}/databases")
+        faults = sorted(faults + _database_faults(more), key=lambda f: f.at)
     schedule = Schedule(seed, config, chosen, sends, conflicts, faults)
     if config.clock != "none":
         schedule.skews = {
@@ -227,6 +236,20 @@ def _infra_faults(rng: random.Random, config: Config) -> list[Fault]:
         else:
             faults.append(Fault(at, kind))
     return faults
+
+
+def _database_faults(rng: random.Random) -> list[Fault]:
+    """Over a map, one or two faults of one database's server: stopped (fast or
+    immediate) for a while, the other database's answering all along."""
+    return [
+        Fault(
+            rng.uniform(0, FAULT_WINDOW),
+            rng.choice(["pg_one_fast", "pg_one_immediate"]),
+            seconds=rng.choice([1.5, 3.0, 8.0]),
+            database=rng.randrange(2),
+        )
+        for _ in range(rng.randint(1, 2))
+    ]
 
 
 def len_rows() -> int:

@@ -246,6 +246,17 @@ def test_schedule__the_infrastructure_axes_draw_their_faults_and_clock() -> None
         assert (row["queues"] == "n/a") == (not row["target"].endswith("rabbitmq"))
 
 
+def test_schedule__over_a_map_one_databases_server_stops_alone() -> None:
+    for seed, row in enumerate(ROWS):
+        schedule = draw(seed)
+        alone = [f for f in schedule.faults if f.kind.startswith("pg_one")]
+        if row["databases"] == "map":
+            assert 1 <= len(alone) <= 2
+            assert all(f.database in (0, 1) and f.seconds > 0 for f in alone)
+        else:
+            assert alone == []
+
+
 def test_check__a_stalled_delivery_redelivered_in_flight_counts_as_two_copies() -> None:
     # FastStream on Redis streams: a black hole of 8 s holds a delivery past the reclaim's
     # min_idle_time; the reclaimed delivery fails its last attempt (poison) while the
