@@ -5,24 +5,28 @@ duplicate after it; nothing of the tenant stays behind."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Connection, create_engine, text
 
-from inbox_middleware import DatabaseMap, MessageIdentity, RouteUnavailable
+from inbox_middleware import DatabaseMap, MapFile, MessageIdentity, RouteUnavailable
 from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware._core.identity import hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
 from inbox_middleware._storage import InboxSchema
 from inbox_middleware._storage.layout import switch_claims
-from inbox_middleware._storage.routed import RoutedInbox
+from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox
 from inbox_middleware._storage.tenants import copy_tenant
 
-from ..apps.domain import apply_credit
-from ..support.tenants import TENANTS, TenantDatabases, tenant_database
+from ..apps.domain import apply_credit, apply_credit_async
+from ..support.tenants import TENANTS, TenantDatabases, tenant_database, write_map
 
 
 def delivery(message_id: str, delta: int) -> Delivery:
@@ -104,6 +108,226 @@ def test_move_tenant__its_claims_move_with_its_rows(tenant_databases: TenantData
     moved = tenant_databases.rows(1)
     assert sorted(moved["ledger"]) == [(300, 5), (300, 10)]
     assert sorted(moved["inbox"]) == [("t3", "m-1"), ("t3", "m-2")]
+
+
+def _rewrite(path: Path, urls: list[str], **entries: object) -> None:
+    """Rewrite the map file as the guide says: aside, then renamed over it."""
+    aside = path.with_suffix(".new")
+    write_map(aside, urls, **entries)
+    os.replace(aside, path)
+
+
+class AtWork:
+    """A handler that credits account 300 with 10, then stays at work until `finish`."""
+
+    def __init__(self) -> None:
+        self.started, self.finish = threading.Event(), threading.Event()
+
+    def __call__(self, session: Any) -> None:
+        apply_credit(session, "billing", 300, 10)
+        self.started.set()
+        assert self.finish.wait(30)
+
+
+class Background:
+    """Deliveries and the guide's move of t3 from db0 to db1, each in a thread of its own;
+    the outcome of each delivery (its decision, or the `RouteUnavailable` that handed it
+    back)."""
+
+    def __init__(self, inbox: RoutedInbox, urls: list[str]) -> None:
+        self.inbox, self.threads = inbox, [threading.Thread(target=self._move, args=(urls,))]
+        self.outcomes: dict[str, object] = {}
+        self.moved = threading.Event()
+
+    def _move(self, urls: list[str]) -> None:
+        source, target = (create_engine(url) for url in urls)
+        try:
+            guide().move_tenant(source, target, "t3", move_business_rows)
+            self.moved.set()
+        finally:
+            source.dispose()
+            target.dispose()
+
+    def deliver(self, message_id: str, delta: int, handler: Any) -> None:
+        def run() -> None:
+            try:
+                committed = self.inbox.process(delivery(message_id, delta), handler)
+                self.outcomes[message_id] = committed.decision
+            except RouteUnavailable as exc:
+                self.outcomes[message_id] = exc
+
+        self.threads.append(threading.Thread(target=run))
+        self.threads[-1].start()
+
+    def move(self) -> None:
+        self.threads[0].start()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            if thread.ident is not None:
+                thread.join(30)
+
+
+def _waiting(url: str, mode: str) -> bool:
+    """Whether a session of ``url``'s database waits for a lock of ``mode`` on the
+    library's claims table."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return bool(
+                conn.scalar(
+                    text(
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted AND mode = :mode"
+                        " AND relation = 'consumer_inbox'::regclass"
+                    ),
+                    {"mode": mode},
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def _until(condition: Any, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    urls = [tenant_databases.url(i) for i in range(2)]
+    path = tmp_path / "map.json"
+    _rewrite(path, urls, tenants={"t3": "db0"})
+    inbox = RoutedInbox(MapFile(path))
+    background, slow = Background(inbox, urls), AtWork()
+    try:
+        # Given a delivery of tenant t3 claimed in db0, its handler still at work
+        background.deliver("m-1", 10, slow)
+        assert slow.started.wait(30)
+        # When the operator pauses t3 and moves it to db1, as the guide says
+        _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
+        background.move()
+        _until(lambda: _waiting(urls[0], "ShareLock"))  # the move waits for it
+        assert not background.moved.is_set()
+        slow.finish.set()
+        background.join()
+        assert background.moved.is_set()
+        _rewrite(path, urls, tenants={"t3": "db1"})
+        # ... and the message comes again (its ack lost)
+        again = credit(inbox, "m-1", 10)
+    finally:
+        slow.finish.set()
+        background.join()
+        inbox.dispose()
+    # Then it committed before the copy, moved with it: a duplicate in db1, where its
+    # effect is, once; nothing of t3 is left in db0
+    assert (background.outcomes["m-1"], again) == (Decision.FIRST, Decision.DUPLICATE)
+    assert tenant_databases.rows(0) == {"ledger": [], "inbox": []}
+    assert tenant_databases.rows(1) == {"ledger": [(300, 10)], "inbox": [("t3", "m-1")]}
+
+
+def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_copy_is_handed_back(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    urls = [tenant_databases.url(i) for i in range(2)]
+    path = tmp_path / "map.json"
+    _rewrite(path, urls, tenants={"t3": "db0"})
+    # m-2 is routed as it is taken and again as its database's inbox opens, the last time
+    # before its claim: that second routing stops in the resolver (the map it read says
+    # db0, not paused)
+    routed, go_on = threading.Event(), threading.Event()
+    routings: list[str] = []
+
+    def resolver(identity: MessageIdentity) -> None:
+        if identity.message_id == "m-2":
+            routings.append(identity.message_id)
+            if len(routings) == 2:
+                routed.set()
+                assert go_on.wait(30)
+
+    inbox = RoutedInbox(MapFile(path, resolver=resolver))
+    background, slow = Background(inbox, urls), AtWork()
+    try:
+        # Given m-1 claimed in db0, its handler at work, and m-2 routed to db0
+        background.deliver("m-1", 10, slow)
+        assert slow.started.wait(30)
+        background.deliver("m-2", 5, lambda session: apply_credit(session, "billing", 300, 5))
+        assert routed.wait(30)
+        # When t3 is paused and its move waits for m-1, m-2 claims behind the move
+        _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
+        background.move()
+        _until(lambda: _waiting(urls[0], "ShareLock"))
+        go_on.set()
+        _until(lambda: _waiting(urls[0], "RowExclusiveLock"))
+        slow.finish.set()
+        background.join()
+        _rewrite(path, urls, tenants={"t3": "db1"})
+        again = credit(inbox, "m-2", 5)
+    finally:
+        go_on.set()
+        slow.finish.set()
+        background.join()
+        inbox.dispose()
+    # Then m-1 moved with the copy, m-2 was handed back and applied in db1 when it came again
+    assert background.outcomes["m-1"] is Decision.FIRST
+    assert isinstance(background.outcomes["m-2"], RouteUnavailable), background.outcomes["m-2"]
+    assert again is Decision.FIRST
+    assert tenant_databases.rows(0) == {"ledger": [], "inbox": []}
+    moved = tenant_databases.rows(1)
+    assert sorted(moved["ledger"]) == [(300, 5), (300, 10)]
+    assert sorted(moved["inbox"]) == [("t3", "m-1"), ("t3", "m-2")]
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_routed__a_tenant_moved_once_its_delivery_was_routed_is_handed_back_unclaimed(
+    tenant_databases: TenantDatabases, asynchronous: bool, batch: bool
+):
+    # Given a resolver that sends t3 to db0 until the delivery is claimed, then to db1
+    answers: list[str] = []
+
+    def resolver(identity: MessageIdentity) -> str:
+        answers.append("db0" if len(answers) < (4 if batch else 2) else "db1")
+        return answers[-1]
+
+    urls = {f"db{i}": tenant_databases.url(i) for i in range(2)}
+    routes = DatabaseMap(urls, tenants={"t3": "db0"}, resolver=resolver)
+    deliveries = [delivery(f"m-{n}", 10) for n in range(2 if batch else 1)]
+
+    def handler(session: Any, *verdicts: Any) -> None:
+        apply_credit(session, "billing", 300, 10)
+
+    async def async_handler(session: Any, *verdicts: Any) -> None:
+        await apply_credit_async(session, "billing", 300, 10)
+
+    async def deliver() -> None:
+        if asynchronous:
+            inbox = AsyncRoutedInbox(routes)
+            try:
+                if batch:
+                    await inbox.process_batch(deliveries, async_handler)
+                else:
+                    await inbox.process(deliveries[0], async_handler)
+            finally:
+                await inbox.dispose()
+        else:
+            routed = RoutedInbox(routes)
+            try:
+                if batch:
+                    routed.process_batch(deliveries, handler)
+                else:
+                    routed.process(deliveries[0], handler)
+            finally:
+                routed.dispose()
+
+    # When it is processed, the tenant moving in between
+    with pytest.raises(RouteUnavailable, match="moved to database 'db1'"):
+        asyncio.run(deliver())
+    # Then nothing of it committed in db0 (nor in db1): its redelivery goes to db1
+    assert tenant_databases.rows(0) == {"ledger": [], "inbox": []}
+    assert tenant_databases.rows(1) == {"ledger": [], "inbox": []}
 
 
 def test_compact__a_routed_inbox_claims_in_each_tenants_database(tenant_databases):

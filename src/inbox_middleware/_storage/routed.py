@@ -177,6 +177,20 @@ class _Routes:
     def route(self, delivery: Delivery) -> str:
         return self.router.route(delivery.identity)
 
+    def _still_routed(self, deliveries: Sequence[Delivery], database: str) -> None:
+        """Once claimed, in the claim's transaction: the map still sends ``deliveries`` to
+        ``database``. A tenant paused (or pointed elsewhere) since they were routed is
+        being moved: `RouteUnavailable` rolls the claim back and hands them back, so
+        nothing of theirs commits in the database the tenant leaves once its rows have
+        been copied (the copy waits for the claims made before, `tenants.copy_tenant`)."""
+        for delivery in deliveries:
+            now = self.route(delivery)  # RouteUnavailable when paused
+            if now != database:
+                raise RouteUnavailable(
+                    f"tenant {delivery.identity.tenant!r} moved to database {now!r} while "
+                    f"its delivery was claimed in {database!r}: handed back"
+                )
+
     def resolve(self, delivery: Delivery) -> str:
         """The core's `ResolveRoute`: the database, counted by database and outcome."""
         try:
@@ -470,20 +484,30 @@ class RoutedInbox(_Routes):
 
     def process(self, delivery: Delivery, handler: Callable[[Session], R], **kw: Any) -> Any:
         database = self.route(delivery)
+
+        def routed(session: Session) -> R:
+            self._still_routed((delivery,), database)
+            return handler(session)
+
         with self._slot(database, delivery.consumer):
             inbox = self._use(delivery)  # refused at once while the database is down
             with self._reaching(database, delivery.consumer):
-                return inbox.process(delivery, handler, **kw)
+                return inbox.process(delivery, routed, **kw)
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., R], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
         database = self.route(first)
+
+        def routed(session: Session, *more: Any) -> R:
+            self._still_routed(deliveries, database)
+            return handler(session, *more)
+
         with self._slot(database, first.consumer):
             inbox = self._use(first)
             with self._reaching(database, first.consumer):
-                return inbox.process_batch(deliveries, handler, **kw)
+                return inbox.process_batch(deliveries, routed, **kw)
 
     def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):
@@ -569,20 +593,30 @@ class AsyncRoutedInbox(_Routes):
         self, delivery: Delivery, handler: Callable[[AsyncSession], Awaitable[R]], **kw: Any
     ) -> Any:
         database = self.route(delivery)
+
+        async def routed(session: AsyncSession) -> R:
+            self._still_routed((delivery,), database)
+            return await handler(session)
+
         async with self._aslot(database, delivery.consumer):
             inbox = await self._use(delivery)  # refused at once while the database is down
             with self._reaching(database, delivery.consumer):
-                return await inbox.process(delivery, handler, **kw)
+                return await inbox.process(delivery, routed, **kw)
 
     async def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any
     ) -> Any:
         first = _one_database(self, deliveries)
         database = self.route(first)
+
+        async def routed(session: AsyncSession, *more: Any) -> R:
+            self._still_routed(deliveries, database)
+            return await handler(session, *more)
+
         async with self._aslot(database, first.consumer):
             inbox = await self._use(first)
             with self._reaching(database, first.consumer):
-                return await inbox.process_batch(deliveries, handler, **kw)
+                return await inbox.process_batch(deliveries, routed, **kw)
 
     async def bookkeep(self, op: Op) -> Any:
         if isinstance(op, ResolveRoute):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -22,6 +23,7 @@ from sqlalchemy import (
     Dialect,
     Executable,
     Select,
+    Table,
     Text,
     bindparam,
     case,
@@ -63,6 +65,7 @@ __all__ = [
     "CompactClaimStatements",
     "DriverStatement",
     "phase_record",
+    "share_lock",
 ]
 
 _TIMESTAMP = DateTime(timezone=True)
@@ -770,3 +773,11 @@ def phase_record(naming: InboxSchema) -> Executable:
     remaining = select(literal_column("1")).select_from(inbox).exists()
     built: Executable = select(switched.label("switched"), remaining.label("library_rows"))
     return built
+
+
+def share_lock(dialect: Dialect, tables: Sequence[Table]) -> Executable:
+    """``LOCK TABLE ... IN SHARE MODE`` (PostgreSQL), held until the transaction ends: it
+    waits for every transaction that has written one of ``tables``, and keeps new writers
+    waiting. The names are quoted by the dialect."""
+    names = ", ".join(dialect.identifier_preparer.format_table(table) for table in tables)
+    return text(f"LOCK TABLE {names} IN SHARE MODE")

@@ -9,6 +9,15 @@ redelivery of a message applied before the move is a duplicate after it:
 3. point the tenant at the target in the map and unpause it;
 4. delete the tenant's rows from the source (`delete_tenant`, with the business rows).
 
+A delivery of the tenant may still be at work in the source when it is paused (routed
+before the pause, its handler running). `copy_tenant` first takes the source's inbox
+tables in SHARE mode, in the source's transaction: it waits for every transaction that
+has written them, so a claim made before the pause is committed (and copied) or rolled
+back before anything is read; and the routed inbox asks the map again once it has
+claimed (`routed`), so a claim made after the pause is rolled back and its message
+handed back. Keep the source's transaction open from the copy to `delete_tenant` (one
+``with`` block): until it ends, every claim in the source waits, every tenant's.
+
 The rows moved are the tenant's claims (``consumer_inbox``), their stored outputs, the
 attempt counters, and the quarantine and poison rows; quarantine and poison rows get new
 ids on the target (decide pending ones first: a repair marker names the old id). The
@@ -22,6 +31,7 @@ from sqlalchemy import Connection, Table, delete, insert, select
 
 from .._core.exceptions import ConfigurationError
 from .retention import compact_rows
+from .statements import share_lock
 from .tables import InboxSchema
 
 __all__ = ["TENANT_TABLES", "copy_tenant", "delete_tenant"]
@@ -43,7 +53,8 @@ def copy_tenant(
     """Copy ``tenant``'s inbox rows from ``source`` into ``target``, in ``target``'s open
     transaction (commit it with the business rows); answer the rows copied per table. A
     row the target has already (the same key) makes the copy fail: nothing half-copied
-    commits."""
+    commits. On PostgreSQL it first waits for the transactions in flight in ``source``'s
+    inbox tables, whose writers then wait until ``source``'s transaction ends."""
     if compact_rows(source, naming or InboxSchema()):
         raise ConfigurationError(
             "this database keeps claims in the compact row (inbox_claims), which names no "
@@ -51,8 +62,11 @@ def copy_tenant(
             "moved with it (a redelivery after the move would be processed again); move "
             "tenants of a fleet that claims in the library's table"
         )
+    tables = _tables(naming)
+    if source.dialect.name == "postgresql":  # no claim in flight from here on
+        source.execute(share_lock(source.dialect, [table for _, table in tables]))
     copied: dict[str, int] = {}
-    for name, table in _tables(naming):
+    for name, table in tables:
         rows = [
             {k: v for k, v in row.items() if not (name in _NEW_IDS and k == "id")}
             for row in source.execute(select(table).where(table.c.tenant == tenant)).mappings()
