@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Connection, create_engine, text
 
 from inbox_middleware import DatabaseMap, MapFile, MessageIdentity, RouteUnavailable
+from inbox_middleware._core.consumption import CountFailure
 from inbox_middleware._core.exceptions import ConfigurationError
 from inbox_middleware._core.identity import hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
@@ -328,6 +329,48 @@ def test_routed__a_tenant_moved_once_its_delivery_was_routed_is_handed_back_uncl
     # Then nothing of it committed in db0 (nor in db1): its redelivery goes to db1
     assert tenant_databases.rows(0) == {"ledger": [], "inbox": []}
     assert tenant_databases.rows(1) == {"ledger": [], "inbox": []}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_routed__a_failure_count_written_once_its_tenant_moved_is_rolled_back(
+    tenant_databases: TenantDatabases, asynchronous: bool
+):
+    # Given a resolver that sends t3 to db0 until the count is written, then to db1
+    answers: list[str] = []
+
+    def resolver(identity: MessageIdentity) -> str:
+        answers.append("db0" if len(answers) < 2 else "db1")
+        return answers[-1]
+
+    urls = {f"db{i}": tenant_databases.url(i) for i in range(2)}
+    routes = DatabaseMap(urls, tenants={"t3": "db0"}, resolver=resolver)
+    count = CountFailure(delivery("m-1", 10), "Flaky: failed")
+
+    async def bookkeep() -> None:
+        if asynchronous:
+            inbox = AsyncRoutedInbox(routes)
+            try:
+                await inbox.bookkeep(count)
+            finally:
+                await inbox.dispose()
+        else:
+            routed = RoutedInbox(routes)
+            try:
+                routed.bookkeep(count)
+            finally:
+                routed.dispose()
+
+    # When its failed attempt is counted, the tenant moving in between
+    with pytest.raises(RouteUnavailable, match="moved to database 'db1'"):
+        asyncio.run(bookkeep())
+    # Then the count is in neither database: the message is handed back
+    for url in urls.values():
+        engine = create_engine(url)
+        try:
+            with engine.connect() as conn:
+                assert conn.scalar(text("SELECT count(*) FROM inbox_attempts")) == 0
+        finally:
+            engine.dispose()
 
 
 def test_compact__a_routed_inbox_claims_in_each_tenants_database(tenant_databases):

@@ -198,14 +198,15 @@ class AsyncInbox(Executor):
         self._commit(session)
         Session.close(session)
 
-    async def bookkeep(self, op: Op) -> Any:
-        """Perform a bookkeeping operation of the consumption core in its own transaction."""
+    async def bookkeep(self, op: Op, *, before_commit: Callable[[], None] | None = None) -> Any:
+        """Perform a bookkeeping operation of the consumption core in its own transaction;
+        ``before_commit`` runs last in it (and may raise to roll it back)."""
         if isinstance(op, CountHandBack) and op.unreachable:
             return self._unrecorded_hand_back(op)
         try:
             # Shielded: a cancellation (the broker's connection lost, the worker stopping)
             # must not leave this short transaction's connection half returned.
-            return await asyncio.shield(self._bookkeep_now(op))
+            return await asyncio.shield(self._bookkeep_now(op, before_commit))
         except Exception as exc:
             self._unrecorded_hand_back(op)
             delivery = getattr(op, "delivery", None)
@@ -213,9 +214,12 @@ class AsyncInbox(Executor):
                 raise
             raise as_transient(exc, delivery) from exc
 
-    async def _bookkeep_now(self, op: Op) -> Any:
+    async def _bookkeep_now(self, op: Op, before_commit: Callable[[], None] | None) -> Any:
         async with self.engine.begin() as conn:
-            return await conn.run_sync(self._bookkeep, op)
+            result = await conn.run_sync(self._bookkeep, op)
+            if before_commit is not None:
+                before_commit()
+            return result
 
     async def transaction(self, handler: Callable[[AsyncSession], Awaitable[R]]) -> R:
         """Run ``handler`` in a transaction without any claim; see `Inbox.transaction`."""

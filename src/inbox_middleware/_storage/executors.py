@@ -231,14 +231,18 @@ class Inbox(Executor):
                 leave_handler(session)
                 Session.close(session)
 
-    def bookkeep(self, op: Op) -> Any:
-        """Perform a bookkeeping operation of the consumption core in its own transaction."""
+    def bookkeep(self, op: Op, *, before_commit: Callable[[], None] | None = None) -> Any:
+        """Perform a bookkeeping operation of the consumption core in its own transaction;
+        ``before_commit`` runs last in it (and may raise to roll it back)."""
         if isinstance(op, CountHandBack) and op.unreachable:
             return self._unrecorded_hand_back(op)
         try:
             with self.engine.begin() as conn:
                 try:
-                    return self._bookkeep(conn, op)
+                    result = self._bookkeep(conn, op)
+                    if before_commit is not None:
+                        before_commit()
+                    return result
                 except BaseException as exc:
                     if not isinstance(exc, Exception):
                         # an interruption (a time limit) may have landed mid-statement: the

@@ -178,11 +178,12 @@ class _Routes:
         return self.router.route(delivery.identity)
 
     def _still_routed(self, deliveries: Sequence[Delivery], database: str) -> None:
-        """Once claimed, in the claim's transaction: the map still sends ``deliveries`` to
-        ``database``. A tenant paused (or pointed elsewhere) since they were routed is
-        being moved: `RouteUnavailable` rolls the claim back and hands them back, so
-        nothing of theirs commits in the database the tenant leaves once its rows have
-        been copied (the copy waits for the claims made before, `tenants.copy_tenant`)."""
+        """Once claimed, in the claim's transaction (and last in a bookkeeping write's):
+        the map still sends ``deliveries`` to ``database``. A tenant paused (or pointed
+        elsewhere) since they were routed is being moved: `RouteUnavailable` rolls the
+        transaction back and hands them back, so nothing of theirs commits in the
+        database the tenant leaves once its rows have been copied (the copy waits for the
+        transactions that wrote there before, `tenants.copy_tenant`)."""
         for delivery in deliveries:
             now = self.route(delivery)  # RouteUnavailable when paused
             if now != database:
@@ -522,7 +523,9 @@ class RoutedInbox(_Routes):
         with self._slot(database, delivery.consumer):
             inbox = self._use(delivery)
             with self._reaching(database, delivery.consumer, pauses=False):
-                return inbox.bookkeep(op)
+                return inbox.bookkeep(
+                    op, before_commit=lambda: self._still_routed((delivery,), database)
+                )
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)
@@ -630,7 +633,9 @@ class AsyncRoutedInbox(_Routes):
         async with self._aslot(database, delivery.consumer):
             inbox = await self._use(delivery)
             with self._reaching(database, delivery.consumer, pauses=False):
-                return await inbox.bookkeep(op)
+                return await inbox.bookkeep(
+                    op, before_commit=lambda: self._still_routed((delivery,), database)
+                )
 
     def keep_output(self, session: Session, delivery: Delivery, output: Output) -> None:
         self.inbox(self.route(delivery)).keep_output(session, delivery, output)

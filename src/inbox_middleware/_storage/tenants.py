@@ -14,8 +14,8 @@ before the pause, its handler running). `copy_tenant` first takes the source's i
 tables in SHARE mode, in the source's transaction: it waits for every transaction that
 has written them, so a claim made before the pause is committed (and copied) or rolled
 back before anything is read; and the routed inbox asks the map again once it has
-claimed (`routed`), so a claim made after the pause is rolled back and its message
-handed back. Keep the source's transaction open from the copy to `delete_tenant` (one
+claimed, and last in each bookkeeping write (`routed`), so a claim or a record made after
+the pause is rolled back and its message handed back. Keep the source's transaction open from the copy to `delete_tenant` (one
 ``with`` block): until it ends, every claim in the source waits, every tenant's.
 
 The rows moved are the tenant's claims (``consumer_inbox``), their stored outputs, the
