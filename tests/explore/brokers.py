@@ -22,20 +22,13 @@ from typing import Any
 
 from . import infra
 from .schedule import Intent
+from .tenants import tenant_of
 
 __all__ = ["Broker", "make_broker"]
 
 logger = logging.getLogger(__name__)
 
 PRODUCER = "explore"
-TENANTS = ("t0", "t1")
-"""Over a map of two databases (``databases`` "map"), each intent's tenant, one a database."""
-
-
-def tenant_of(key: str) -> str:
-    """The tenant an intent is sent for over a map: a function of its key alone, so that
-    every copy of it goes to the same database."""
-    return TENANTS[sum(key.encode()) % len(TENANTS)]
 
 
 REDIS_URL = "redis://127.0.0.1:6390/0"

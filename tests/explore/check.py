@@ -59,10 +59,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .brokers import TENANTS, tenant_of
 from .domain import REFUSED
 from .run import History
-from .workload import MISUSES, OPERATOR, PURGE_WINDOW
+from .tenants import TENANTS, tenant_of
+from .workload import MISUSES, MOVED, OPERATOR, PURGE_WINDOW
 
 __all__ = ["Finding", "check"]
 
@@ -378,11 +378,15 @@ def check(history: History) -> list[Finding]:
     # does (misuse, validation): held to ``expired-*`` above, not to the workload's checks.
     fresh = {k: i for k, i in identified.items() if k not in expired}
     findings += _workload(history, fresh, effects, poison, dead, died, accepted, forgotten, lapsed)
-    # Over a map: each intent applied in its tenant's database, and only there.
+    # Over a map: each intent applied in its tenant's database, and only there (a moved
+    # tenant's, all of them in the database it moved to: none left behind).
+    homes = {tenant: index for index, tenant in enumerate(TENANTS)}
+    if history.extra.get("moved"):
+        homes[MOVED] = 0
     for index, keys in enumerate(history.placements):
         problem(
             "misrouted",
-            (k for k in keys if tenant_of(k) != TENANTS[index]),
+            (k for k in keys if homes[tenant_of(k)] != index),
             f"intents applied in database d{index}, not their tenant's",
         )
     # Nothing stuck.

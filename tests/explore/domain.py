@@ -30,6 +30,10 @@ from inbox_middleware import PermanentError, current_delivery
 __all__ = ["DDL", "REFUSED", "apply", "apply_async", "downstream", "downstream_async"]
 
 REFUSED = "explore_refused"
+AT_WORK = float(os.environ.get("EXPLORE_AT_WORK", "0") or 0)
+"""Seconds each handler stays at work once its effect is written (``operator move``: a
+tenant is paused while some of its deliveries are in flight); 0: none."""
+_AT_WORK = text("SELECT pg_sleep(:s)")
 DDL = [
     """CREATE TABLE IF NOT EXISTS explore_effects (
         key text NOT NULL,
@@ -133,6 +137,8 @@ def apply(
     if behaviour == "rollback":
         session.rollback()
     _effect(session, payload)
+    if AT_WORK:
+        session.execute(_AT_WORK, {"s": AT_WORK})
     if outbox_on:
         module, kwargs = _record_outbox(payload, None)
         module.add(session, **kwargs)
@@ -166,6 +172,8 @@ async def apply_async(
     if behaviour == "rollback":
         await session.rollback()
     await session.run_sync(_effect, payload)
+    if AT_WORK:
+        await session.execute(_AT_WORK, {"s": AT_WORK})
     if outbox_on:
         module, kwargs = _record_outbox(payload, effect_id)
         await module.add(session, **kwargs)

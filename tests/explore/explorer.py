@@ -48,6 +48,8 @@ class Verdict:
             )
             if h.placements:
                 head += " | applied by database " + "/".join(str(len(p)) for p in h.placements)
+            if h.extra.get("moved") is not None:  # operator move
+                head += " | t1 moved to d0" if h.extra["moved"] else " | t1 NOT moved (events)"
             if h.faults_missed:
                 head += f" | faults not as scheduled: {', '.join(h.faults_missed)}"
             seen = _workload_summary(h.extra)

@@ -28,7 +28,6 @@ run's own, never restarted (it keeps nothing on disk).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -57,12 +56,12 @@ from .brokers import (
     PRODUCER,
     RABBITMQ_URL,
     REDIS_URL,
-    TENANTS,
     Broker,
     make_broker,
-    tenant_of,
 )
+from .mover import write_map
 from .schedule import RETENTION, Fault, Schedule
+from .tenants import tenant_of
 
 __all__ = ["PG_PORT", "HarnessTrouble", "History", "run_schedule"]
 
@@ -881,8 +880,8 @@ def run_schedule(schedule: Schedule, folder: Path, log: Any = print) -> History:
                 # (the dispatchers, the purge, the repairs) straight to PostgreSQL, as
                 # their --database-url is with one database.
                 workers = [_through(url, reached, port) for url in admin_urls]
-                env["EXPLORE_WORKERS_MAP"] = _map_file(folder / "workers-map.json", workers)
-                env["EXPLORE_MAP_FILE"] = _map_file(folder / "map.json", admin_urls)
+                env["EXPLORE_WORKERS_MAP"] = write_map(folder / "workers-map.json", workers)
+                env["EXPLORE_MAP_FILE"] = write_map(folder / "map.json", admin_urls)
             if env["EXPLORE_CLAIMS"] == "compact":  # a new deployment: switched at once
                 for url in admin_urls:
                     with psycopg.connect(url, autocommit=True) as conn:
@@ -1029,17 +1028,6 @@ def _through(url: str, servers: Sequence[int], port: int) -> str:
     ``servers``; as it is otherwise."""
     server = _server(url)
     return url.replace(f":{server}/", f":{port}/", 1) if server in servers else url
-
-
-def _map_file(path: Path, urls: Sequence[str]) -> str:
-    """A map file over ``urls``: databases ``d0``, ``d1``, ..., tenant ``t<i>`` served by
-    ``d<i>`` (`brokers.TENANTS`); its path."""
-    names = [f"d{index}" for index in range(len(urls))]
-    tenants = dict(zip(TENANTS, names, strict=True))
-    path.write_text(
-        json.dumps({"databases": dict(zip(names, urls, strict=True)), "tenants": tenants})
-    )
-    return str(path)
 
 
 def _claims(admin: Any, schedule: Schedule, claims: str, tenants: bool = False) -> list[str]:

@@ -252,7 +252,7 @@ WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
     "batch": ("off", "on"),
     "outputs": ("none", "result"),
     "outbox": ("off", "on"),
-    "operator": ("none", "repair", "purge"),
+    "operator": ("none", "repair", "purge", "move"),
     "handlers": ("basic", "extended"),
     "claims": ("library", "both", "compact"),
     "actor": ("sync", "async"),
@@ -263,7 +263,10 @@ WORKLOAD_AXES: dict[str, tuple[Any, ...]] = {
 each consumed by an inbox consumer downstream; ``outbox``: the handler records an outbox
 effect, ``outbox run`` dispatchers (SIGKILLed and SIGTERMed) deliver it; ``operator``:
 ``poison``/``quarantine`` redrive, discard and accept through the CLI while the workers
-run, or ``purge`` running in a loop; ``handlers``: "extended" adds failures at commit
+run, ``purge`` running in a loop, or over a map ``move``: tenant t1 moved from its
+database to the other one while the workers run, as docs/how-to/many-databases.md says
+(paused, its rows copied and deleted, pointed at the other database; the library's table
+only: the compact rows name no tenant); ``handlers``: "extended" adds failures at commit
 time (a deferred constraint), Dramatiq's time limit, FastStream validation errors and a
 handler that settles its message itself; ``claims``: the workers claim in the library's
 table, in both tables (``claims="compact"`` before the switch is recorded), or in the
@@ -285,6 +288,13 @@ ISSUE_27.update({axis: values[0] for axis, values in WORKLOAD_AXES.items()})
 
 def _workload_valid(values: dict[str, Any]) -> bool:
     target = values.get("target")
+    if values.get("operator") == "move":
+        if values.get("databases") not in (None, "map"):
+            return False  # a tenant moves from one database of a map to another
+        if values.get("claims") not in (None, "library"):
+            return False  # the compact rows name no tenant: copy_tenant refuses them
+        # what a move implies, so that a partial row that cannot take it fails now
+        values = values | {"databases": "map", "claims": "library"}
     if values.get("databases") == "map":
         if values.get("missing_identity") == "process":
             return False  # no identity, no tenant, no database: the guide keeps "reject"

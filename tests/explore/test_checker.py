@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from .brokers import tenant_of
 from .check import check
 from .domain import batch_effect_id
 from .run import History
 from .schedule import Fault, Intent, Schedule, draw
 from .space import ISSUE_27, ROWS, WORKLOAD_AXES, Config, uncovered_pairs, valid
-from .workload import OPERATOR, Extras
+from .tenants import tenant_of
+from .workload import MOVED, OPERATOR, Extras
 
 
 def test_space__every_pair_of_axis_values_is_in_some_row() -> None:
@@ -96,6 +96,23 @@ def test_check__over_a_map_an_intent_applied_outside_its_tenants_database_is_mis
     assert check(history) == []
     history.placements = [placed[1], placed[0]]  # each in the other tenant's database
     assert _kinds(history) == ["misrouted"]
+
+
+def test_check__after_a_move_every_intent_of_the_moved_tenant_is_in_its_new_database() -> None:
+    history = _history(databases="map", operator="move")
+    history.effects = [("a", "a", 1), ("c", "c", 3)]
+    history.claims = ["a", "c"]
+    history.poison = [("b", "explore_refused", "pending")]
+    assert {tenant_of(key) for key in ("a", "c")} == {MOVED}
+    history.extra["moved"] = True
+    history.placements = [["a", "c"], []]  # both in d0, where the moved tenant lives now
+    assert check(history) == []
+    history.placements = [["a"], ["c"]]  # one left behind
+    assert _kinds(history) == ["misrouted"]
+    history.extra["moved"] = False  # the move did not happen: its tenant's own database
+    assert _kinds(history) == ["misrouted"]
+    history.placements = [[], ["a", "c"]]
+    assert check(history) == []
 
 
 def test_check__an_unsettled_run_is_stuck() -> None:

@@ -9,7 +9,9 @@ handler kinds drawn into a schedule, and what runs beside the workers.
                         a coin of the seed and its row id (poison: redrive or discard;
                         quarantine: accept, discard or redrive), through the CLI, while
                         the workers run; ``operator purge``: ``purge --older-than 10s
-                        --force`` in a loop, from the start to the end of the settling
+                        --force`` in a loop, from the start to the end of the settling;
+                        ``operator move`` (over a map): tenant `MOVED` moved from ``d1``
+                        to ``d0`` once, at a drawn time, as the many-databases guide says
 
 Every feature is detected in the library the workers import (`features`), so that the
 explorer runs on older commits: a missing one is reported "not available" with the
@@ -33,12 +35,19 @@ from typing import Any
 from ..chaos.run import Admin
 from .schedule import FAULT_WINDOW, Intent
 from .space import Config
+from .tenants import TENANTS
 
-__all__ = ["PURGE_WINDOW", "Extras", "extend", "features", "worker_env"]
+__all__ = ["MOVED", "PURGE_WINDOW", "Extras", "extend", "features", "worker_env"]
 
 PURGE_WINDOW = 10.0
 """Seconds: ``purge --older-than 10s``: claims older than this may go (the documented
 window of memory), younger ones must stay."""
+MOVED = TENANTS[1]
+"""``operator move``: the tenant moved, from its database ``d1`` to ``d0``."""
+AT_WORK = 0.3
+"""``operator move``: seconds each handler stays at work once its effect is written
+(`domain.AT_WORK`), so that the move finds deliveries of its tenant in flight."""
+ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = "explore-operator"
 """``--by`` of every decision the operator thread makes."""
 CLI = str(Path(sys.executable).with_name("inbox-middleware"))
@@ -103,6 +112,7 @@ def _probe(env: dict[str, str]) -> set[str]:
         "repair": "import inbox_middleware.cli",
         "claims": "from inbox_middleware._core.claims import claim_key",
         "databases": "from inbox_middleware import MapFile",
+        "move": "from inbox_middleware import copy_tenant, delete_tenant",
     }
     found = set()
     for name, probe in probes.items():
@@ -123,6 +133,8 @@ def worker_env(config: Config, available: set[str]) -> dict[str, str]:
         "EXPLORE_CLAIMS": claims(config, available),
         "EXPLORE_ACTOR": config.actor,
         "EXPLORE_DATABASES": config.databases if "databases" in available else "one",
+        # a move pauses its tenant while some of its deliveries are still at work
+        "EXPLORE_AT_WORK": str(AT_WORK) if config.operator == "move" else "0",
     }
 
 
@@ -156,13 +168,14 @@ class Extras:
                 ("batch", "batch"),
                 ("outputs", "outputs"),
                 ("outbox", "outbox"),
-                ("operator", "repair"),
+                ("operator", "repair" if self.config.operator != "move" else "move"),
                 ("databases", "databases"),
             )
             if getattr(self.config, axis) not in ("off", "none", "one") and feature not in available
         ]
         self.outbox = self.config.outbox == "on" and "outbox" in available
-        self.operator = self.config.operator if "repair" in available else "none"
+        feature = "move" if self.config.operator == "move" else "repair"
+        self.operator = self.config.operator if feature in available else "none"
         rng = random.Random(f"extras-{schedule.seed}")
         self.dispatcher_faults = sorted(
             (rng.uniform(1, FAULT_WINDOW), rng.choice(["kill", "term"]), rng.randrange(2))
@@ -203,6 +216,22 @@ class Extras:
         self.decisions: list[tuple[str, int | str, str, str, int]] = []
         """(kind, row id, action, message id, CLI exit status) of the operator's decisions;
         over a map, a row's id is ``<database>:<id>`` (`_row_id`)."""
+        self.mover: subprocess.Popen[str] | None = None
+        if self.operator == "move":  # ready before the workers start: `_move`
+            self.mover = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "tests.explore.mover"),
+                    *(env["EXPLORE_WORKERS_MAP"], env["EXPLORE_MAP_FILE"], MOVED),
+                ],
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        self.moved: bool | None = None
+        """``operator move``: whether tenant `MOVED` lives in ``d0`` now (None: no move)."""
         self.purges: list[tuple[float, int]] = []
         """(the database's clock once a purge ended, epoch seconds; its exit status)."""
         self.stopping = threading.Event()
@@ -228,11 +257,13 @@ class Extras:
             targets.append(self._repair)
         if self.operator == "purge":
             targets.append(self._purge)
+        if self.operator == "move":
+            targets.append(self._move)
         for target in targets:
             thread = threading.Thread(target=self._guarded(target), daemon=True)
             thread.start()
             self.threads.append(thread)
-            if target == self._repair:
+            if target in (self._repair, self._move):
                 self.deciding = thread
 
     def _guarded(self, target: Any) -> Any:
@@ -325,6 +356,22 @@ class Extras:
                         f"{done.returncode} {done.stderr.strip()[-200:]}"
                     )
 
+    def _move(self) -> None:
+        """Tenant `MOVED` from ``d1`` to ``d0`` at a drawn time, by `tests.explore.mover`
+        (the many-databases guide's steps, the library under test's ``copy_tenant`` and
+        ``delete_tenant``), started with the extras so that its imports are done by then."""
+        assert self.mover is not None
+        at = random.Random(f"move-{self.schedule.seed}").uniform(1.0, FAULT_WINDOW - 2.0)
+        when = time.time() + self.started + at - time.monotonic()
+        out, err = self.mover.communicate(f"{when:.3f}\n", timeout=180)
+        self.moved = self.mover.returncode == 0
+        if not self.moved:
+            raise RuntimeError(f"the move failed: {err.strip()[-2000:]}")
+        self._event(
+            f"move: {MOVED} paused at {at:.1f}s, copied to d0, deleted from d1, pointed at "
+            f"d0 ({out.strip()}; {err.count('again')} tries again)"
+        )
+
     def _purge(self) -> None:
         admin = Admin(self.admin_url)
         try:
@@ -411,6 +458,8 @@ class Extras:
     def kill(self) -> None:
         self.stopping.set()
         self.closed.set()
+        if self.mover is not None and self.mover.poll() is None:
+            self.mover.kill()
         for slot in self.dispatchers:
             slot.held = True
             with contextlib.suppress(Exception):
@@ -439,6 +488,7 @@ class Extras:
 
         seen: dict[str, Any] = {
             "not_available": self.not_available,
+            "moved": self.moved,
             "decisions": self.decisions,
             "purges": self.purges,
             "events": self.events,
