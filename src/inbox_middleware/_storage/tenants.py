@@ -15,8 +15,9 @@ tables in SHARE mode, in the source's transaction: it waits for every transactio
 has written them, so a claim made before the pause is committed (and copied) or rolled
 back before anything is read; and the routed inbox asks the map again once it has
 claimed, and last in each bookkeeping write (`routed`), so a claim or a record made after
-the pause is rolled back and its message handed back. Keep the source's transaction open from the copy to `delete_tenant` (one
-``with`` block): until it ends, every claim in the source waits, every tenant's.
+the pause is rolled back and its message handed back. Keep the source's transaction open
+from the copy to `delete_tenant` (one ``with`` block): until it ends, every claim in the
+source waits, every tenant's.
 
 The rows moved are the tenant's claims (``consumer_inbox``), their stored outputs, the
 attempt counters, and the quarantine and poison rows; quarantine and poison rows get new
