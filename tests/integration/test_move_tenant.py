@@ -9,7 +9,6 @@ import asyncio
 import importlib.util
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox
 from inbox_middleware._storage.tenants import copy_tenant
 
 from ..apps.domain import apply_credit, apply_credit_async
+from ..support.servers import _wait
 from ..support.tenants import TENANTS, TenantDatabases, tenant_database, write_map
 
 
@@ -188,13 +188,6 @@ def _waiting(url: str, mode: str) -> bool:
         engine.dispose()
 
 
-def _until(condition: Any, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
     tenant_databases: TenantDatabases, tmp_path: Path
 ):
@@ -210,7 +203,7 @@ def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
         # When the operator pauses t3 and moves it to db1, as the guide says
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         background.move()
-        _until(lambda: _waiting(urls[0], "ShareLock"))  # the move waits for it
+        _wait(lambda: _waiting(urls[0], "ShareLock"), 30, "the move's lock")  # it waits
         assert not background.moved.is_set()
         slow.finish.set()
         background.join()
@@ -259,9 +252,9 @@ def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_c
         # When t3 is paused and its move waits for m-1, m-2 claims behind the move
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         background.move()
-        _until(lambda: _waiting(urls[0], "ShareLock"))
+        _wait(lambda: _waiting(urls[0], "ShareLock"), 30, "the move's lock")
         go_on.set()
-        _until(lambda: _waiting(urls[0], "RowExclusiveLock"))
+        _wait(lambda: _waiting(urls[0], "RowExclusiveLock"), 30, "m-2's claim")
         slow.finish.set()
         background.join()
         _rewrite(path, urls, tenants={"t3": "db1"})
