@@ -74,8 +74,9 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from bench import partitioned
+from bench import growth_charts, partitioned
 from bench.common import PG, ROOT, percentile
+from bench.growth_charts import series
 from inbox_middleware._core import claims
 from inbox_middleware._operate.retention import DEFAULT_PURGE_RATE, purge
 from inbox_middleware._storage import InboxSchema, migrate, partitions
@@ -1000,17 +1001,13 @@ PLAIN_PURGES = (("old", "new"), ("old", "new", "paced"))
 LAYOUTS = ("plain", "partitioned", "compact", "idtime", "library_compact")
 
 
-def series(shape: str, layout: str) -> str:
-    """A shape and layout's name in the report: the shape alone for the library's layout."""
-    return shape if layout == "plain" else f"{shape}, {layout}"
-
-
 def run(
     shapes: list[str],
     sizes: list[int],
     seconds: float,
     threads: int,
     layouts: tuple[str, ...] = ("plain",),
+    purges: bool = True,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {"loads": [], "sizes": {}, "purge": {}, "ratios": []}
     top = max(sizes)
@@ -1054,7 +1051,7 @@ def run(
             # The claims of this size are part of the table now.
             with psycopg.connect(_url(DATABASE), autocommit=True) as conn:
                 _settle(conn)
-        if top:
+        if top and purges:
             report["purge"][name] = measure_purge(shape, top, claim_rate, threads, layout)
             print(json.dumps({name: report["purge"][name]}), flush=True)
     return report
@@ -1151,14 +1148,15 @@ def purge_table(report: dict[str, Any]) -> Iterator[str]:
 
 
 def charts(report: dict[str, Any], out: Path) -> list[Path]:
-    """One chart a question: does the purge, its vacuum included, outrun ingest
-    (purge-rate.png)? What does it do to the claims beside it (purge-p99.png)?"""
+    """One chart a question: the claim's growth (`growth_charts`); does the purge, its
+    vacuum included, outrun ingest (purge-rate.png)? What does it do to the claims beside
+    it (purge-p99.png)?"""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written: list[Path] = []
+    written = growth_charts.charts(report, out)
     rows = [
         (f"{shape} ids, {SHORT[how]}", x)
         for shape, purges in report["purge"].items()
@@ -1208,8 +1206,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> None:
-    global CONTROL, DURING, ROUNDS, SEED  # noqa: PLW0603 (the run's purges under load)
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="empty and 10^6 rows, 3 s loads")
     parser.add_argument("--sizes", type=_sizes, default=None, help="e.g. 0,1e6,1e7")
@@ -1257,7 +1254,19 @@ def main(argv: list[str] | None = None) -> None:
         default=DURING,
         help="seconds of claims a window of the purges under load lasts at least",
     )
+    parser.add_argument(
+        "--no-purge",
+        action="store_true",
+        help="the claims at each size only (a purge of a tenth of 10^8 random ids, paced, "
+        "takes most of an hour)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    global CONTROL, DURING, ROUNDS, SEED  # noqa: PLW0603 (the run's purges under load)
+    parser = _parser()
     args = parser.parse_args(argv)
     sizes = args.sizes or ([0, 1_000_000] if args.quick else [0, 1_000_000, 10_000_000])
     seconds = args.seconds or (3.0 if args.quick else 20.0)
@@ -1284,7 +1293,7 @@ def main(argv: list[str] | None = None) -> None:
         global SERVER  # noqa: PLW0603 (the URL every connection of the run takes)
         SERVER = args.server.rstrip("/")
     began = time.monotonic()
-    report = run(shapes, sizes, seconds, args.threads, layouts)
+    report = run(shapes, sizes, seconds, args.threads, layouts, purges=not args.no_purge)
     report["settings"] = {
         "empty_share": args.empty_share,
         "rounds": args.rounds,
@@ -1294,12 +1303,14 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": seconds,
         "threads": args.threads,
         "layouts": layouts,
+        "purges": not args.no_purge,
     }
     report["elapsed_seconds"] = round(time.monotonic() - began, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "growth.json").write_text(json.dumps(report, indent=2, default=str))
     print("\n".join(table(report)))
-    print("\n".join(purge_table(report)))
+    if report["purge"]:
+        print("\n".join(purge_table(report)))
     for chart in charts(report, args.out):
         print(f"chart: {chart}")
     print(json.dumps({"sizes": report["sizes"], "purge": report["purge"]}, indent=2))

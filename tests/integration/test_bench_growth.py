@@ -16,6 +16,9 @@ from bench.common import PG
 
 pytestmark = pytest.mark.postgres
 
+TWO_SIZES = {(0, "update"), (0, "claim"), (20000, "update"), (20000, "claim"), (20000, "duplicate")}
+"""The loads of a run of ``--sizes 0,20000``: no duplicate on the empty table."""
+
 
 @pytest.fixture
 def database(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
@@ -98,13 +101,7 @@ def test_growth__a_partitioned_layout_claims_in_its_partition_and_drops_the_olde
 
     name = f"{shape}, {layout}"
     assert {load["layout"] for load in report["loads"]} == {layout}
-    assert {(load["rows"], load["mode"]) for load in report["loads"]} == {
-        (0, "update"),
-        (0, "claim"),
-        (20000, "update"),
-        (20000, "claim"),
-        (20000, "duplicate"),
-    }
+    assert {(load["rows"], load["mode"]) for load in report["loads"]} == TWO_SIZES
     sizes = report["sizes"][f"{name}/20000"]
     assert sizes["rows"] > 20000
     assert 0 < sizes["primary_key_bytes"] < sizes["index_bytes"] + 1
@@ -241,3 +238,25 @@ def test_vacuum_counts__the_tuples_a_verbose_vacuum_removed_and_left_over_its_ta
     said = ['vacuuming "db.public.t"', finished(2000, 3), finished(5, 0, ", oldest xmin: 7")]
     assert growth.vacuum_counts(said) == (2005, 3)
     assert growth.vacuum_counts(['vacuuming "db.public.t"']) is None
+
+
+def test_growth__without_the_purge_it_measures_the_claims_and_draws_their_charts(
+    database: str, tmp_path: Path
+) -> None:
+    growth.main(
+        [
+            *("--sizes", "0,20000", "--seconds", "0.5", "--threads", "2", "--no-purge"),
+            *("--shapes", "random", "--layouts", "library_compact", "--out", str(tmp_path)),
+        ]
+    )
+    report = json.loads((tmp_path / "growth.json").read_text())
+
+    assert report["purge"] == {}
+    assert report["settings"]["purges"] is False
+    assert {(load["rows"], load["mode"]) for load in report["loads"]} == TWO_SIZES
+    charts = sorted(path.name for path in tmp_path.glob("*.png"))
+    assert charts == ["growth-bytes.png", "growth-claim.png", "growth-wal.png"]
+    with psycopg.connect(f"{PG}/{database}") as conn:
+        row = conn.execute("SELECT count(*) FROM inbox_claims").fetchone()
+    # nothing purged: the generated rows and every claim of the loads are there
+    assert row is not None and row[0] > 20000
