@@ -44,6 +44,11 @@ window and the prepared hours ahead (the ids without a time in a partition of th
 purged by the library's `purge` of every consumer, which empties whole hours and walks the
 rest (``docs/how-to/compact-claims.md``).
 
+Each run draws one chart a question beside its report: the claim's growth (its cost over
+the empty table's, the WAL and reads a claim, the bytes a row: `bench.growth_charts`,
+which also draws them from several runs' reports) and the purge's two (does it outrun
+ingest; what it does to the claims' p99). ``--no-purge`` measures the claims alone.
+
 The statements are the library's (``ClaimStatements`` compiled for psycopg), sent by raw
 psycopg connections: the figures are the database's, not the worker's Python. Server
 settings are printed with the results; they are the server's own, not tuned here.

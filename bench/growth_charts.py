@@ -50,6 +50,21 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return merged | {"loads": list(loads.values()), "ratios": list(ratios.values())}
 
 
+_SHAPES = {"random": "random ids", "ordered": "time-ordered ids", "uuid7": "UUIDv7 ids"}
+_LAYOUTS = {
+    "plain": "the library's table",
+    "library_compact": "the compact claim",
+    "partitioned": "a partition a day",
+    "compact": "the compact row, a partition a day",
+    "idtime": "the compact row by the id's time",
+}
+
+
+def _label(shape: str, layout: str) -> str:
+    """A series' name on a chart: its ids and its table, in words."""
+    return f"{_SHAPES.get(shape, shape)}, {_LAYOUTS.get(layout, layout)}"
+
+
 def _lines(report: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
     """Each series' sizes, each with its ratio and its claim load's figures."""
     claims = {
@@ -59,9 +74,11 @@ def _lines(report: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
     }
     lines: dict[str, dict[int, dict[str, Any]]] = {}
     for ratio in report["ratios"]:
-        name = series(ratio["shape"], ratio.get("layout", "plain"))
-        lines.setdefault(name, {})[ratio["rows"]] = {
+        shape, layout = ratio["shape"], ratio.get("layout", "plain")
+        name = series(shape, layout)
+        lines.setdefault(_label(shape, layout), {})[ratio["rows"]] = {
             "ratio": ratio["claim_over_update"],
+            "sizes": report["sizes"].get(f"{name}/{ratio['rows']}"),
             **claims.get((name, ratio["rows"]), {}),
         }
     return {name: dict(sorted(sizes.items())) for name, sizes in sorted(lines.items())}
@@ -99,7 +116,7 @@ def charts(report: dict[str, Any], out: Path) -> list[Path]:
         ("growth-wal.png", _wal_chart),
         ("growth-bytes.png", _bytes_chart),
     ):
-        fig = draw(plt, lines, at, ticks, report["sizes"])
+        fig = draw(plt, lines, at, ticks)
         if fig is None:
             continue
         written.append(out / name)
@@ -112,7 +129,7 @@ Lines = dict[str, dict[int, dict[str, Any]]]
 Ticks = tuple[list[int], list[str]]
 
 
-def _claim_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks, _: Any) -> Any:
+def _claim_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4.6))
     ax.axhspan(1 - FLAT, 1 + FLAT, color="#dfe8f3", zorder=0)
     ax.text(0, 1 + FLAT, f" target: within {FLAT:.0%} of the empty table", fontsize=8, va="bottom")
@@ -133,7 +150,7 @@ def _claim_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks, _: An
     return fig
 
 
-def _wal_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks, _: Any) -> Any:
+def _wal_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks) -> Any:
     fig, (wal, reads) = plt.subplots(1, 2, figsize=(11, 4.6))
     for name, points in lines.items():
         xs = [at[rows] for rows in points]
@@ -147,18 +164,16 @@ def _wal_chart(plt: Any, lines: Lines, at: dict[int, int], ticks: Ticks, _: Any)
         ax.set_xticks(*ticks)
         ax.set_xlabel("rows in the inbox")
         ax.spines[["top", "right"]].set_visible(False)
-    wal.legend(fontsize=8, loc="upper left")
+    fig.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2)
     fig.suptitle("What a claim writes and reads as the table grows", fontsize=11)
     return fig
 
 
-def _bytes_chart(
-    plt: Any, lines: Lines, _: dict[int, int], __: Ticks, sizes: dict[str, Any]
-) -> Any:
+def _bytes_chart(plt: Any, lines: Lines, _: dict[int, int], __: Ticks) -> Any:
     bars = []
     for name, points in lines.items():
         top = max(points)
-        sized = sizes.get(f"{name}/{top}")
+        sized = points[top]["sizes"]
         if top and sized:
             bars.append((f"{name} ({_size_label(top)} rows)", sized))
     if not bars:
