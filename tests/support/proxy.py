@@ -32,7 +32,8 @@ class Proxy:
 
     def refuse(self) -> None:
         """New connections are reset at once; live ones keep working."""
-        self._accepting = False
+        with self._lock:
+            self._accepting = False
 
     def cut(self) -> None:
         """Reset every live connection (both directions)."""
@@ -90,7 +91,15 @@ class Proxy:
                 _reset(client)
                 continue
             with self._lock:
-                self._links += [client, server]
+                # A connection accepted just before refuse() must not outlive the cut
+                # that follows it: refuse() and this check share the lock.
+                admitted = self._accepting
+                if admitted:
+                    self._links += [client, server]
+            if not admitted:
+                _reset(server)
+                _reset(client)
+                continue
             for source, sink in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
