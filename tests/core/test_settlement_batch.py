@@ -145,6 +145,17 @@ ROWS: dict[str, Row] = {
         BatchProcessed,
         expect={"ran": False},
     ),
+    "a redriven and an accepted message in the batch: the rows they marked told": Row(
+        batch(3),
+        {
+            ProcessBatch: [
+                BatchCommitted((FIRST, FIRST, DUPLICATE), None, 1, ("poison", None, "quarantine"))
+            ]
+        },
+        ["ProcessBatch"],
+        BatchProcessed,
+        expect={"ran": True, "recovered": ("poison", "quarantine")},
+    ),
     "a conflict in the batch: quarantined after the commit": Row(
         batch(),
         {ProcessBatch: [outcome(FIRST, CONFLICT)], Publish: [CONFIRMED]},

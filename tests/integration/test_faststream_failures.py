@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import select, text
 
 from inbox_middleware._core.exceptions import PermanentError
@@ -188,6 +189,11 @@ async def test_faststream_poison__redrive_after_repair_applies_once(h, inbox, pg
     assert poison_rows(pg_engine)[0]["recovered_at"] is not None
 
 
+def recovered_total() -> float:
+    labels = {"consumer": "billing", "source": "poison"}
+    return REGISTRY.get_sample_value("inbox_recovered_total", labels) or 0.0
+
+
 # RabbitMQ has no batch subscriber.
 @pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "rabbit"])
 async def test_faststream_poison__redriven_into_a_batch_marks_the_row_recovered(
@@ -218,13 +224,16 @@ async def test_faststream_poison__redriven_into_a_batch_marks_the_row_recovered(
         # When the cause is repaired and the operator redrives it
         with pg_engine.begin() as conn:
             conn.execute(text("INSERT INTO open_accounts VALUES (7)"))
+        before = recovered_total()
         result = cli(pg_url, "poison", "redrive", str(row["id"]), "--broker-url", URLS[h.kind])
         assert result.returncode == 0, result.stderr
         await eventually(lambda: applied(pg_engine) == 1, what="the repaired effect")
-        # Then the row says the repaired message committed, in its transaction
+        # Then the row says the repaired message committed, in its transaction, and the
+        # recovery is counted as one message's is
         await eventually(
             lambda: poison_rows(pg_engine)[0]["decision"] == "recovered", what="recovery"
         )
+        await eventually(lambda: recovered_total() - before == 1, what="the recovery counted")
     assert poison_rows(pg_engine)[0]["recovered_at"] is not None
     with pg_engine.connect() as conn:
         assert (effects(conn, 7), balance(conn, 7)) == (1, 10)

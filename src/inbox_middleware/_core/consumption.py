@@ -1260,6 +1260,9 @@ class BatchProcessed:
     expired: tuple[int, ...] = ()
     """The items processed although older than the retention window
     (``expired_redelivery="process"``), first seen."""
+    recovered: tuple[str, ...] = ()
+    """The kind of repair row (poison, quarantine) each redriven or accepted message of
+    the batch marked recovered in its transaction, one a row: counted as one message's."""
 
     @property
     def ran(self) -> bool:
@@ -1392,8 +1395,15 @@ def settle_batch_steps(
     )
     rejected = {index for index, _ in batch.problems} | set(poisoned)
     kept = tuple(sorted(poisoned))
+    recovered = tuple(kind for kind in outcome.recovered if kind) if outcome is not None else ()
     processed = BatchProcessed(
-        result, verdicts, tuple(sorted(rejected)), kept, tuple(poisoned[i] for i in kept), old
+        result,
+        verdicts,
+        tuple(sorted(rejected)),
+        kept,
+        tuple(poisoned[i] for i in kept),
+        old,
+        recovered,
     )
     return (yield from _batch_dead_letter(batch, processed, processed.dead_lettered, poisoned))
 

@@ -138,9 +138,12 @@ class AsyncInbox(Executor):
     ) -> BatchCommitted[R]:
         """See `Inbox.process_batch`."""
 
+        recovered: list[tuple[str | None, ...]] = [()]  # the attempt that commits marks
+
         async def body(session: AsyncSession, verdicts: tuple[Verdict, ...]) -> R | None:
+            recovered[0] = ()
             result = await handler(session, verdicts) if any_first_seen(verdicts) else None
-            await session.run_sync(
+            recovered[0] = await session.run_sync(
                 lambda sync: mark_batch_recovered(
                     sync.connection(), self.naming, deliveries, verdicts, repair_markers
                 )
@@ -149,7 +152,7 @@ class AsyncInbox(Executor):
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = await self._run(attempts, body)
-        return BatchCommitted(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number, recovered[0])
 
     async def _run(
         self,

@@ -156,6 +156,9 @@ class BatchCommitted(Generic[R]):
     verdicts: tuple[Verdict, ...]
     result: R | None = None
     attempts: int = 1
+    recovered: tuple[str | None, ...] = ()
+    """Per delivery, in the batch's order: the kind of repair row (poison, quarantine) it
+    marked recovered, or None; empty when no delivery carried a repair marker."""
 
     @property
     def decisions(self) -> tuple[Decision, ...]:

@@ -187,16 +187,19 @@ class Inbox(Executor):
         ``repair_markers``: each delivery's, as `process` takes one; a first-seen message
         that repairs a row marks it recovered in the batch's transaction."""
 
+        recovered: list[tuple[str | None, ...]] = [()]  # the attempt that commits marks
+
         def body(session: Session, verdicts: tuple[Verdict, ...]) -> R | None:
+            recovered[0] = ()
             result = handler(session, verdicts) if any_first_seen(verdicts) else None
-            mark_batch_recovered(
+            recovered[0] = mark_batch_recovered(
                 session.connection(), self.naming, deliveries, verdicts, repair_markers
             )
             return result
 
         attempts = BatchAttempts(deliveries, self.serialization_retries)
         verdicts, result, number = self._run(attempts, body)
-        return BatchCommitted(verdicts, result, number)
+        return BatchCommitted(verdicts, result, number, recovered[0])
 
     def _run(
         self, attempts: Attempts[V], body: Callable[[Session, V], R | None]

@@ -334,13 +334,23 @@ def mark_batch_recovered(
     deliveries: Sequence[Delivery],
     verdicts: Sequence[Verdict],
     markers: Sequence[str | None],
-) -> None:
+) -> tuple[str | None, ...]:
     """`mark_recovered` for each message of a batch that carries a marker (``markers``:
     each delivery's, in the batch's order; empty: none) and repairs its row
-    (`Verdict.repairs`), in the batch's transaction, after its handler."""
+    (`Verdict.repairs`), in the batch's transaction, after its handler; per delivery, the
+    kind of row it marked, or None (empty when no delivery carries a marker)."""
+    if not any(marker is not None for marker in markers):
+        return ()
+    marked: list[str | None] = []
+    done: set[str] = set()  # two copies of one repaired message in a batch: one row, once
     for delivery, verdict, marker in zip(deliveries, verdicts, markers, strict=False):
-        if marker is not None:
-            mark_repaired(conn, naming, marker, delivery, verdict)
+        kind = None
+        if marker is not None and marker not in done:
+            kind = mark_repaired(conn, naming, marker, delivery, verdict)
+            if kind is not None:
+                done.add(marker)
+        marked.append(kind)
+    return tuple(marked)
 
 
 def mark_repaired(

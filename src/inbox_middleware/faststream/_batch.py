@@ -256,6 +256,8 @@ def _count(
                 count(_COUNTED[verdict.decision] if not verdict.shadow else "processed")
             for _ in settlement.expired:
                 metrics.expired(name, "processed")
+            for kind in settlement.recovered:
+                metrics.recovered(name, kind)
             for kept in settlement.poison:
                 if kept.reason == core.EXPIRED_REDELIVERY:
                     metrics.expired(name, "rejected")
