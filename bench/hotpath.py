@@ -7,6 +7,7 @@
     python -m bench.hotpath --claims compact   # the compact claim (the switch recorded)
     python -m bench.hotpath --floor         # and the least a claim can add (below)
     python -m bench.hotpath --latency       # and each message's wall time and server CPU
+    python -m bench.hotpath --unmetered     # and the inbox with its metrics off (below)
 
 A Dramatiq `StubBroker` with the default middleware, the inbox's middleware and the
 benchmark's actor (one account update on the benchmark database): each message goes
@@ -32,6 +33,11 @@ core, no settlement, no metrics, no logs, no traces, no guard on the handler's
 transaction. Its CPU above bare is what a leaner inbox could come down to with the same
 statements, the same round trips and the same session; the inbox's above it is what its
 layers cost.
+
+With ``--unmetered`` (psycopg), one more mode runs beside the others: the inbox with its
+metrics off (what ``INBOX_PROMETHEUS_METRICS=0`` does to a worker), so that what the
+metrics cost a message is measured in the same repetitions as the rest, not told by the
+profile, which inflates parts made of many small calls.
 
 With ``--latency``, each mode's wall time a message is told too (what a consumer that
 handles one message after another waits, round trips included), and the CPU the
@@ -75,6 +81,7 @@ from bench.common import (
 from bench.floor import Floor
 from inbox_middleware._core.identity import MessageIdentity, hash_json
 from inbox_middleware._core.protocol import Delivery
+from inbox_middleware._observe.instruments import metrics
 from inbox_middleware.dramatiq import InboxMiddleware, current_session, identity
 from inbox_middleware.dramatiq._payload import ActorPayload
 
@@ -82,7 +89,10 @@ UPDATE = text("UPDATE bench_accounts SET balance = balance + 1 WHERE id = :accou
 CLAIMS = "library"
 """The inbox's claims table (``--claims``); with "compact", the switch is recorded."""
 MODES = ("bare", "inbox")
-"""The modes `measure` runs by default (``--floor`` adds "floor")."""
+"""The modes `measure` runs by default (``--floor`` adds "floor", ``--unmetered``
+"unmetered")."""
+INBOX_MODES = ("inbox", "unmetered")
+"""The modes that run the inbox's middleware; "unmetered" with its metrics off."""
 
 
 def _reset() -> None:
@@ -98,7 +108,7 @@ def _reset() -> None:
 def _broker(mode: str, engine: Any) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
     broker = StubBroker()
     options: dict[str, Any] = {"queue_name": f"hotpath-{mode}", "broker": broker}
-    if mode == "inbox":
+    if mode in INBOX_MODES:
         broker.add_middleware(InboxMiddleware(engine, check_database=False, claims=CLAIMS))
         options["inbox_consumer"] = "hotpath"
 
@@ -287,10 +297,12 @@ def measure(
             consume = _consume(broker, actor)
             if profiler is not None and mode == "inbox":
                 profiler.enable()
+            metrics.enabled = mode != "unmetered"
             clocks.start(mode)
             for message in messages:
                 consume(message)
             clocks.stop(count)
+            metrics.enabled = True
             if profiler is not None:
                 profiler.disable()
     cpu = clocks.cpu
@@ -532,10 +544,9 @@ async def _measure_async(
 def _report(cpu: dict[str, list[float]]) -> None:
     for mode, values in cpu.items():
         print(f"{mode:6} {statistics.median(values):7.1f} µs CPU/msg  runs {_runs(values)}")
-    for mode in ("inbox", "floor"):
+    for mode, label in (("inbox", "added"), ("floor", "floor+"), ("unmetered", "unmetered+")):
         if mode in cpu:  # above bare, in the same repetitions
             added = [m - b for m, b in zip(cpu[mode], cpu["bare"], strict=True)]
-            label = "added" if mode == "inbox" else "floor+"
             print(f"{label:6} {statistics.median(added):7.1f} µs CPU/msg  runs {_runs(added)}")
 
 
@@ -573,8 +584,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a third mode: the claim, the update and the checked COMMIT alone (bench.floor)",
     )
+    parser.add_argument(
+        "--unmetered",
+        action="store_true",
+        help="one more mode: the inbox with its metrics off (psycopg)",
+    )
     args = parser.parse_args(argv)
+    if args.unmetered and args.driver != "psycopg":
+        parser.error("--unmetered runs on psycopg only")
     modes = (*MODES, "floor") if args.floor else MODES
+    if args.unmetered:
+        modes = (*modes, "unmetered")
     global CLAIMS  # noqa: PLW0603 (the setting every inbox of the run is made with)
     CLAIMS = args.claims
     if args.driver == "asyncpg":

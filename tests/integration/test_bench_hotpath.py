@@ -9,7 +9,10 @@ import pytest
 from bench import hotpath
 from bench.__main__ import CALLS_CEILING, QUICK_FLOOR, quick_checks
 from bench.common import Report, prepare_database, sqlalchemy_url
+from prometheus_client import REGISTRY
 from sqlalchemy import create_engine, text
+
+from inbox_middleware._observe.instruments import metrics
 
 pytestmark = pytest.mark.postgres
 
@@ -35,6 +38,27 @@ def test_hotpath__the_floor_runs_beside_both_modes(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert re.search(r"^floor\s+\d+\.\d µs CPU/msg", out, re.MULTILINE)
     assert re.search(r"^floor\+\s+-?\d+\.\d µs CPU/msg", out, re.MULTILINE)
+
+
+def test_hotpath__the_unmetered_mode_runs_the_inbox_with_its_metrics_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    labels = {"consumer": "hotpath", "producer": "hotpath", "decision": "first"}
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("inbox_messages_total", labels) or 0.0
+
+    before = counted()
+    assert hotpath.main(["--messages", "40", "--reps", "1", "--unmetered"]) == 0
+
+    out = capsys.readouterr().out
+    assert re.search(r"^unmetered\+\s+-?\d+\.\d µs CPU/msg", out, re.MULTILINE)
+    # counted: both inbox modes' warm-up (200 each, metrics on) and the inbox mode's 40;
+    # not the unmetered mode's 40
+    assert counted() - before == 440
+    assert metrics.enabled  # switched back on after its messages
+    with pytest.raises(SystemExit):
+        hotpath.main(["--driver", "asyncpg", "--unmetered"])
 
 
 def test_hotpath__the_floor_claims_and_commits_the_update_once() -> None:
