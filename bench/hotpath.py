@@ -291,18 +291,19 @@ def measure(
     clocks = Clocks(setups)
     # CPU time, not wall time: a wait on the database costs nothing here
     profiler = cProfile.Profile(time.process_time) if profile else None
+    metered = metrics.enabled  # as the environment set it (INBOX_PROMETHEUS_METRICS)
     for _ in range(reps):
         for mode, (broker, actor) in setups.items():
             messages = _messages(actor, count)
             consume = _consume(broker, actor)
             if profiler is not None and mode == "inbox":
                 profiler.enable()
-            metrics.enabled = mode != "unmetered"
+            metrics.enabled = metered and mode != "unmetered"
             clocks.start(mode)
             for message in messages:
                 consume(message)
             clocks.stop(count)
-            metrics.enabled = True
+            metrics.enabled = metered
             if profiler is not None:
                 profiler.disable()
     cpu = clocks.cpu
