@@ -23,7 +23,7 @@ from inbox_middleware._core.protocol import Decision, Delivery
 from inbox_middleware._storage import InboxSchema
 from inbox_middleware._storage.layout import switch_claims
 from inbox_middleware._storage.routed import AsyncRoutedInbox, RoutedInbox
-from inbox_middleware._storage.tenants import copy_tenant
+from inbox_middleware._storage.tenants import copy_tenant, delete_tenant
 
 from ..apps.domain import apply_credit, apply_credit_async
 from ..support.servers import _wait
@@ -118,6 +118,16 @@ def _rewrite(path: Path, urls: list[str], **entries: object) -> None:
     os.replace(aside, path)
 
 
+def _mapped(
+    databases: TenantDatabases, tmp_path: Path, tenants: dict[str, str]
+) -> tuple[list[str], Path]:
+    """The URLs of the first two tenant databases, and a map file sending ``tenants``."""
+    urls = [databases.url(i) for i in range(2)]
+    path = tmp_path / "map.json"
+    _rewrite(path, urls, tenants=tenants)
+    return urls, path
+
+
 class AtWork:
     """A handler that credits account 300 with 10, then stays at work until `finish`."""
 
@@ -169,19 +179,18 @@ class Background:
                 thread.join(30)
 
 
-def _waiting(url: str, mode: str) -> bool:
-    """Whether a session of ``url``'s database waits for a lock of ``mode`` on the
-    library's claims table."""
+def _move_waits(url: str) -> bool:
+    """Whether a session of ``url``'s database is the move waiting for the transactions in
+    flight there (`tenants.wait_for_writers`: its last statement asked which still run)."""
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
             return bool(
                 conn.scalar(
                     text(
-                        "SELECT count(*) FROM pg_locks WHERE NOT granted AND mode = :mode"
-                        " AND relation = 'consumer_inbox'::regclass"
-                    ),
-                    {"mode": mode},
+                        "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+                        " AND query LIKE '%pg_blocking_pids%'"
+                    )
                 )
             )
     finally:
@@ -191,9 +200,7 @@ def _waiting(url: str, mode: str) -> bool:
 def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
     tenant_databases: TenantDatabases, tmp_path: Path
 ):
-    urls = [tenant_databases.url(i) for i in range(2)]
-    path = tmp_path / "map.json"
-    _rewrite(path, urls, tenants={"t3": "db0"})
+    urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
     inbox = RoutedInbox(MapFile(path))
     background, slow = Background(inbox, urls), AtWork()
     try:
@@ -203,7 +210,7 @@ def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
         # When the operator pauses t3 and moves it to db1, as the guide says
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         background.move()
-        _wait(lambda: _waiting(urls[0], "ShareLock"), 30, "the move's lock")  # it waits
+        _wait(lambda: _move_waits(urls[0]), 30, "the move's wait")  # it waits
         assert not background.moved.is_set()
         slow.finish.set()
         background.join()
@@ -225,9 +232,7 @@ def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
 def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_copy_is_handed_back(
     tenant_databases: TenantDatabases, tmp_path: Path
 ):
-    urls = [tenant_databases.url(i) for i in range(2)]
-    path = tmp_path / "map.json"
-    _rewrite(path, urls, tenants={"t3": "db0"})
+    urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
     # m-2 is routed as it is taken and again as its database's inbox opens, the last time
     # before its claim: that second routing stops in the resolver (the map it read says
     # db0, not paused)
@@ -252,9 +257,11 @@ def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_c
         # When t3 is paused and its move waits for m-1, m-2 claims behind the move
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         background.move()
-        _wait(lambda: _waiting(urls[0], "ShareLock"), 30, "the move's lock")
+        _wait(lambda: _move_waits(urls[0]), 30, "the move's wait")
         go_on.set()
-        _wait(lambda: _waiting(urls[0], "RowExclusiveLock"), 30, "m-2's claim")
+        # ... handed back at once, the move still waiting for m-1
+        _wait(lambda: "m-2" in background.outcomes, 30, "m-2's claim")
+        assert not background.moved.is_set()
         slow.finish.set()
         background.join()
         _rewrite(path, urls, tenants={"t3": "db1"})
@@ -272,6 +279,84 @@ def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_c
     moved = tenant_databases.rows(1)
     assert sorted(moved["ledger"]) == [(300, 5), (300, 10)]
     assert sorted(moved["inbox"]) == [("t3", "m-1"), ("t3", "m-2")]
+
+
+def test_move_tenant__the_other_tenants_of_the_old_database_claim_while_it_moves(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0", "t0": "db0"})
+    inbox = RoutedInbox(MapFile(path))
+    other = Delivery(
+        "billing", MessageIdentity("orders", "o-1", "t0"), hash_json({"account": 1}, "v1")
+    )
+    claimed = threading.Event()
+
+    def claim_other() -> None:
+        inbox.process(other, lambda session: apply_credit(session, "billing", 1, 7))
+        claimed.set()
+
+    claimer = threading.Thread(target=claim_other)
+    source_engine, target_engine = (create_engine(url) for url in urls)
+    try:
+        # Given t3, with a message applied in db0, paused to move to db1
+        assert credit(inbox, "m-1", 10) is Decision.FIRST
+        _rewrite(path, urls, tenants={"t3": "db0", "t0": "db0"}, paused=["t3"])
+        # When the move's copy is done and its transaction in db0 is still open
+        with source_engine.begin() as source, target_engine.begin() as target:
+            copy_tenant(source, target, "t3")
+            move_business_rows(source, target, "t3")
+            # ... a delivery of t0, which stays in db0, claims and commits meanwhile
+            claimer.start()
+            assert claimed.wait(10), "t0's claim waited for t3's move"
+            delete_tenant(source, "t3")
+    finally:
+        claimer.join(30)
+        source_engine.dispose()
+        target_engine.dispose()
+        inbox.dispose()
+    # Then t0's effect is in db0, t3's moved to db1 whole
+    assert tenant_databases.rows(0) == {"ledger": [(1, 7)], "inbox": [("t0", "o-1")]}
+    assert tenant_databases.rows(1) == {"ledger": [(300, 10)], "inbox": [("t3", "m-1")]}
+
+
+def test_move_tenant__a_copy_after_the_tenants_rows_were_written_is_refused_not_stuck(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
+    inbox = RoutedInbox(MapFile(path))
+    background, go_on = Background(inbox, urls), threading.Event()
+    started = threading.Event()
+
+    def handler(session: Any) -> None:
+        started.set()
+        assert go_on.wait(30)
+        apply_credit(session, "billing", 300, 10)  # waits for the move's row lock
+
+    source_engine, target_engine = (create_engine(url) for url in urls)
+    try:
+        # Given m-1 claimed in db0, its handler about to credit account 300
+        background.deliver("m-1", 10, handler)
+        assert started.wait(30)
+        _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
+        # When the move writes account 300 in db0 before its copy (against the guide)
+        with source_engine.begin() as source, target_engine.begin() as target:
+            source.execute(text("INSERT INTO accounts (id, balance) VALUES (300, 0)"))
+            go_on.set()
+            with pytest.raises(ConfigurationError, match="call copy_tenant first"):
+                copy_tenant(source, target, "t3")
+            source.rollback()
+            target.rollback()
+    finally:
+        go_on.set()
+        background.join()
+        source_engine.dispose()
+        target_engine.dispose()
+        inbox.dispose()
+    # Then the copy is refused instead of waiting forever for m-1, which waited for it;
+    # m-1 then committed in db0, where t3 still is
+    assert background.outcomes["m-1"] is Decision.FIRST
+    assert tenant_databases.rows(0) == {"ledger": [(300, 10)], "inbox": [("t3", "m-1")]}
+    assert tenant_databases.rows(1) == {"ledger": [], "inbox": []}
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])

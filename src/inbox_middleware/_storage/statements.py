@@ -60,12 +60,13 @@ from .tables import InboxSchema
 __all__ = [
     "CHECKED_COMMIT",
     "CLAIM_ENDED",
+    "STILL_RUNNING",
     "TRANSACTION_PROBE",
     "ClaimStatements",
     "CompactClaimStatements",
     "DriverStatement",
     "phase_record",
-    "share_lock",
+    "writers_in_flight",
 ]
 
 _TIMESTAMP = DateTime(timezone=True)
@@ -775,9 +776,34 @@ def phase_record(naming: InboxSchema) -> Executable:
     return built
 
 
-def share_lock(dialect: Dialect, tables: Sequence[Table]) -> Executable:
-    """``LOCK TABLE ... IN SHARE MODE`` (PostgreSQL), held until the transaction ends: it
-    waits for every transaction that has written one of ``tables``, and keeps new writers
-    waiting. The names are quoted by the dialect."""
-    names = ", ".join(dialect.identifier_preparer.format_table(table) for table in tables)
-    return text(f"LOCK TABLE {names} IN SHARE MODE")
+_WRITE_LOCKS = ("RowExclusiveLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessExclusiveLock")
+"""The table locks a transaction holds once it wrote a table's rows (or altered it): not
+``ShareUpdateExclusiveLock``, which (auto)vacuum holds and which writes nothing."""
+
+
+def writers_in_flight(dialect: Dialect, tables: Sequence[Table]) -> Executable:
+    """The transactions, other than this one, that hold a write lock on one of ``tables``
+    (PostgreSQL, from ``pg_locks``): their virtual transaction ids, each held as a lock of
+    its own until it ends (`still_running`). Read without taking a lock, so no one waits
+    for it. The names are quoted by the dialect."""
+    names = ", ".join(
+        f"CAST('{dialect.identifier_preparer.format_table(table)}' AS regclass)" for table in tables
+    )
+    modes = ", ".join(f"'{mode}'" for mode in _WRITE_LOCKS)
+    return text(
+        "SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks"
+        " WHERE locktype = 'relation'"
+        " AND database = (SELECT oid FROM pg_catalog.pg_database"
+        " WHERE datname = pg_catalog.current_database())"
+        f" AND relation IN ({names}) AND mode IN ({modes})"
+        " AND pid <> pg_catalog.pg_backend_pid()"
+    )
+
+
+STILL_RUNNING = text(
+    "SELECT virtualxid, pg_catalog.pg_backend_pid() = ANY(pg_catalog.pg_blocking_pids(pid))"
+    " FROM pg_catalog.pg_locks"
+    " WHERE locktype = 'virtualxid' AND virtualxid = ANY(CAST(:transactions AS text[]))"
+)
+"""Which of ``transactions`` (virtual transaction ids) have not ended yet, and whether each
+waits for a lock this transaction holds."""

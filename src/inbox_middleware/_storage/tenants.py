@@ -10,14 +10,13 @@ redelivery of a message applied before the move is a duplicate after it:
 4. delete the tenant's rows from the source (`delete_tenant`, with the business rows).
 
 A delivery of the tenant may still be at work in the source when it is paused (routed
-before the pause, its handler running). `copy_tenant` first takes the source's inbox
-tables in SHARE mode, in the source's transaction: it waits for every transaction that
-has written them, so a claim made before the pause is committed (and copied) or rolled
+before the pause, its handler running). `copy_tenant` first waits, without taking a lock,
+for every transaction that holds a write lock on the source's inbox tables at that moment
+(`wait_for_writers`), so a claim made before the pause is committed (and copied) or rolled
 back before anything is read; and the routed inbox asks the map again once it has
 claimed, and last in each bookkeeping write (`routed`), so a claim or a record made after
-the pause is rolled back and its message handed back. Keep the source's transaction open
-from the copy to `delete_tenant` (one ``with`` block): until it ends, every claim in the
-source waits, every tenant's.
+the pause is rolled back and its message handed back. The other tenants of the source
+claim all along.
 
 The rows moved are the tenant's claims (``consumer_inbox``), their stored outputs, the
 attempt counters, and the quarantine and poison rows; quarantine and poison rows get new
@@ -28,14 +27,17 @@ effects before the move.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 from sqlalchemy import Connection, Table, delete, insert, select
 
 from .._core.exceptions import ConfigurationError
 from .retention import compact_rows
-from .statements import share_lock
+from .statements import STILL_RUNNING, writers_in_flight
 from .tables import InboxSchema
 
-__all__ = ["TENANT_TABLES", "copy_tenant", "delete_tenant"]
+__all__ = ["TENANT_TABLES", "copy_tenant", "delete_tenant", "wait_for_writers"]
 
 TENANT_TABLES = ("inbox", "outputs", "attempts", "quarantine", "poison")
 """The inbox tables with a tenant column, in the order they are copied."""
@@ -48,6 +50,32 @@ def _tables(naming: InboxSchema | None) -> list[tuple[str, Table]]:
     return [(name, getattr(tables, name)) for name in TENANT_TABLES]
 
 
+_POLL = 0.02  # seconds between two looks at the transactions still in flight
+
+
+def wait_for_writers(conn: Connection, tables: Sequence[Table]) -> None:
+    """Return once every transaction that held a write lock on one of ``tables`` when
+    called (PostgreSQL; ``conn``'s own excepted) has ended, committed or rolled back.
+
+    Unlike ``LOCK TABLE ... IN SHARE MODE``, which waits for the same transactions, it
+    takes no lock: while it waits, new writers are not queued behind it, so the other
+    tenants of a database claim on while one tenant's move waits for its longest
+    handler. A transaction that begins writing after the call is not waited for: the
+    caller must have made sure, before calling, that such a transaction cannot commit
+    anything it cares about (a paused tenant's claim is rolled back by its route)."""
+    running = list(conn.execute(writers_in_flight(conn.dialect, tables)).scalars())
+    while running:
+        time.sleep(_POLL)
+        rows = conn.execute(STILL_RUNNING, {"transactions": running}).all()
+        if any(waits_for_us for _, waits_for_us in rows):
+            raise ConfigurationError(
+                "a transaction in flight in the inbox tables waits for a lock this "
+                "transaction holds, and the move waits for it to end: call copy_tenant "
+                "first in the source's transaction, before writing the tenant's rows"
+            )
+        running = [transaction for transaction, _ in rows]
+
+
 def copy_tenant(
     source: Connection, target: Connection, tenant: str, naming: InboxSchema | None = None
 ) -> dict[str, int]:
@@ -55,7 +83,7 @@ def copy_tenant(
     transaction (commit it with the business rows); answer the rows copied per table. A
     row the target has already (the same key) makes the copy fail: nothing half-copied
     commits. On PostgreSQL it first waits for the transactions in flight in ``source``'s
-    inbox tables, whose writers then wait until ``source``'s transaction ends."""
+    inbox tables (`wait_for_writers`); no other tenant's claims wait for it."""
     if compact_rows(source, naming or InboxSchema()):
         raise ConfigurationError(
             "this database keeps claims in the compact row (inbox_claims), which names no "
@@ -65,7 +93,7 @@ def copy_tenant(
         )
     tables = _tables(naming)
     if source.dialect.name == "postgresql":  # no claim in flight from here on
-        source.execute(share_lock(source.dialect, [table for _, table in tables]))
+        wait_for_writers(source, [table for _, table in tables])
     copied: dict[str, int] = {}
     for name, table in tables:
         rows = [
