@@ -17,7 +17,7 @@ from sqlalchemy import Connection, create_engine, text
 
 from inbox_middleware import DatabaseMap, MapFile, MessageIdentity, RouteUnavailable
 from inbox_middleware._core.consumption import CountFailure
-from inbox_middleware._core.exceptions import ConfigurationError
+from inbox_middleware._core.exceptions import ConfigurationError, TransientError
 from inbox_middleware._core.identity import hash_json
 from inbox_middleware._core.protocol import Decision, Delivery
 from inbox_middleware._storage import InboxSchema
@@ -356,6 +356,35 @@ def test_move_tenant__a_copy_after_the_tenants_rows_were_written_is_refused_not_
     # m-1 then committed in db0, where t3 still is
     assert background.outcomes["m-1"] is Decision.FIRST
     assert tenant_databases.rows(0) == {"ledger": [(300, 10)], "inbox": [("t3", "m-1")]}
+    assert tenant_databases.rows(1) == {"ledger": [], "inbox": []}
+
+
+def test_move_tenant__its_wait_for_a_delivery_in_flight_ends_at_the_lock_timeout(
+    tenant_databases: TenantDatabases, tmp_path: Path
+):
+    urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
+    inbox = RoutedInbox(MapFile(path))
+    background, slow = Background(inbox, urls), AtWork()
+    source_engine, target_engine = (create_engine(url) for url in urls)
+    try:
+        # Given a delivery of t3 at work in db0 when t3 is paused
+        background.deliver("m-1", 10, slow)
+        assert slow.started.wait(30)
+        _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
+        # When the move's transaction in db0 has a lock_timeout, as a LOCK would obey
+        with source_engine.begin() as source, target_engine.begin() as target:
+            source.execute(text("SET LOCAL lock_timeout = '300ms'"))
+            with pytest.raises(TransientError, match="lock_timeout"):
+                copy_tenant(source, target, "t3")
+            target.rollback()
+    finally:
+        slow.finish.set()
+        background.join()
+        source_engine.dispose()
+        target_engine.dispose()
+        inbox.dispose()
+    # Then the copy gave up, nothing moved; the delivery committed in db0, where t3 still is
+    assert background.outcomes["m-1"] is Decision.FIRST
     assert tenant_databases.rows(1) == {"ledger": [], "inbox": []}
 
 

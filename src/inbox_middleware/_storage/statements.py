@@ -60,6 +60,7 @@ from .tables import InboxSchema
 __all__ = [
     "CHECKED_COMMIT",
     "CLAIM_ENDED",
+    "LOCK_TIMEOUT_SECONDS",
     "STILL_RUNNING",
     "TRANSACTION_PROBE",
     "ClaimStatements",
@@ -807,3 +808,8 @@ STILL_RUNNING = text(
 )
 """Which of ``transactions`` (virtual transaction ids) have not ended yet, and whether each
 waits for a lock this transaction holds."""
+
+LOCK_TIMEOUT_SECONDS = text(
+    "SELECT EXTRACT(EPOCH FROM CAST(pg_catalog.current_setting('lock_timeout') AS interval))"
+)
+"""The session's ``lock_timeout``, in seconds (0: none)."""

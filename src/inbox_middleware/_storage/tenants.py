@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection, Table, delete, insert, select
 
-from .._core.exceptions import ConfigurationError
+from .._core.exceptions import ConfigurationError, TransientError
 from .retention import compact_rows
-from .statements import STILL_RUNNING, writers_in_flight
+from .statements import LOCK_TIMEOUT_SECONDS, STILL_RUNNING, writers_in_flight
 from .tables import InboxSchema
 
 __all__ = ["TENANT_TABLES", "copy_tenant", "delete_tenant", "wait_for_writers"]
@@ -62,9 +62,19 @@ def wait_for_writers(conn: Connection, tables: Sequence[Table]) -> None:
     tenants of a database claim on while one tenant's move waits for its longest
     handler. A transaction that begins writing after the call is not waited for: the
     caller must have made sure, before calling, that such a transaction cannot commit
-    anything it cares about (a paused tenant's claim is rolled back by its route)."""
+    anything it cares about (a paused tenant's claim is rolled back by its route).
+
+    Bounded as the lock would be: by the session's ``lock_timeout`` when it has one (a
+    `TransientError` then; nothing was read)."""
     running = list(conn.execute(writers_in_flight(conn.dialect, tables)).scalars())
+    limit = float(conn.scalar(LOCK_TIMEOUT_SECONDS) or 0)
+    deadline = time.monotonic() + limit
     while running:
+        if limit and time.monotonic() >= deadline:
+            raise TransientError(
+                f"waited lock_timeout ({limit:g} s) for {len(running)} transaction(s) in "
+                "flight in the inbox tables to end: nothing was copied; move again later"
+            )
         time.sleep(_POLL)
         rows = conn.execute(STILL_RUNNING, {"transactions": running}).all()
         if any(waits_for_us for _, waits_for_us in rows):
