@@ -467,9 +467,10 @@ class RoutedInbox(_Routes):
         """The engines created so far, by database."""
         return {name: inbox.engine for name, inbox in self._inboxes.items()}
 
-    def _use(self, delivery: Delivery) -> Inbox:
-        database = self.route(delivery)
-        self._refuse_if_down(database, delivery.consumer)
+    def _use(self, database: str, consumer: str) -> Inbox:
+        """The inbox of ``database``, where a delivery was routed: refused at once while
+        the database is down, checked at its first use."""
+        self._refuse_if_down(database, consumer)
         inbox = self.inbox(database)
         for name in self._admit(database, self._busy):
             self._inboxes[name].engine.dispose()
@@ -491,22 +492,21 @@ class RoutedInbox(_Routes):
             return handler(session)
 
         with self._slot(database, delivery.consumer):
-            inbox = self._use(delivery)  # refused at once while the database is down
+            inbox = self._use(database, delivery.consumer)  # refused at once while it is down
             with self._reaching(database, delivery.consumer):
                 return inbox.process(delivery, routed, **kw)
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., R], **kw: Any
     ) -> Any:
-        first = _one_database(self, deliveries)
-        database = self.route(first)
+        first, database = _one_database(self, deliveries)
 
         def routed(session: Session, *more: Any) -> R:
             self._still_routed(deliveries, database)
             return handler(session, *more)
 
         with self._slot(database, first.consumer):
-            inbox = self._use(first)
+            inbox = self._use(database, first.consumer)
             with self._reaching(database, first.consumer):
                 return inbox.process_batch(deliveries, routed, **kw)
 
@@ -521,7 +521,7 @@ class RoutedInbox(_Routes):
             return self.inbox(database).bookkeep(op)
         database = self.route(delivery)
         with self._slot(database, delivery.consumer):
-            inbox = self._use(delivery)
+            inbox = self._use(database, delivery.consumer)
             with self._reaching(database, delivery.consumer, pauses=False):
                 return inbox.bookkeep(
                     op, before_commit=lambda: self._still_routed((delivery,), database)
@@ -578,9 +578,9 @@ class AsyncRoutedInbox(_Routes):
     def engines(self) -> dict[str, AsyncEngine]:
         return {name: inbox.engine for name, inbox in self._inboxes.items()}
 
-    async def _use(self, delivery: Delivery) -> AsyncInbox:
-        database = self.route(delivery)
-        self._refuse_if_down(database, delivery.consumer)
+    async def _use(self, database: str, consumer: str) -> AsyncInbox:
+        """`RoutedInbox._use`, asynchronous."""
+        self._refuse_if_down(database, consumer)
         inbox = self.inbox(database)
         for name in self._admit(database, self._busy):
             await self._inboxes[name].engine.dispose()
@@ -602,22 +602,21 @@ class AsyncRoutedInbox(_Routes):
             return await handler(session)
 
         async with self._aslot(database, delivery.consumer):
-            inbox = await self._use(delivery)  # refused at once while the database is down
+            inbox = await self._use(database, delivery.consumer)  # refused while it is down
             with self._reaching(database, delivery.consumer):
                 return await inbox.process(delivery, routed, **kw)
 
     async def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[..., Awaitable[R]], **kw: Any
     ) -> Any:
-        first = _one_database(self, deliveries)
-        database = self.route(first)
+        first, database = _one_database(self, deliveries)
 
         async def routed(session: AsyncSession, *more: Any) -> R:
             self._still_routed(deliveries, database)
             return await handler(session, *more)
 
         async with self._aslot(database, first.consumer):
-            inbox = await self._use(first)
+            inbox = await self._use(database, first.consumer)
             with self._reaching(database, first.consumer):
                 return await inbox.process_batch(deliveries, routed, **kw)
 
@@ -631,7 +630,7 @@ class AsyncRoutedInbox(_Routes):
             return await self.inbox(self.route(delivery)).bookkeep(op)
         database = self.route(delivery)
         async with self._aslot(database, delivery.consumer):
-            inbox = await self._use(delivery)
+            inbox = await self._use(database, delivery.consumer)
             with self._reaching(database, delivery.consumer, pauses=False):
                 return await inbox.bookkeep(
                     op, before_commit=lambda: self._still_routed((delivery,), database)
@@ -672,9 +671,10 @@ def _unanswered(exc: BaseException) -> bool:
     return isinstance(exc, TransientError) or classify(exc) is Failure.DISCONNECTED
 
 
-def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
+def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> tuple[Delivery, str]:
     """A batch is claimed in one transaction, so in one database: its deliveries must
-    all route there (give each database's tenants their own queue or partition)."""
+    all route there (give each database's tenants their own queue or partition). Its
+    first delivery, and that database."""
     if not deliveries:
         raise ConfigurationError("an empty batch")
     databases = {routes.route(delivery) for delivery in deliveries}
@@ -683,7 +683,8 @@ def _one_database(routes: _Routes, deliveries: Sequence[Delivery]) -> Delivery:
             f"a batch spans databases {', '.join(sorted(databases))}: one transaction "
             "cannot claim in several (no two-phase commit)"
         )
-    return deliveries[0]
+    (database,) = databases
+    return deliveries[0], database
 
 
 def _wake(future: asyncio.Future[None]) -> None:

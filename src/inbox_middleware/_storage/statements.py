@@ -785,7 +785,7 @@ _WRITE_LOCKS = ("RowExclusiveLock", "ShareRowExclusiveLock", "ExclusiveLock", "A
 def writers_in_flight(dialect: Dialect, tables: Sequence[Table]) -> Executable:
     """The transactions, other than this one, that hold a write lock on one of ``tables``
     (PostgreSQL, from ``pg_locks``): their virtual transaction ids, each held as a lock of
-    its own until it ends (`still_running`). Read without taking a lock, so no one waits
+    its own until it ends (`STILL_RUNNING`). Read without taking a lock, so no one waits
     for it. The names are quoted by the dialect."""
     names = ", ".join(
         f"CAST('{dialect.identifier_preparer.format_table(table)}' AS regclass)" for table in tables
