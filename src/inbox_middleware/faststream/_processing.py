@@ -235,7 +235,9 @@ class Subscription:
                 report_sent(sent, consumer=self.consumer.name)
             except Exception:  # the inbox's own bug: the outputs are out, ack all the same
                 logger.exception("inbox consumer %s failed to settle a message", self.consumer.name)
-            await self.adapter.ack(message)
+            # the settlement committed before the publish (processed, or a duplicate
+            # replaying its outputs): acked
+            await self._perform_operation(message, item, arrival, settled)
             return
         try:
             steps = outputs_failed_steps(arrival, self.policy, error)
@@ -402,6 +404,30 @@ class Subscription:
         except Exception:
             return ""
 
+    async def _perform_operation(
+        self, message: Any, item: Item, arrival: Arrival, settlement: Settlement
+    ) -> None:
+        """Perform on the broker the operation the core maps ``settlement`` to: the one
+        place a single message is acked, rejected or handed back."""
+        delivery = arrival.delivery
+        key: Hashable = (
+            delivery.key if delivery else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
+        )
+        operation = core.broker_operation(
+            settlement, dead_letter_destination=self.dead_letter is not None
+        )
+        if operation.settled:
+            self.backoff.forget(key)
+        match operation.tell:
+            case core.Tell.ACK:
+                await self.adapter.ack(message)
+            case core.Tell.REJECT:
+                await self.adapter.reject(message)
+            case core.Tell.HAND_BACK:
+                assert isinstance(settlement, core.HandedBack)
+                wait = settlement.wait(key, lambda: self.backoff.next(key))
+                await self.adapter.retry_later(message, wait)
+
     def _report(self, message: Any, item: Item, arrival: Arrival, settlement: Settlement) -> None:
         where = self.dead_letter or f"the {self.adapter.name} dead-letter path"
         try:  # whatever happens here, the broker is still told
@@ -423,25 +449,8 @@ class Subscription:
         """Tell the broker what ``settlement`` means: the one place that does (a settlement
         with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
         self._report(message, item, arrival, settlement)
-        delivery = arrival.delivery
-        key: Hashable = (
-            delivery.key if delivery else ("unprotected", item.body[: core.UNIDENTIFIED_KEY_BYTES])
-        )
+        await self._perform_operation(message, item, arrival, settlement)
         name = self.consumer.name
-        operation = core.broker_operation(
-            settlement, dead_letter_destination=self.dead_letter is not None
-        )
-        if operation.settled:
-            self.backoff.forget(key)
-        match operation.tell:
-            case core.Tell.ACK:
-                await self.adapter.ack(message)
-            case core.Tell.REJECT:
-                await self.adapter.reject(message)
-            case core.Tell.HAND_BACK:
-                assert isinstance(settlement, core.HandedBack)
-                wait = settlement.wait(key, lambda: self.backoff.next(key))
-                await self.adapter.retry_later(message, wait)
         # What FastStream is told of it: the handler's result, or why there is none.
         match settlement:
             case Processed(result=result):
