@@ -687,7 +687,7 @@ def _vacuum(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     seconds, wal, removed, passes = 0.0, 0, 0, 0
     kept: int | None = None
     while dirty and passes < VACUUM_PASSES:
-        time.sleep(VACUUM_BACKOFF * passes)  # a holder's connection start-up is over by then
+        time.sleep(VACUUM_BACKOFF * passes)  # a statement's snapshot is over by then
         _older_transactions_ended(conn)
         said.clear()
         wal0, _ = _server_counters(conn)

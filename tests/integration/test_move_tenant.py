@@ -6,9 +6,11 @@ duplicate after it; nothing of the tenant stays behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,19 @@ def _mapped(
     return urls, path
 
 
+@contextlib.contextmanager
+def _move_transactions(urls: list[str]) -> Iterator[tuple[Connection, Connection]]:
+    """A move's two transactions, in the first and the second database of ``urls`` (the
+    old and the new), committed at the end of the block."""
+    source_engine, target_engine = (create_engine(url) for url in urls[:2])
+    try:
+        with source_engine.begin() as source, target_engine.begin() as target:
+            yield source, target
+    finally:
+        source_engine.dispose()
+        target_engine.dispose()
+
+
 class AtWork:
     """A handler that credits account 300 with 10, then stays at work until `finish`."""
 
@@ -229,7 +244,7 @@ def test_move_tenant__a_delivery_at_work_when_it_is_paused_is_moved_with_it(
     assert tenant_databases.rows(1) == {"ledger": [(300, 10)], "inbox": [("t3", "m-1")]}
 
 
-def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_after_the_copy_is_handed_back(
+def test_move_tenant__a_delivery_routed_before_the_pause_and_claimed_during_the_move_is_handed_back(
     tenant_databases: TenantDatabases, tmp_path: Path
 ):
     urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
@@ -295,13 +310,12 @@ def test_move_tenant__the_other_tenants_of_the_old_database_claim_while_it_moves
         claimed.set()
 
     claimer = threading.Thread(target=claim_other)
-    source_engine, target_engine = (create_engine(url) for url in urls)
     try:
         # Given t3, with a message applied in db0, paused to move to db1
         assert credit(inbox, "m-1", 10) is Decision.FIRST
         _rewrite(path, urls, tenants={"t3": "db0", "t0": "db0"}, paused=["t3"])
         # When the move's copy is done and its transaction in db0 is still open
-        with source_engine.begin() as source, target_engine.begin() as target:
+        with _move_transactions(urls) as (source, target):
             copy_tenant(source, target, "t3")
             move_business_rows(source, target, "t3")
             # ... a delivery of t0, which stays in db0, claims and commits meanwhile
@@ -310,8 +324,6 @@ def test_move_tenant__the_other_tenants_of_the_old_database_claim_while_it_moves
             delete_tenant(source, "t3")
     finally:
         claimer.join(30)
-        source_engine.dispose()
-        target_engine.dispose()
         inbox.dispose()
     # Then t0's effect is in db0, t3's moved to db1 whole
     assert tenant_databases.rows(0) == {"ledger": [(1, 7)], "inbox": [("t0", "o-1")]}
@@ -331,14 +343,13 @@ def test_move_tenant__a_copy_after_the_tenants_rows_were_written_is_refused_not_
         assert go_on.wait(30)
         apply_credit(session, "billing", 300, 10)  # waits for the move's row lock
 
-    source_engine, target_engine = (create_engine(url) for url in urls)
     try:
         # Given m-1 claimed in db0, its handler about to credit account 300
         background.deliver("m-1", 10, handler)
         assert started.wait(30)
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         # When the move writes account 300 in db0 before its copy (against the guide)
-        with source_engine.begin() as source, target_engine.begin() as target:
+        with _move_transactions(urls) as (source, target):
             source.execute(text("INSERT INTO accounts (id, balance) VALUES (300, 0)"))
             go_on.set()
             with pytest.raises(ConfigurationError, match="call copy_tenant first"):
@@ -348,8 +359,6 @@ def test_move_tenant__a_copy_after_the_tenants_rows_were_written_is_refused_not_
     finally:
         go_on.set()
         background.join()
-        source_engine.dispose()
-        target_engine.dispose()
         inbox.dispose()
     # Then the copy is refused instead of waiting forever for m-1, which waited for it;
     # m-1 then committed in db0, where t3 still is
@@ -364,14 +373,13 @@ def test_move_tenant__its_wait_for_a_delivery_in_flight_ends_at_the_lock_timeout
     urls, path = _mapped(tenant_databases, tmp_path, {"t3": "db0"})
     inbox = RoutedInbox(MapFile(path))
     background, slow = Background(inbox, urls), AtWork()
-    source_engine, target_engine = (create_engine(url) for url in urls)
     try:
         # Given a delivery of t3 at work in db0 when t3 is paused
         background.deliver("m-1", 10, slow)
         assert slow.started.wait(30)
         _rewrite(path, urls, tenants={"t3": "db0"}, paused=["t3"])
         # When the move's transaction in db0 has a lock_timeout, as a LOCK would obey
-        with source_engine.begin() as source, target_engine.begin() as target:
+        with _move_transactions(urls) as (source, target):
             source.execute(text("SET LOCAL lock_timeout = '300ms'"))
             with pytest.raises(TransientError, match="lock_timeout"):
                 copy_tenant(source, target, "t3")
@@ -379,8 +387,6 @@ def test_move_tenant__its_wait_for_a_delivery_in_flight_ends_at_the_lock_timeout
     finally:
         slow.finish.set()
         background.join()
-        source_engine.dispose()
-        target_engine.dispose()
         inbox.dispose()
     # Then the copy gave up, nothing moved; the delivery committed in db0, where t3 still is
     assert background.outcomes["m-1"] is Decision.FIRST

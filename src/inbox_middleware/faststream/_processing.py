@@ -446,8 +446,9 @@ class Subscription:
     async def _tell(
         self, message: Any, item: Item, arrival: Arrival, settlement: Settlement
     ) -> Any:
-        """Tell the broker what ``settlement`` means: the one place that does (a settlement
-        with outputs to publish is acknowledged after the publish, in `_after_publish`)."""
+        """Tell the broker what ``settlement`` means (`_perform_operation`) and FastStream
+        what became of the message (a settlement with outputs to publish is acknowledged
+        after the publish, in `_after_publish`)."""
         self._report(message, item, arrival, settlement)
         await self._perform_operation(message, item, arrival, settlement)
         name = self.consumer.name
